@@ -1,0 +1,308 @@
+"""Cluster specs: device types, nodes, links. Bottom layer, no framework imports.
+
+A cluster is a list of node groups; each group is ``num_nodes`` nodes of one device type with
+``gpus_per_node`` devices joined by an intra-node link (NVLink, PCIe, or shared memory for CPU
+ranks). Nodes talk over one network whose per-node bandwidth is the NIC bandwidth; a collective
+that spans nodes is priced at the slowest link it crosses (see ``search/cost_model.py``).
+
+Three ways to name a cluster (:func:`parse_cluster`):
+
+* shorthand ``16xA100-80G+8xV100-32G`` (8 devices per node unless ``gpus_per_node`` is given);
+* a preset name from :data:`CLUSTER_PRESETS`;
+* a YAML or JSON file, see ``docs`` in the README::
+
+    name: lab
+    network: {nic_gbps: 200, latency_us: 5}
+    nodes:
+      - {device: A100-80G, num_nodes: 2, gpus_per_node: 8}
+      - {device: L4, num_nodes: 1, gpus_per_node: 8, intra_node_GBps: 32}
+    device_types:            # optional: types not in the presets
+      - {name: MI250, peak_tflops: {bf16: 362}, memory_GB: 64, hbm_GBps: 3277}
+
+Ranks are numbered group by group, node by node, device by device (the torchrun order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from partita.errors import ClusterSpecError
+
+GB = 1e9
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceType:
+    """One accelerator model. Peak numbers are dense, per device, in FLOP/s and bytes/s."""
+
+    name: str
+    peak_flops: Mapping[str, float]  # dtype -> FLOP/s ("bf16", "f16", "f32")
+    memory_bytes: float
+    hbm_bandwidth: float
+    intra_node_bandwidth: float  # per-device bandwidth into the node fabric (NVLink), bytes/s
+    intra_node_latency: float = 2e-6  # seconds
+    kind: str = "gpu"  # "gpu" or "cpu"; decides the runtime backend (nccl / gloo)
+    profile: str = ""  # path of a calibration profile (``partita profile``), "" for defaults
+
+    def flops(self, dtype: str) -> float:
+        if dtype in self.peak_flops:
+            return float(self.peak_flops[dtype])
+        if dtype in ("bf16", "f16") and ("bf16" in self.peak_flops or "f16" in self.peak_flops):
+            return float(self.peak_flops.get("bf16", self.peak_flops.get("f16", 0.0)))
+        return float(self.peak_flops.get("f32", min(self.peak_flops.values())))
+
+
+def _gpu(
+    name: str, tflops_bf16: float, tflops_f32: float, mem_gb: float, hbm_tbs: float, link_gbs: float, half: str = "bf16"
+) -> DeviceType:
+    peak = {half: tflops_bf16 * 1e12, "f32": tflops_f32 * 1e12}
+    if half == "f16":
+        peak["bf16"] = tflops_f32 * 1e12  # V100/T4 have no bf16 tensor cores: bf16 runs at fp32 rate
+    return DeviceType(name, peak, mem_gb * GB, hbm_tbs * 1e12, link_gbs * GB)
+
+
+# Published dense peaks (the brief's reference numbers); f32 is the non-tensor-core rate.
+DEVICE_PRESETS: dict[str, DeviceType] = {
+    d.name: d
+    for d in (
+        _gpu("H200", 989, 67, 141, 4.8, 900),
+        _gpu("H100-80G", 989, 67, 80, 3.35, 900),
+        _gpu("A100-80G", 312, 19.5, 80, 2.039, 600),
+        _gpu("A100-40G", 312, 19.5, 40, 1.555, 600),
+        _gpu("V100-32G", 125, 15.7, 32, 0.9, 300, half="f16"),
+        _gpu("V100-16G", 125, 15.7, 16, 0.9, 300, half="f16"),
+        _gpu("L4", 121, 30.3, 24, 0.3, 32),  # no NVLink: PCIe 4.0 x16 ~ 32 GB/s
+        _gpu("T4", 65, 8.1, 16, 0.32, 16, half="f16"),  # PCIe 3.0 x16
+        # A CPU "device" is one gloo rank on this machine, for local end-to-end runs and tests.
+        DeviceType("CPU", {"f32": 20e9, "bf16": 5e9}, 4 * GiB, 10e9, 2e9, 20e-6, kind="cpu"),
+    )
+}
+ALIASES = {"H100": "H100-80G", "A100": "A100-80G", "V100": "V100-32G"}
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeGroup:
+    device: DeviceType
+    num_nodes: int
+    gpus_per_node: int
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+
+@dataclasses.dataclass(frozen=True)
+class Network:
+    nic_bandwidth: float = 200e9 / 8  # bytes/s per node (200 Gb/s default)
+    latency: float = 5e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    name: str
+    groups: tuple[NodeGroup, ...]
+    network: Network = Network()
+
+    @property
+    def num_devices(self) -> int:
+        return sum(g.num_devices for g in self.groups)
+
+    def device_types(self) -> list[DeviceType]:
+        seen: dict[str, DeviceType] = {}
+        for g in self.groups:
+            seen.setdefault(g.device.name, g.device)
+        return list(seen.values())
+
+    def count(self, device_name: str) -> int:
+        return sum(g.num_devices for g in self.groups if g.device.name == device_name)
+
+    def gpus_per_node(self, device_name: str) -> int:
+        return max(g.gpus_per_node for g in self.groups if g.device.name == device_name)
+
+    def ranks(self) -> list[tuple[int, str, int]]:
+        """``(rank, device type, node index)`` for every device, in launch order."""
+        out, rank, node = [], 0, 0
+        for g in self.groups:
+            for _ in range(g.num_nodes):
+                for _ in range(g.gpus_per_node):
+                    out.append((rank, g.device.name, node))
+                    rank += 1
+                node += 1
+        return out
+
+    def peak_flops(self, dtype: str) -> float:
+        return sum(g.num_devices * g.device.flops(dtype) for g in self.groups)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "network": {"nic_bandwidth": self.network.nic_bandwidth, "latency": self.network.latency},
+            "groups": [
+                {
+                    "device": dataclasses.asdict(g.device) | {"peak_flops": dict(g.device.peak_flops)},
+                    "num_nodes": g.num_nodes,
+                    "gpus_per_node": g.gpus_per_node,
+                }
+                for g in self.groups
+            ],
+        }
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+    def describe(self) -> str:
+        return " + ".join(f"{g.num_nodes}x{g.gpus_per_node} {g.device.name}" for g in self.groups)
+
+
+CLUSTER_PRESETS: dict[str, str] = {
+    "mixed-lab": "16xA100-80G+16xV100-32G+8xL4",  # the README's default mixed cluster
+    "dgx-a100": "8xA100-80G",
+    "a100-64": "64xA100-80G",
+    "h100-1024": "1024xH100-80G",
+    "local-cpu": "4xCPU",
+}
+
+
+def device_type(name: str, custom: Mapping[str, DeviceType] | None = None) -> DeviceType:
+    key = ALIASES.get(name, name)
+    if custom and key in custom:
+        return custom[key]
+    for k, v in DEVICE_PRESETS.items():
+        if k.lower() == key.lower():
+            return v
+    known = sorted([*DEVICE_PRESETS, *(custom or {})])
+    raise ClusterSpecError(
+        f"unknown device type {name!r}.",
+        f"use one of {', '.join(known)}, or define it under 'device_types' in a cluster file.",
+    )
+
+
+_SHORT = re.compile(r"^\s*(\d+)\s*[xX*]\s*([A-Za-z0-9_.\-]+)\s*$")
+
+
+def parse_shorthand(spec: str, gpus_per_node: int | None = None) -> Cluster:
+    groups = []
+    for part in spec.split("+"):
+        m = _SHORT.match(part)
+        if not m:
+            raise ClusterSpecError(
+                f"cannot read cluster term {part!r} in {spec!r}.",
+                "write COUNTxTYPE terms joined by '+', e.g. 16xA100-80G+8xV100-32G.",
+            )
+        count, dev = int(m.group(1)), device_type(m.group(2))
+        if count <= 0:
+            raise ClusterSpecError(f"device count {count} for {dev.name} must be positive.", "use COUNT >= 1.")
+        per = gpus_per_node or (count if dev.kind == "cpu" else min(8, count))
+        if per <= 0:
+            raise ClusterSpecError(f"gpus_per_node={per} must be positive.", "use --gpus-per-node >= 1.")
+        if count % per:
+            raise ClusterSpecError(
+                f"{count} x {dev.name} does not split into nodes of {per}.",
+                f"use a multiple of {per} or set --gpus-per-node to a divisor of {count}.",
+            )
+        groups.append(NodeGroup(dev, count // per, per))
+    return Cluster(spec.replace(" ", ""), tuple(groups))
+
+
+def _num(d: Mapping[str, Any], key: str, where: str, default: float | None = None, positive: bool = True) -> float:
+    if key not in d:
+        if default is None:
+            raise ClusterSpecError(f"{where} is missing field {key!r}.", f"add {key}: <number>.")
+        return default
+    v = d[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ClusterSpecError(f"{where}: field {key!r} is {v!r}, not a number.", f"set {key} to a number.")
+    if positive and v <= 0:
+        raise ClusterSpecError(f"{where}: field {key!r} is {v}, must be > 0.", f"set {key} to a positive value.")
+    return float(v)
+
+
+def cluster_from_dict(d: Any, source: str = "cluster spec") -> Cluster:
+    if not isinstance(d, Mapping):
+        raise ClusterSpecError(f"{source} must be a mapping with a 'nodes' list.", "see the README's cluster format.")
+    unknown = set(d) - {"name", "network", "nodes", "device_types"}
+    if unknown:
+        raise ClusterSpecError(
+            f"{source} has unknown fields {sorted(unknown)}.", "allowed: name, network, nodes, device_types."
+        )
+    custom: dict[str, DeviceType] = {}
+    for i, t in enumerate(d.get("device_types") or []):
+        where = f"{source}: device_types[{i}]"
+        if not isinstance(t, Mapping) or "name" not in t:
+            raise ClusterSpecError(f"{where} needs a 'name'.", "give each device type a name.")
+        peaks = t.get("peak_tflops")
+        if not isinstance(peaks, Mapping) or not peaks:
+            raise ClusterSpecError(f"{where}: 'peak_tflops' must map dtypes to TFLOP/s.", "e.g. {bf16: 312}.")
+        pk = {str(k): _num(peaks, k, where + ".peak_tflops") * 1e12 for k in peaks}
+        custom[str(t["name"])] = DeviceType(
+            str(t["name"]),
+            pk,
+            _num(t, "memory_GB", where) * GB,
+            _num(t, "hbm_GBps", where) * GB,
+            _num(t, "intra_node_GBps", where, 32.0) * GB,
+            _num(t, "intra_node_latency_us", where, 2.0) * 1e-6,
+            str(t.get("kind", "gpu")),
+            str(t.get("profile", "")),
+        )
+    nodes = d.get("nodes")
+    if not isinstance(nodes, list) or not nodes:
+        raise ClusterSpecError(f"{source} has no 'nodes' list.", "add nodes: [{device: A100-80G, num_nodes: 1}].")
+    groups = []
+    for i, n in enumerate(nodes):
+        where = f"{source}: nodes[{i}]"
+        if not isinstance(n, Mapping) or "device" not in n:
+            raise ClusterSpecError(f"{where} needs a 'device'.", "e.g. {device: A100-80G, num_nodes: 2}.")
+        dev = device_type(str(n["device"]), custom)
+        overrides: dict[str, Any] = {}
+        if "intra_node_GBps" in n:
+            overrides["intra_node_bandwidth"] = _num(n, "intra_node_GBps", where) * GB
+        if "profile" in n:
+            overrides["profile"] = str(n["profile"])
+        if overrides:
+            dev = dataclasses.replace(dev, **overrides)
+        num_nodes = _num(n, "num_nodes", where, 1.0)
+        per = _num(n, "gpus_per_node", where, 8.0 if dev.kind == "gpu" else 1.0)
+        if num_nodes != int(num_nodes) or per != int(per):
+            raise ClusterSpecError(f"{where}: num_nodes and gpus_per_node must be integers.", "use whole numbers.")
+        groups.append(NodeGroup(dev, int(num_nodes), int(per)))
+    net = d.get("network") or {}
+    if not isinstance(net, Mapping):
+        raise ClusterSpecError(f"{source}: 'network' must be a mapping.", "e.g. network: {nic_gbps: 200}.")
+    network = Network(
+        _num(net, "nic_gbps", f"{source}: network", 200.0) * 1e9 / 8,
+        _num(net, "latency_us", f"{source}: network", 5.0) * 1e-6,
+    )
+    return Cluster(str(d.get("name", Path(source).stem)), tuple(groups), network)
+
+
+def parse_cluster(spec: str, gpus_per_node: int | None = None) -> Cluster:
+    """Shorthand, preset name, or path to a .yaml/.yml/.json file."""
+    if spec in CLUSTER_PRESETS:
+        return dataclasses.replace(parse_shorthand(CLUSTER_PRESETS[spec], gpus_per_node), name=spec)
+    path = Path(spec)
+    if path.suffix.lower() in (".yaml", ".yml", ".json"):
+        if not path.exists():
+            raise ClusterSpecError(f"cluster file {spec!r} does not exist.", "check the path.")
+        text = path.read_text()
+        try:
+            if path.suffix.lower() == ".json":
+                data = json.loads(text)
+            else:
+                import yaml
+
+                data = yaml.safe_load(text)
+        except Exception as e:  # noqa: BLE001 - any parser error becomes one clear message
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ClusterSpecError(
+                f"cluster file {spec!r} is not valid {path.suffix[1:].upper()}: {first}.",
+                "fix the syntax at the position given.",
+            ) from None
+        return cluster_from_dict(data, spec)
+    return parse_shorthand(spec, gpus_per_node)

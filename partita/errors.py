@@ -1,0 +1,45 @@
+"""Error types. Every error a user can cause says what is wrong and how to fix it.
+
+The CLI catches :class:`PartitaError`, prints ``str(err)`` as one paragraph and exits with
+``err.exit_code`` (2 for bad input and infeasible requests). Nothing else is caught, so a bug
+still shows its traceback.
+"""
+
+from __future__ import annotations
+
+
+class PartitaError(Exception):
+    """Base class: ``problem`` names what is wrong, ``fix`` says what would be right."""
+
+    exit_code = 2
+
+    def __init__(self, problem: str, fix: str = "") -> None:
+        self.problem = problem.strip()
+        self.fix = fix.strip()
+        super().__init__(self.problem + (f" Fix: {self.fix}" if self.fix else ""))
+
+
+class ModelError(PartitaError):
+    """The model could not be found, built or traced (unknown zoo name, data-dependent control flow)."""
+
+
+class ClusterSpecError(PartitaError):
+    """A cluster spec (shorthand, YAML or JSON file) is malformed or names an unknown device type."""
+
+
+class IRError(PartitaError):
+    """The IR verifier found an inconsistent graph; the message names the node."""
+
+    exit_code = 1
+
+
+class PlanError(PartitaError):
+    """A plan file is corrupt, from another Partita version, or does not match the launch."""
+
+
+class ConfigError(PartitaError):
+    """A training configuration value is out of range (batch not divisible, unknown dtype...)."""
+
+
+class InfeasibleError(PartitaError):
+    """No plan fits: the message says how much memory the best plan needed against what exists."""
