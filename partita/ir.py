@@ -26,6 +26,7 @@ import dataclasses
 import enum
 import hashlib
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -384,8 +385,21 @@ def _jsonable(v: Any) -> Any:
     return repr(v)
 
 
+_EXPR_FUNCS: dict[str, Any] = {
+    "floor": sympy.floor,
+    "ceiling": sympy.ceiling,
+    "Mod": sympy.Mod,
+    "Max": sympy.Max,
+    "Min": sympy.Min,
+}
+
+
 def _expr(s: str | int) -> sympy.Expr:
-    return sympy.sympify(s)
+    # Every other identifier is a plain Symbol: bare sympify reads "S" as sympy.S, "E" as e, "I" as i.
+    if isinstance(s, int):
+        return sympy.Integer(s)
+    names = set(re.findall(r"[A-Za-z_]\w*", s)) - set(_EXPR_FUNCS)
+    return sympy.sympify(s, locals={**{n: sympy.Symbol(n) for n in names}, **_EXPR_FUNCS})
 
 
 def graph_to_dict(g: Graph) -> dict[str, Any]:
