@@ -1,0 +1,292 @@
+"""The ``partita`` command: trace, models, clusters, compile, evaluate, run, report.
+
+Top of the flow: parses arguments, calls ``compiler/driver.py`` and prints. Every
+:class:`~partita.errors.PartitaError` becomes one paragraph on stderr and exit code 2; ``--json``
+output is a stable object on stdout (documented in the README). Framework imports are lazy so
+``partita models`` and ``partita clusters`` start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import textwrap
+from collections.abc import Sequence
+from typing import Any
+
+from partita.errors import ConfigError, PartitaError
+
+DEFAULT_MODEL = "gpt3-1.3b"
+DEFAULT_CLUSTER = "mixed-lab"
+
+
+def _print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=1, sort_keys=True) + "\n")
+
+
+def _fmt_num(x: float) -> str:
+    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f}{unit}"
+    return f"{x:.0f}"
+
+
+# ---- commands ------------------------------------------------------------------------------
+def cmd_models(args: argparse.Namespace) -> int:
+    from partita.models import list_models
+
+    infos = list_models()
+    if args.json:
+        _print_json(
+            [
+                {"name": m.name, "framework": m.framework, "num_params": m.num_params, "description": m.description}
+                for m in infos
+            ]
+        )
+        return 0
+    width = max(len(m.name) for m in infos)
+    for m in infos:
+        print(f"{m.name:<{width}}  {m.framework:<5}  {_fmt_num(m.num_params):>8} params  {m.description}")
+    return 0
+
+
+def cmd_clusters(args: argparse.Namespace) -> int:
+    from partita.cluster import CLUSTER_PRESETS, DEVICE_PRESETS, parse_cluster
+
+    if args.json:
+        _print_json(
+            {
+                "device_types": {
+                    k: {
+                        "peak_flops": dict(d.peak_flops),
+                        "memory_bytes": d.memory_bytes,
+                        "hbm_bandwidth": d.hbm_bandwidth,
+                        "intra_node_bandwidth": d.intra_node_bandwidth,
+                        "kind": d.kind,
+                    }
+                    for k, d in DEVICE_PRESETS.items()
+                },
+                "clusters": {k: v for k, v in CLUSTER_PRESETS.items()},
+            }
+        )
+        return 0
+    print("Device types (dense peak per device):")
+    for d in DEVICE_PRESETS.values():
+        half = d.flops("bf16")
+        print(
+            f"  {d.name:<9} {half / 1e12:7.1f} TFLOP/s bf16  {d.memory_bytes / 1e9:6.1f} GB  "
+            f"{d.hbm_bandwidth / 1e9:7.0f} GB/s HBM  {d.intra_node_bandwidth / 1e9:5.0f} GB/s intra-node"
+        )
+    print("Cluster presets (or write COUNTxTYPE+COUNTxTYPE, or a YAML/JSON file):")
+    for k, v in CLUSTER_PRESETS.items():
+        print(f"  {k:<10} {v:<32} {parse_cluster(k).describe()}")
+    return 0
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from partita.compiler.driver import trace_model
+
+    traced = trace_model(args.model, batch=args.batch, seq=args.seq)
+    summary = traced.summary(batch=args.batch, seq=args.seq)
+    if args.json:
+        _print_json(summary)
+    else:
+        print(traced.as_text(batch=args.batch, seq=args.seq))
+    return 0
+
+
+def _training(args: argparse.Namespace) -> Any:
+    from partita.search.config import TrainingConfig
+
+    return TrainingConfig(global_batch=args.global_batch, seq_len=args.seq, dtype=args.dtype, optimizer=args.optimizer)
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from partita.compiler.driver import compile_to_dir
+
+    model = args.model or DEFAULT_MODEL
+    cluster = args.cluster or DEFAULT_CLUSTER
+    result = compile_to_dir(
+        model,
+        cluster,
+        _training(args),
+        args.out,
+        force=args.force,
+        gpus_per_node=args.gpus_per_node,
+        progress=not args.json and sys.stderr.isatty(),
+    )
+    if args.json:
+        _print_json(result.summary())
+    else:
+        print(result.as_text())
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from partita.compiler.driver import evaluate_model
+
+    ev = evaluate_model(
+        args.model,
+        args.cluster,
+        _training(args),
+        tp=args.tp,
+        pp=args.pp,
+        dp=args.dp,
+        micro_batch=args.micro_batch,
+        zero_stage=args.zero,
+        recompute=args.recompute,
+        schedule=args.schedule,
+        gpus_per_node=args.gpus_per_node,
+    )
+    out = ev.to_dict() if hasattr(ev, "to_dict") else dict(vars(ev))
+    if args.json:
+        _print_json(out)
+    else:
+        fits = "fits" if out.get("fits") else "DOES NOT FIT"
+        print(f"predicted step time {out['predicted_step_time_s']:.3f} s ({fits})")
+        for k, v in out.items():
+            if k != "predicted_step_time_s":
+                print(f"  {k}: {v}")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from partita.compiler.driver import run_plan
+
+    res = run_plan(
+        args.dir,
+        steps=args.steps,
+        reference=args.reference,
+        dry_run=args.dry_run,
+        nnodes=args.nnodes,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
+        extra_args=tuple(args.extra),
+    )
+    if args.json or args.dry_run:
+        _print_json(res) if args.json else print(res.get("command", res))
+    else:
+        for i, loss in enumerate(res.get("losses", [])):
+            ref = res.get("reference_losses")
+            print(f"step {i + 1}: loss {loss:.6f}" + (f"  reference {ref[i]:.6f}" if ref else ""))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from partita.compiler.driver import report
+
+    print(report(args.dirs, html=args.html))
+    return 0
+
+
+# ---- parser --------------------------------------------------------------------------------
+def _add_training(p: argparse.ArgumentParser, defaults: bool = True) -> None:
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        default=64 if defaults else None,
+        required=not defaults,
+        help="samples per optimizer step",
+    )
+    p.add_argument("--seq", type=int, default=2048 if defaults else None, required=not defaults, help="sequence length")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "f16", "f32"])
+    p.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
+    p.add_argument("--gpus-per-node", type=int, default=None, help="devices per node for shorthand clusters")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="partita",
+        description="Auto-parallelization compiler for training on homogeneous and mixed GPU clusters.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=textwrap.dedent("""\
+            examples:
+              partita compile                       # bundled model on the mixed-lab preset
+              partita compile gpt3-6.7b --cluster 16xA100-80G+16xV100-32G --global-batch 256 --seq 2048 --out out/
+              partita report out/
+              partita run out/ --steps 3 --reference --json
+            """),
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("models", help="list the model zoo")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_models)
+
+    s = sub.add_parser("clusters", help="list device types and cluster presets")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_clusters)
+
+    s = sub.add_parser("trace", help="trace a model into the IR and summarize it")
+    s.add_argument("model", help="zoo name, path to a HF config.json, or package.module:factory")
+    s.add_argument("--batch", type=int, default=1)
+    s.add_argument("--seq", type=int, default=None)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_trace)
+
+    s = sub.add_parser("compile", help="search a plan and write DIR/plan.json, the program and the report")
+    s.add_argument("model", nargs="?", default=None, help=f"default: {DEFAULT_MODEL}")
+    s.add_argument("--cluster", default=None, help=f"shorthand, preset or file (default: {DEFAULT_CLUSTER})")
+    _add_training(s)
+    s.add_argument("--out", default="out", help="output directory (default: out)")
+    s.add_argument("--force", action="store_true", help="ignore the compile cache")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_compile)
+
+    s = sub.add_parser("evaluate", help="predict a fixed Megatron-style configuration")
+    s.add_argument("model")
+    s.add_argument("--cluster", required=True)
+    _add_training(s, defaults=False)
+    s.add_argument("--tp", type=int, default=1)
+    s.add_argument("--pp", type=int, default=1)
+    s.add_argument("--dp", type=int, default=1)
+    s.add_argument("--micro-batch", type=int, default=1)
+    s.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
+    s.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
+    s.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved_1f1b"])
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_evaluate)
+
+    s = sub.add_parser("run", help="launch a compiled plan with torchrun (or JAX)")
+    s.add_argument("dir")
+    s.add_argument("--steps", type=int, default=3)
+    s.add_argument("--reference", action="store_true", help="also run the seeded single-device reference")
+    s.add_argument("--dry-run", action="store_true", help="print the launch command only")
+    s.add_argument("--nnodes", type=int, default=1)
+    s.add_argument("--checkpoint-every", type=int, default=0)
+    s.add_argument("--resume", action="store_true")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("extra", nargs=argparse.REMAINDER, help="-- then arguments for the training program")
+    s.set_defaults(fn=cmd_run)
+
+    s = sub.add_parser("report", help="explain a plan (or compare two)")
+    s.add_argument("dirs", nargs="+")
+    s.add_argument("--html", default=None, help="write a self-contained HTML report here")
+    s.set_defaults(fn=cmd_report)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "extra", None) and args.extra[:1] == ["--"]:
+        args.extra = args.extra[1:]
+    for name in ("global_batch", "seq", "batch", "steps", "tp", "pp", "dp", "micro_batch", "gpus_per_node"):
+        v = getattr(args, name, None)
+        if isinstance(v, int) and v <= 0:
+            err = ConfigError(
+                f"--{name.replace('_', '-')} is {v}; it must be a positive integer.",
+                f"pass --{name.replace('_', '-')} N with N >= 1.",
+            )
+            print(f"partita: error: {err}", file=sys.stderr)
+            return err.exit_code
+    try:
+        return int(args.fn(args) or 0)
+    except PartitaError as err:
+        print("partita: error: " + textwrap.fill(str(err), 100), file=sys.stderr)
+        return err.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

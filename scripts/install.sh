@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Install Partita and its dependencies. Without a GPU, take the CPU build of torch explicitly
+# (on these machines `torch==2.13.0` is the CPU wheel that lies on disk; a plain `torch` would
+# pull a multi-GB CUDA build). Usage: scripts/install.sh [extras], e.g. scripts/install.sh test
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-}"
+if ! python -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    python -m pip install -q "torch>=2.4,<=2.13.0"
+  else
+    python -m pip install -q "torch==2.13.0"
+  fi
+fi
+if [ -n "$extras" ]; then
+  python -m pip install -q -e ".[$extras]"
+else
+  python -m pip install -q -e .
+fi
