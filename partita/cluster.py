@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -219,6 +220,8 @@ def _num(d: Mapping[str, Any], key: str, where: str, default: float | None = Non
     v = d[key]
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise ClusterSpecError(f"{where}: field {key!r} is {v!r}, not a number.", f"set {key} to a number.")
+    if not math.isfinite(v):
+        raise ClusterSpecError(f"{where}: field {key!r} is {v}, not a finite number.", f"set {key} to a finite number.")
     if positive and v <= 0:
         raise ClusterSpecError(f"{where}: field {key!r} is {v}, must be > 0.", f"set {key} to a positive value.")
     return float(v)
@@ -233,7 +236,13 @@ def cluster_from_dict(d: Any, source: str = "cluster spec") -> Cluster:
             f"{source} has unknown fields {sorted(unknown)}.", "allowed: name, network, nodes, device_types."
         )
     custom: dict[str, DeviceType] = {}
-    for i, t in enumerate(d.get("device_types") or []):
+    types = d.get("device_types") or []
+    if not isinstance(types, list):
+        raise ClusterSpecError(
+            f"{source}: 'device_types' must be a list of mappings.",
+            "e.g. device_types: [{name: X, peak_tflops: {bf16: 100}, memory_GB: 24, hbm_GBps: 300}].",
+        )
+    for i, t in enumerate(types):
         where = f"{source}: device_types[{i}]"
         if not isinstance(t, Mapping) or "name" not in t:
             raise ClusterSpecError(f"{where} needs a 'name'.", "give each device type a name.")
