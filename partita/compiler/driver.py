@@ -250,13 +250,13 @@ def compile_to_dir(
     gpus_per_node: int | None = None,
     progress: bool = False,
 ) -> Compiled:
-    from partita.models import resolve_model
-
     t0 = time.perf_counter()
     out = Path(out_dir)
-    handle = resolve_model(model)
     cl = parse_cluster(cluster, gpus_per_node)
     _check_training(training)
+    from partita.models import resolve_model
+
+    handle = resolve_model(model)
     key = cache_key(handle, cl, training)
     cached = cache_dir() / "plans" / key / PLAN_FILE
     if not force and cached.exists():
@@ -345,11 +345,11 @@ def evaluate_model(
     schedule: str = "1f1b",
     gpus_per_node: int | None = None,
 ) -> Any:
+    _check_training(training)
+    cl = parse_cluster(cluster, gpus_per_node)  # validate the cheap inputs before tracing
     from partita.search.evaluate import evaluate_config
 
-    _check_training(training)
     traced = trace_model(model, batch=1, seq=training.seq_len)
-    cl = parse_cluster(cluster, gpus_per_node)
     return evaluate_config(
         traced.graph,
         cl,

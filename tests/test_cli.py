@@ -1,0 +1,43 @@
+"""CLI front door: listing commands, and bad input -> one paragraph, exit code 2, no traceback."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from partita.cli import main
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "partita.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_clusters_json(capsys) -> None:
+    assert main(["clusters", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "A100-80G" in out["device_types"] and "mixed-lab" in out["clusters"]
+
+
+def test_clusters_text(capsys) -> None:
+    assert main(["clusters"]) == 0
+    assert "V100-32G" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["evaluate", "gpt2", "--cluster", "8xB200", "--global-batch", "8", "--seq", "128"], "unknown device type 'B200'"),
+    (["compile", "gpt2", "--cluster", "8xA100", "--global-batch", "0", "--out", "x"], "--global-batch is 0"),
+    (["run", "/nonexistent/dir"], "no plan at"),
+])
+def test_bad_input_exit_2(argv: list[str], match: str, capsys) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert match in err and "Traceback" not in err and err.startswith("partita: error:")
+
+
+def test_bad_cluster_file_subprocess(tmp_path) -> None:
+    bad = tmp_path / "c.yaml"
+    bad.write_text("nodes: [ {device: A100")
+    r = run_cli("compile", "mlp", "--cluster", str(bad), "--out", str(tmp_path / "o"))
+    assert r.returncode == 2, r.stderr
+    assert "not valid YAML" in r.stderr and "Traceback" not in r.stderr
