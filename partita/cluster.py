@@ -309,6 +309,9 @@ def parse_cluster(spec: str, gpus_per_node: int | None = None) -> Cluster:
                 data = yaml.safe_load(text)
         except Exception as e:  # noqa: BLE001 - any parser error becomes one clear message
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            mark = getattr(e, "problem_mark", None)
+            if mark is not None:
+                first = f"{getattr(e, 'problem', None) or first} at line {mark.line + 1}, column {mark.column + 1}"
             raise ClusterSpecError(
                 f"cluster file {spec!r} is not valid {path.suffix[1:].upper()}: {first}.",
                 "fix the syntax at the position given.",
