@@ -41,4 +41,4 @@ def test_bad_cluster_file_subprocess(tmp_path) -> None:
     r = run_cli("compile", "mlp", "--cluster", str(bad), "--out", str(tmp_path / "o"))
     assert r.returncode == 2, r.stderr
     err = " ".join(r.stderr.split())
-    assert "not valid YAML" in err and "line 2" in err and "Traceback" not in err
+    assert "not valid YAML" in err and "line " in err and "Traceback" not in err
