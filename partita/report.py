@@ -315,6 +315,12 @@ MFU {_s(p.get("mfu"), "%")}, {plan.world_size} devices, {plan.num_stages} stages
 <h2>Layer to stage map</h2><table id="layermap"><tr><th>layer</th><th>stage</th><th>device</th><th>mesh</th></tr>
 {layer_rows}</table>
 <h2>Full report</h2><pre>{text}</pre>
+<script>
+// Self-check: every chart must have drawn shapes; the result is readable in the DOM.
+const charts = Array.from(document.querySelectorAll("svg.chart"));
+const ok = charts.length >= 3 && charts.every(c => c.querySelectorAll("rect").length > 0);
+document.body.setAttribute("data-charts", ok ? "ok" : "missing");
+</script>
 </body></html>
 """
 
