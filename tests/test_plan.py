@@ -31,7 +31,7 @@ def make_plan() -> Plan:
         schedule="1f1b",
         micro_batch_size=2,
         num_micro_batches=4,
-        predicted={"step_time_s": 1 / 3},
+        predicted={"step_time_s": 1 / 3, "compute_s": 0.25, "communication_s": 0.05, "bubble_s": 1 / 30},
         partita_version="0.1.0",
     )
 
