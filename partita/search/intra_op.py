@@ -1,0 +1,490 @@
+"""Intra-operator sharding search for one layer on one logical mesh (after Alpa).
+
+Sits between the annotated IR and the inter-op search (``search/inter_op.py``), which calls
+:func:`solve_layer` (through ``search/memo.py``) for every (layer kind, device type, submesh,
+micro-batch) it considers and reads the :class:`LayerSolution`.
+
+Formulation. Vertices ``v`` are groups of IR nodes (a leader and its *followers*: elementwise /
+view ops whose only activation input comes from a node of the group take the layout it produces,
+as in Alpa); ``S_v`` their strategy lists (``search/strategies.py``), pruned of dominated entries
+(same layouts at every edge leaving the group, no cheaper and no smaller alternative). Edges
+``(u, v)`` exist where a tensor produced in ``u`` is read in ``v``::
+
+    s_v in {0,1}^|S_v|,  sum_i s_v,i = 1                                  (one strategy per vertex)
+    e_uv in [0,1]^{|S_u| x |S_v|},  sum_j e_uv,ij = s_u,i,  sum_i e_uv,ij = s_v,j   (e = s_u s_v^T)
+    minimise  sum_v c_v . s_v  +  sum_(u,v) <R_uv, e_uv>
+    s.t.      sum_v m_v . s_v  <=  memory_budget
+
+* ``c_v,i`` = forward compute (roofline, ``search/cost_model.py``) + backward compute (2x for
+  matmul/attention/conv, 1x otherwise) + the op's own collectives (vocab-parallel loss) + the
+  boundary resharding of layer inputs/outputs + gradient sync of the vertex's parameters: an
+  all-reduce over every axis on which a parameter's gradient is partial (the parameter is
+  replicated along an axis that shards another label, e.g. the batch = data parallelism);
+* ``R_uv,ij`` = forward resharding of each tensor from ``u``'s output layout to ``v``'s input layout
+  plus backward resharding of its gradient from the layout ``v``'s backward produces to the one
+  ``u``'s backward needs (``search/reshard.py``): column-parallel input grads become all-reduces,
+  forward all-gathers become reduce-scatters, and so on;
+* ``m_v,i`` = parameter + gradient + optimizer-state shards of the vertex's parameters + the
+  activations its nodes save for backward (producer layout).
+
+Solved exactly by ``search/ilp.py``: a tree DP when the vertex graph is a forest (chains), else
+OR-Tools HiGHS. Times are per micro-batch; gradient sync is counted once (weight 1) in the
+objective but reported separately so the inter-op search can overlap or amortise it.
+
+Conventions. ``env["B"]`` is the micro-batch seen by the *whole mesh* (per-replica micro-batch x
+data-parallel degree), ``env["S"]`` the sequence length. ``boundary`` gives one placement per mesh
+axis for every activation entering or leaving the layer (default: ``S(0)`` on the axis named
+``dp``, ``R`` elsewhere). ``memory_budget=None`` means the device's memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import sympy
+
+from partita.errors import ConfigError
+from partita.ir import Graph, Layer, Node, Prim, Role, dim_size, label_sizes
+from partita.plan import Collective
+from partita.search import ilp
+from partita.search.cost_model import CostModel, state_bytes_per_param
+from partita.search.ilp import IlpStats
+from partita.search.mesh import LogicalMesh
+from partita.search.reshard import Layout, grad_requirement, reshard_steps, shard_dim, shard_factor
+from partita.search.strategies import Strategy, enumerate_strategies
+
+FOLLOWER_PRIMS = (Prim.ELEMENTWISE, Prim.RESHAPE, Prim.PERMUTE, Prim.DROPOUT, Prim.EXPAND, Prim.SPLIT, Prim.SLICE)
+VIEW_PRIMS = (Prim.RESHAPE, Prim.PERMUTE, Prim.EXPAND, Prim.SLICE, Prim.SPLIT, Prim.DROPOUT)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSolution:
+    layer_kind: str
+    device_type: str
+    mesh_shape: tuple[int, ...]
+    env: Mapping[str, int]
+    forward_time_s: float
+    backward_time_s: float
+    compute_time_s: float
+    comm_time_s: float
+    grad_sync_bytes: float
+    grad_sync_time_s: float
+    param_bytes: float
+    grad_bytes: float
+    optimizer_bytes: float
+    activation_bytes: float
+    boundary_bytes: float
+    param_placements: Mapping[str, tuple[str, ...]]
+    op_strategies: Mapping[str, str]
+    collectives: tuple[Collective, ...]
+    stats: IlpStats
+    boundary: tuple[str, ...] = ()
+
+    @property
+    def memory_bytes(self) -> float:
+        """Per device, one micro-batch of saved activations, no ZeRO."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+
+    @property
+    def step_time_s(self) -> float:
+        return self.forward_time_s + self.backward_time_s
+
+
+@dataclasses.dataclass
+class _Costs:
+    """Per (node, strategy) numbers and the collectives behind them."""
+
+    fwd_compute: float = 0.0
+    bwd_compute: float = 0.0
+    fwd_comm: float = 0.0
+    bwd_comm: float = 0.0
+    grad_sync: float = 0.0
+    grad_sync_bytes: float = 0.0
+    param_bytes: float = 0.0
+    grad_bytes: float = 0.0
+    opt_bytes: float = 0.0
+    act_bytes: float = 0.0
+    colls: list[tuple[str, int, float, str, str]] = dataclasses.field(default_factory=list)
+
+    @property
+    def total(self) -> float:
+        return self.fwd_compute + self.bwd_compute + self.fwd_comm + self.bwd_comm + self.grad_sync
+
+    @property
+    def memory(self) -> float:
+        return self.param_bytes + self.grad_bytes + self.opt_bytes + self.act_bytes
+
+
+class _LayerProblem:
+    """Evaluates sizes, enumerates and prices strategies, groups followers, builds the ILP."""
+
+    def __init__(
+        self,
+        graph: Graph,
+        layer: Layer,
+        mesh: LogicalMesh,
+        env: Mapping[str, int],
+        dtype: str,
+        optimizer: str,
+        cm: CostModel,
+        boundary: tuple[str, ...],
+    ) -> None:
+        self.g, self.layer, self.mesh, self.env, self.dtype, self.cm = graph, layer, mesh, env, dtype, cm
+        self.boundary = boundary
+        self.state_bytes = state_bytes_per_param(dtype, optimizer)
+        self.nodes = [graph.node(n) for n in layer.nodes]
+        self.producer = {o: n for n in self.nodes for o in n.outputs}
+        self.consumers: dict[str, list[Node]] = {}
+        for n in self.nodes:
+            for t in n.inputs:
+                self.consumers.setdefault(t, []).append(n)
+        self._ev: dict[sympy.Expr, int] = {}
+        self._rs: dict[tuple[Layout, Layout, float], tuple[float, tuple]] = {}
+        self.outputs = set(layer.outputs)
+        self.strategies: dict[str, list[Strategy]] = {}
+        self.costs: dict[str, list[_Costs]] = {}
+        first_use: set[str] = set()
+        for n in self.nodes:
+            sizes = {c: self.ev(d) for c, d in label_sizes(n, graph).items()}
+            strats = enumerate_strategies(n, sizes, mesh)
+            params = [t for t in n.inputs if graph.tensors[t].role is Role.PARAMETER and t not in first_use]
+            first_use.update(params)
+            self.strategies[n.name] = strats
+            self.costs[n.name] = [self._price(n, s, sizes, params) for s in strats]
+
+    # ---- evaluation helpers -----------------------------------------------------------------
+    def ev(self, e: sympy.Expr | int) -> int:
+        if isinstance(e, int):
+            return e
+        if e not in self._ev:
+            self._ev[e] = dim_size(e, self.env)
+        return self._ev[e]
+
+    def nbytes(self, t: str) -> float:
+        ten = self.g.tensors[t]
+        return float(math.prod(self.ev(d) for d in ten.shape) * ten.itemsize)
+
+    def reshard(self, src: Layout, dst: Layout, t: str) -> tuple[float, tuple]:
+        """(seconds, steps) to move tensor ``t`` from ``src`` to ``dst``; cached."""
+        key = (src, dst, self.nbytes(t))
+        if key not in self._rs:
+            if src == dst:
+                self._rs[key] = (0.0, ())
+            else:
+                steps = tuple(reshard_steps(src, dst, key[2], self.mesh))
+                cost = sum(self.cm.collective_time(s.kind, s.bytes, self.mesh.link(s.axis)) for s in steps)
+                self._rs[key] = (cost, steps)
+        return self._rs[key]
+
+    def boundary_layout(self, t: str) -> Layout:
+        ten = self.g.tensors[t]
+        if ten.role is Role.BUFFER or ten.role is Role.PARAMETER:
+            return ("R",) * self.mesh.ndim
+        out = []
+        for p, size in zip(self.boundary, self.mesh.shape):
+            d = shard_dim(p)
+            ok = d is not None and d < ten.rank and self.ev(ten.shape[d]) % size == 0
+            out.append(p if ok or d is None else "R")
+        return tuple(out)
+
+    def _add_reshard(self, c: _Costs, src: Layout, dst: Layout, t: str, phase: str, why: str) -> None:
+        cost, steps = self.reshard(src, dst, t)
+        if phase == "forward":
+            c.fwd_comm += cost
+        else:
+            c.bwd_comm += cost
+        c.colls.extend((s.kind, s.axis, s.bytes, phase, why) for s in steps)
+
+    # ---- pricing ------------------------------------------------------------------------------
+    def _flops(self, n: Node, sizes: Mapping[str, int]) -> float:
+        if n.flops != 0:
+            return float(self.ev(n.flops))
+        sig = n.sig
+        if n.prim in (Prim.MATMUL, Prim.CONV):
+            return 2.0 * math.prod(sizes[c] for c in sig.labels)
+        if n.prim is Prim.ATTENTION:
+            q, k, v = sig.inputs[:3]
+            return 2.0 * math.prod(sizes[c] for c in set(q) | set(k)) + 2.0 * math.prod(
+                sizes[c] for c in set(sig.outputs[0]) | set(v)
+            )
+        if n.prim in (Prim.NORM, Prim.SOFTMAX, Prim.CROSS_ENTROPY, Prim.BATCH_NORM):
+            return 5.0 * math.prod(sizes[c] for c in sig.inputs[0])
+        if n.prim in (Prim.ELEMENTWISE, Prim.REDUCE):
+            return float(math.prod(sizes[c] for c in sig.labels))
+        return 0.0
+
+    def _price(self, n: Node, s: Strategy, sizes: Mapping[str, int], params: Sequence[str]) -> _Costs:
+        c = _Costs()
+        mesh, tensors = self.mesh, self.g.tensors
+        flops = self._flops(n, sizes) / s.work_divisor
+        nb = sum(self.nbytes(t) / shard_factor(lay, mesh) for t, lay in zip(n.inputs, s.in_layouts))
+        nb += sum(self.nbytes(t) / shard_factor(lay, mesh) for t, lay in zip(n.outputs, s.out_layouts))
+        if n.prim in VIEW_PRIMS and n.prim is not Prim.DROPOUT:
+            nb = 0.0  # views move no data
+        c.fwd_compute = self.cm.compute_time(n.prim, flops, nb, self.dtype) if flops or nb else 0.0
+        c.bwd_compute = self.cm.backward_compute_time(n.prim, flops, nb, self.dtype) if flops or nb else 0.0
+        for oc in s.op_collectives:
+            dt = self.cm.collective_time(oc.kind, oc.bytes, mesh.link(oc.axis))
+            c.fwd_comm += dt if oc.phase == "forward" else 0.0
+            c.bwd_comm += dt if oc.phase != "forward" else 0.0
+            c.colls.append((oc.kind, oc.axis, oc.bytes, oc.phase, oc.reason))
+        p_item, g_item, o_item = self.state_bytes
+        for t, lay, glay in zip(n.inputs, s.in_layouts, s.in_grad_layouts):
+            ten = tensors[t]
+            if t in params:
+                numel = math.prod(self.ev(d) for d in ten.shape) / shard_factor(lay, mesh)
+                c.param_bytes += numel * p_item
+                c.grad_bytes += numel * g_item
+                c.opt_bytes += numel * o_item
+                for i, gp in enumerate(glay):
+                    if gp == "P":
+                        t_sync = self.cm.collective_time("all_reduce", numel * g_item, mesh.link(i))
+                        c.grad_sync += t_sync
+                        c.grad_sync_bytes += numel * g_item
+                        c.colls.append(("all_reduce", i, numel * g_item, "optimizer", f"gradient sync {ten.fqn or t}"))
+            elif t not in self.producer and ten.role is not Role.PARAMETER:  # layer boundary input
+                src = self.boundary_layout(t)
+                self._add_reshard(c, src, lay, t, "forward", f"layer input {t} -> {n.name}")
+                if ten.role is Role.ACTIVATION:
+                    self._add_reshard(c, glay, grad_requirement(src), t, "backward", f"grad of layer input {t}")
+                if self._saves(n):
+                    c.act_bytes += self.nbytes(t) / shard_factor(lay, mesh)
+        for t, lay in zip(n.outputs, s.out_layouts):
+            saved = n.prim is Prim.ATTENTION or any(self._saves(m) for m in self.consumers.get(t, []))
+            if saved:
+                c.act_bytes += self.nbytes(t) / shard_factor(lay, mesh)
+            if t in self.outputs and tensors[t].rank > 0:
+                dst = self.boundary_layout(t)
+                self._add_reshard(c, lay, dst, t, "forward", f"layer output {t} <- {n.name}")
+                self._add_reshard(c, dst, grad_requirement(lay), t, "backward", f"grad of layer output {t}")
+        return c
+
+    def _saves(self, n: Node) -> bool:
+        """Does ``n``'s backward read its activation inputs? (views and binary elementwise do not)"""
+        if n.prim in VIEW_PRIMS:
+            return False
+        if n.prim is Prim.ELEMENTWISE:
+            acts = [t for t in n.inputs if self.g.tensors[t].role is Role.ACTIVATION]
+            return len(acts) == 1
+        return True
+
+    def edge_cost(self, t: str, u: Node, su: Strategy, v: Node, sv: Strategy) -> tuple[float, list, float, float]:
+        """(seconds, collectives, forward s, backward s) of tensor ``t`` flowing from ``u`` to ``v``."""
+        lay_u = su.out_layouts[u.outputs.index(t)]
+        k = v.inputs.index(t)
+        f, fs = self.reshard(lay_u, sv.in_layouts[k], t)
+        b, bs = self.reshard(sv.in_grad_layouts[k], grad_requirement(lay_u), t)
+        colls = [(s.kind, s.axis, s.bytes, "forward", f"reshard {t} -> {v.name}") for s in fs]
+        colls += [(s.kind, s.axis, s.bytes, "backward", f"reshard grad of {t} <- {v.name}") for s in bs]
+        return f + b, colls, f, b
+
+    # ---- follower groups, pruning, ILP ------------------------------------------------------
+    def _follower_input(self, n: Node) -> str | None:
+        """The one in-layer activation input of a follower candidate, else None."""
+        if n.prim not in FOLLOWER_PRIMS:
+            return None
+        acts = [t for t in n.inputs if self.g.tensors[t].role is not Role.PARAMETER]
+        if len(acts) != 1 or acts[0] not in self.producer or self.g.tensors[acts[0]].role is not Role.ACTIVATION:
+            return None
+        if any(self.g.tensors[t].role is Role.BUFFER for t in n.inputs):
+            return None
+        return acts[0]
+
+    def build_groups(self) -> None:
+        self.group_of: dict[str, int] = {}
+        self.members: list[list[str]] = []
+        self.choices: list[list[tuple[int, ...]]] = []
+        for n in self.nodes:
+            t = self._follower_input(n)
+            if t is not None:
+                u = self.producer[t]
+                gi = self.group_of[u.name]
+                pos, k = self.members[gi].index(u.name), n.inputs.index(t)
+                mapping: list[int] = []
+                for ch in self.choices[gi]:
+                    lay = self.strategies[u.name][ch[pos]].out_layouts[u.outputs.index(t)]
+                    ok = [j for j, sv in enumerate(self.strategies[n.name]) if sv.in_layouts[k] == lay]
+                    if not ok:
+                        break
+                    mapping.append(min(ok, key=lambda j: (self.costs[n.name][j].total, j)))
+                else:
+                    self.members[gi].append(n.name)
+                    self.choices[gi] = [ch + (j,) for ch, j in zip(self.choices[gi], mapping)]
+                    self.group_of[n.name] = gi
+                    continue
+            self.group_of[n.name] = len(self.members)
+            self.members.append([n.name])
+            self.choices.append([(j,) for j in range(len(self.strategies[n.name]))])
+        self._prune()
+
+    def _group_cost(self, gi: int, ch: tuple[int, ...]) -> tuple[float, float]:
+        cost = mem = 0.0
+        chosen = dict(zip(self.members[gi], ch))
+        for name, j in chosen.items():
+            c = self.costs[name][j]
+            cost, mem = cost + c.total, mem + c.memory
+            n = self._node(name)
+            for t in n.inputs:
+                u = self.producer.get(t)
+                if u is not None and u.name in chosen:
+                    cost += self.edge_cost(t, u, self.strategies[u.name][chosen[u.name]], n, self.strategies[name][j])[
+                        0
+                    ]
+        return cost, mem
+
+    def _node(self, name: str) -> Node:
+        if not hasattr(self, "_by_name"):
+            self._by_name = {n.name: n for n in self.nodes}
+        return self._by_name[name]
+
+    def _interface(self, gi: int, ch: tuple[int, ...]) -> tuple:
+        key: list[tuple] = []
+        for name, j in zip(self.members[gi], ch):
+            n, s = self._node(name), self.strategies[name][j]
+            for t, lay, glay in zip(n.inputs, s.in_layouts, s.in_grad_layouts):
+                u = self.producer.get(t)
+                if u is not None and self.group_of[u.name] != gi:
+                    key.append((t, lay, glay))
+            for t, lay in zip(n.outputs, s.out_layouts):
+                if any(self.group_of[m.name] != gi for m in self.consumers.get(t, [])):
+                    key.append((t, lay))
+        return tuple(key)
+
+    def _prune(self) -> None:
+        """Drop strategies with the same interface as a cheaper-or-equal, smaller-or-equal one."""
+        self.vcost: list[np.ndarray] = []
+        self.vmem: list[np.ndarray] = []
+        for gi, chs in enumerate(self.choices):
+            priced = [(*self._group_cost(gi, ch), k) for k, ch in enumerate(chs)]
+            best: dict[tuple, list[float]] = {}
+            keep = []
+            for _cost, mem, k in sorted(priced):
+                key = self._interface(gi, chs[k])
+                mems = best.setdefault(key, [])
+                if all(mem < m for m in mems):
+                    mems.append(mem)
+                    keep.append(k)
+            keep.sort()
+            self.choices[gi] = [chs[k] for k in keep]
+            self.vcost.append(np.array([priced[k][0] for k in keep]))
+            self.vmem.append(np.array([priced[k][1] for k in keep]))
+
+    def build_problem(self, budget: float) -> ilp.Problem:
+        acc: dict[tuple[int, int], np.ndarray] = {}
+        for t, u in self.producer.items():
+            gu = self.group_of[u.name]
+            for v in self.consumers.get(t, []):
+                gv = self.group_of[v.name]
+                if gv == gu:
+                    continue
+                m = np.zeros((len(self.choices[gu]), len(self.choices[gv])))
+                pu, pv = self.members[gu].index(u.name), self.members[gv].index(v.name)
+                memo: dict[tuple[int, int], float] = {}
+                for i, ci in enumerate(self.choices[gu]):
+                    for j, cj in enumerate(self.choices[gv]):
+                        key = (ci[pu], cj[pv])
+                        if key not in memo:
+                            su, sv = self.strategies[u.name][key[0]], self.strategies[v.name][key[1]]
+                            memo[key] = self.edge_cost(t, u, su, v, sv)[0]
+                        m[i, j] = memo[key]
+                acc[(gu, gv)] = acc[(gu, gv)] + m if (gu, gv) in acc else m
+        edges = tuple(ilp.Edge(u, v, m) for (u, v), m in sorted(acc.items()))
+        return ilp.Problem(tuple(self.vcost), edges, tuple(self.vmem), budget)
+
+    def chosen(self, choice: Sequence[int]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for gi, k in enumerate(choice):
+            out.update(zip(self.members[gi], self.choices[gi][k]))
+        return out
+
+
+def _collectives(raw: Sequence[tuple[str, int, float, str, str]], mesh: LogicalMesh) -> tuple[Collective, ...]:
+    counts: dict[tuple[str, str, float, str, str], int] = {}
+    for kind, axis, nbytes, phase, why in raw:
+        if mesh.shape[axis] > 1 and nbytes > 0:
+            key = (kind, mesh.axis_names[axis], float(nbytes), phase, why)
+            counts[key] = counts.get(key, 0) + 1
+    return tuple(Collective(k, a, b, n, p, r) for (k, a, b, p, r), n in counts.items())
+
+
+def solve_layer(
+    graph: Graph,
+    layer: Layer,
+    mesh: LogicalMesh,
+    *,
+    env: dict[str, int],
+    dtype: str,
+    optimizer: str = "adam",
+    cost_model: CostModel,
+    memory_budget: float | None = None,
+    boundary: tuple[str, ...] | None = None,
+    backend: str = "auto",
+) -> LayerSolution:
+    """Cheapest sharding of ``layer`` on ``mesh`` per micro-batch (module docstring for conventions)."""
+    if cost_model.device.name != mesh.device.name:
+        raise ConfigError(
+            f"cost model is for {cost_model.device.name} but the mesh is {mesh.device.name}.",
+            "pass CostModel.for_device(mesh.device).",
+        )
+    bnd = tuple(boundary) if boundary is not None else mesh.default_boundary()
+    if len(bnd) != mesh.ndim:
+        raise ConfigError(
+            f"boundary {bnd} has {len(bnd)} placements for a {mesh.ndim}-d mesh.", "give one placement per mesh axis."
+        )
+    lp = _LayerProblem(graph, layer, mesh, env, dtype, optimizer, cost_model, bnd)
+    lp.build_groups()
+    budget = float(mesh.device.memory_bytes if memory_budget is None else memory_budget)
+    problem = lp.build_problem(budget)
+    sol = ilp.solve(problem, backend)
+    chosen = lp.chosen(sol.choice)
+    tot = _Costs()
+    raw: list[tuple[str, int, float, str, str]] = []
+    for n in lp.nodes:
+        c = lp.costs[n.name][chosen[n.name]]
+        for f in dataclasses.fields(_Costs):
+            if f.name != "colls":
+                setattr(tot, f.name, getattr(tot, f.name) + getattr(c, f.name))
+        raw.extend(c.colls)
+        for t in n.inputs:
+            u = lp.producer.get(t)
+            if u is not None:
+                _, colls, fw, bw = lp.edge_cost(
+                    t, u, lp.strategies[u.name][chosen[u.name]], n, lp.strategies[n.name][chosen[n.name]]
+                )
+                tot.fwd_comm, tot.bwd_comm = tot.fwd_comm + fw, tot.bwd_comm + bw
+                raw.extend(colls)
+    placements: dict[str, tuple[str, ...]] = {}
+    for n in lp.nodes:
+        s = lp.strategies[n.name][chosen[n.name]]
+        for t, lay in zip(n.inputs, s.in_layouts):
+            ten = graph.tensors[t]
+            if ten.role is Role.PARAMETER:
+                placements.setdefault(ten.fqn or t, lay)
+    boundary_bytes = sum(
+        lp.nbytes(t) / shard_factor(lp.boundary_layout(t), mesh) for t in layer.outputs if t in graph.tensors
+    )
+    return LayerSolution(
+        layer_kind=layer.kind,
+        device_type=mesh.device.name,
+        mesh_shape=mesh.shape,
+        env=dict(env),
+        forward_time_s=tot.fwd_compute + tot.fwd_comm,
+        backward_time_s=tot.bwd_compute + tot.bwd_comm,
+        compute_time_s=tot.fwd_compute + tot.bwd_compute,
+        comm_time_s=tot.fwd_comm + tot.bwd_comm,
+        grad_sync_bytes=tot.grad_sync_bytes,
+        grad_sync_time_s=tot.grad_sync,
+        param_bytes=tot.param_bytes,
+        grad_bytes=tot.grad_bytes,
+        optimizer_bytes=tot.opt_bytes,
+        activation_bytes=tot.act_bytes,
+        boundary_bytes=boundary_bytes,
+        param_placements=placements,
+        op_strategies={n.name: lp.strategies[n.name][chosen[n.name]].name for n in lp.nodes},
+        collectives=_collectives(raw, mesh),
+        stats=sol.stats,
+        boundary=bnd,
+    )

@@ -1,0 +1,144 @@
+"""ILP vs exhaustive / DP on random problems, and known answers on hand-built layers."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from partita.cluster import DEVICE_PRESETS
+from partita.errors import InfeasibleError
+from partita.search import ilp
+from partita.search.cost_model import CostModel
+from partita.search.intra_op import solve_layer
+from partita.search.memo import IntraOpMemo
+from partita.search.mesh import LogicalMesh
+from tests.search import builders
+
+A100 = DEVICE_PRESETS["A100-80G"]
+CM = CostModel(A100)
+
+
+# ---- solver properties ---------------------------------------------------------------------
+@st.composite
+def problems(draw: st.DrawFn, chain: bool = False) -> ilp.Problem:
+    n = draw(st.integers(2, 8))
+    sizes = [draw(st.integers(1, 4)) for _ in range(n)]
+    val = st.floats(0, 10, allow_nan=False).map(lambda x: round(x, 3))
+    costs = tuple(np.array([draw(val) for _ in range(k)]) for k in sizes)
+    mems = tuple(np.array([draw(val) for _ in range(k)]) for k in sizes)
+    pairs = [(i, i + 1) for i in range(n - 1)]
+    if not chain:
+        extra = [p for p in itertools.combinations(range(n), 2) if p[1] > p[0] + 1]
+        pairs += draw(st.lists(st.sampled_from(extra), max_size=4, unique=True)) if extra else []
+    edges = tuple(
+        ilp.Edge(u, v, np.array([[draw(val) for _ in range(sizes[v])] for _ in range(sizes[u])])) for u, v in pairs
+    )
+    budget = None if chain else draw(st.one_of(st.none(), st.floats(5, 60)))
+    return ilp.Problem(costs, edges, mems, budget)
+
+
+def exhaustive(p: ilp.Problem) -> float | None:
+    best = None
+    for choice in itertools.product(*(range(len(c)) for c in p.node_costs)):
+        if p.feasible(choice):
+            v = p.objective(choice)
+            best = v if best is None else min(best, v)
+    return best
+
+
+@settings(max_examples=60, deadline=None)
+@given(problems())
+def test_ilp_equals_exhaustive_enumeration(p: ilp.Problem) -> None:
+    ref = exhaustive(p)
+    if ref is None:
+        with pytest.raises(InfeasibleError):
+            ilp.solve(p, "highs")
+        return
+    sol = ilp.solve(p, "highs")
+    assert p.feasible(sol.choice)
+    assert sol.stats.objective == pytest.approx(ref, abs=1e-6)
+    assert sol.stats.status == "OPTIMAL" and sol.stats.gap <= 1e-6
+
+
+@settings(max_examples=40, deadline=None)
+@given(problems(chain=True))
+def test_chain_dp_equals_ilp(p: ilp.Problem) -> None:
+    dp = ilp.solve_dp(p)
+    assert dp is not None
+    assert dp.stats.objective == pytest.approx(ilp.solve(p, "highs").stats.objective, abs=1e-6)
+    assert dp.stats.objective == pytest.approx(exhaustive(p), abs=1e-6)
+
+
+# ---- known answers -------------------------------------------------------------------------
+def test_gpt_block_on_8_tp_is_megatron() -> None:
+    g = builders.gpt(1, 4096, 32)
+    mesh = LogicalMesh((8,), ("tp",), A100, 8)
+    sol = solve_layer(g, g.layers[0], mesh, env={"B": 1, "S": 2048}, dtype="bf16", cost_model=CM)
+    st_ = sol.op_strategies
+    assert st_["h.0.attn.qkv"] == "n@tp" and st_["h.0.mlp.fc"] == "n@tp"  # column parallel
+    assert st_["h.0.attn.proj"] == "k@tp" and st_["h.0.mlp.proj"] == "k@tp"  # row parallel
+    assert st_["h.0.attn.sdpa"] == "h@tp"  # head sharded
+    act = 1 * 2048 * 4096 * 2
+    fwd = [c for c in sol.collectives if c.phase == "forward"]
+    assert [(c.kind, c.bytes, c.count) for c in fwd] == [("all_reduce", act, 1)] * 2
+    bwd = [c for c in sol.collectives if c.phase == "backward"]
+    assert [(c.kind, c.bytes) for c in bwd] == [("all_reduce", act)] * 2  # input grads of qkv and fc
+    assert sol.grad_sync_bytes == 0 and sol.param_placements["h.0.attn.qkv.weight"] == ("S(0)",)
+    assert sol.stats.status == "OPTIMAL" and sol.stats.gap < 1e-6
+
+
+def test_batch_dominated_mlp_is_data_parallel() -> None:
+    g = builders.mlp(1024, 4096)
+    mesh = LogicalMesh((8,), ("dp",), A100, 8)
+    sol = solve_layer(g, g.layers[0], mesh, env={"B": 65536}, dtype="bf16", cost_model=CM)
+    assert set(sol.op_strategies.values()) == {"a@dp"}
+    assert all(c.phase == "optimizer" and c.kind == "all_reduce" and c.count == 1 for c in sol.collectives)
+    assert sorted(c.reason for c in sol.collectives) == sorted(f"gradient sync {p}" for p in g.layers[0].params)
+    n_params = 2 * 1024 * 4096 + 4096 + 1024
+    assert sol.grad_sync_bytes == n_params * 2 and sol.param_bytes == n_params * 2
+    assert sol.optimizer_bytes == n_params * 12
+
+
+def test_memory_limit_shards_parameters() -> None:
+    g = builders.mlp(8192, 32768)
+    mesh = LogicalMesh((8,), ("dp",), A100, 8)
+    free = solve_layer(g, g.layers[0], mesh, env={"B": 65536}, dtype="bf16", cost_model=CM)
+    assert all(p == ("R",) for p in free.param_placements.values())
+    budget = 0.6 * free.memory_bytes
+    tight = solve_layer(g, g.layers[0], mesh, env={"B": 65536}, dtype="bf16", cost_model=CM, memory_budget=budget)
+    assert tight.memory_bytes <= budget
+    assert tight.param_placements["mlp.fc.weight"] != ("R",)
+    assert tight.param_bytes < free.param_bytes and tight.step_time_s >= free.step_time_s
+    with pytest.raises(InfeasibleError, match="GiB"):
+        solve_layer(g, g.layers[0], mesh, env={"B": 65536}, dtype="bf16", cost_model=CM, memory_budget=1e6)
+
+
+def test_moe_finds_expert_parallelism_with_all_to_all() -> None:
+    g = builders.moe(1024, 4096, num_experts=8, top_k=2, capacity=256)
+    mesh = LogicalMesh((8,), ("dp",), A100, 8)
+    sol = solve_layer(g, g.layers[0], mesh, env={"B": 16, "S": 1024}, dtype="bf16", cost_model=CM)
+    assert sol.op_strategies["moe.experts.fc1"] == "e@dp" and sol.op_strategies["moe.experts.fc2"] == "e@dp"
+    assert sol.param_placements["moe.experts.w1"] == ("S(0)",)
+    assert any(c.kind == "all_to_all" and c.phase == "forward" for c in sol.collectives)
+    assert not any("experts" in c.reason and c.phase == "optimizer" for c in sol.collectives)
+
+
+def test_deterministic_and_memo_dedups_96_blocks() -> None:
+    g = builders.gpt(96, 1024, 16)
+    mesh = LogicalMesh((2, 4), ("dp", "tp"), A100, 8)
+    kw = dict(env={"B": 8, "S": 1024}, dtype="bf16", cost_model=CM)
+    a = solve_layer(g, g.layers[0], mesh, **kw)
+    b = solve_layer(g, g.layers[0], mesh, **kw)
+    assert a.op_strategies == b.op_strategies and a.collectives == b.collectives
+    memo = IntraOpMemo()
+    sols = [memo.solve(g, layer, mesh, **kw) for layer in g.layers]
+    assert (memo.misses, memo.hits) == (1, 95)
+    last = sols[-1]
+    assert set(last.op_strategies) == set(g.layers[-1].nodes)
+    assert set(last.param_placements) == {g.tensors[p].fqn for p in g.layers[-1].params}
+    assert all("h.0." not in c.reason for c in last.collectives)
+    assert last.forward_time_s == sols[0].forward_time_s
