@@ -119,6 +119,13 @@ class Efficiency:
         return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "device": self.device, "efficiency": eff}
 
 
+# Uncalibrated defaults for a CPU "device" (one gloo rank): GEMMs saturate at far fewer FLOPs than on
+# a GPU, kernels cost tens of microseconds in eager PyTorch, and gloo collectives pay ~100 us each.
+# `partita profile --devices cpu` measures the real numbers.
+CPU_EFFICIENCY = Efficiency(matmul=0.5, matmul_half_flops=2e6, attention=0.3, memory=0.5, kernel_overhead_s=2e-5,
+                            collective_bandwidth=0.5, network_bandwidth=0.5, collective_latency_s=1e-4, device="CPU")
+
+
 def state_bytes_per_param(dtype: str, optimizer: str) -> tuple[int, int, int]:
     """(param, grad, optimizer-state) bytes per parameter element; see the module docstring."""
     if optimizer not in OPTIMIZERS:
@@ -139,8 +146,9 @@ class CostModel:
     @staticmethod
     def for_device(device: DeviceType) -> CostModel:
         """Defaults, or the device's calibration profile when ``device.profile`` names one."""
-        eff = Efficiency.from_profile(device.profile, device.name) if device.profile else Efficiency()
-        return CostModel(device, eff)
+        if device.profile:
+            return CostModel(device, Efficiency.from_profile(device.profile, device.name))
+        return CostModel(device, CPU_EFFICIENCY if device.kind == "cpu" else Efficiency())
 
     def fingerprint(self) -> str:
         d = {"device": dataclasses.asdict(self.device) | {"peak_flops": dict(self.device.peak_flops)}}
