@@ -1,0 +1,395 @@
+"""Model zoo: named model specs the CLI and tests can build without network or weights.
+
+Sits beside the tracer: ``resolve_model(spec)`` turns a zoo name, a Hugging Face ``config.json``
+path or a ``"package.module:factory"`` string into a :class:`ModelHandle` whose ``build()`` gives an
+``nn.Module`` (on the meta device by default, so a 175B model allocates nothing) and whose
+``example_inputs()`` gives the inputs ``compiler/trace_torch.py`` traces with. Hugging Face entries
+are built from config classes (``transformers``), dropout off, SDPA attention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from partita.errors import ModelError
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    framework: str
+    num_params: int
+    description: str
+
+
+@dataclasses.dataclass
+class ModelHandle:
+    """A buildable model: ``build(device)`` -> module, ``example_inputs(batch, seq, device)`` -> kwargs."""
+
+    name: str
+    framework: str
+    config: dict[str, Any]  # summary: kind, hidden, num_layers, heads, vocab, seq_len
+    builder: Callable[[], torch.nn.Module]
+    inputs_fn: Callable[[int, int, str], dict[str, Any]]
+    description: str = ""
+
+    def build(self, device: str = "meta", seed: int = 0) -> torch.nn.Module:
+        if device != "meta":
+            torch.manual_seed(seed)
+        with torch.device(device):
+            module = self.builder()
+        return module
+
+    def example_inputs(self, batch: int, seq: int, device: str = "meta") -> dict[str, Any]:
+        return self.inputs_fn(batch, seq, device)
+
+    def num_params(self) -> int:
+        """Exact parameter count, tied weights once (built on meta: nothing allocated)."""
+        return sum(p.numel() for p in self.build("meta").parameters())
+
+    def dynamic(self, max_batch: int = 1 << 16) -> dict[str, tuple[str, int, int]]:
+        """The ``trace_module(dynamic=...)`` spec for this model's inputs."""
+        seq = int(self.config.get("seq_len") or 0)
+        spec: dict[str, tuple[str, int, int]] = {}
+        for key, t in self.example_inputs(2, max(seq, 2) if seq else 2).items():
+            if isinstance(t, torch.Tensor) and t.dim() >= 1:
+                spec[f"{key}:0"] = ("B", 1, max_batch)
+                if self.config.get("tokens") and t.dim() == 2:
+                    spec[f"{key}:1"] = ("S", 2, seq)
+        return spec
+
+    @property
+    def info(self) -> ModelInfo:
+        return ModelInfo(self.name, self.framework, self.num_params(), self.description)
+
+
+# ---- Hugging Face builders -----------------------------------------------------------------
+_NO_DROPOUT = {
+    "gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "bert": dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+    "vit": dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+    "llama": dict(attention_dropout=0.0),
+    "mixtral": dict(attention_dropout=0.0, router_jitter_noise=0.0),
+}
+
+
+def _hf_config(kind: str, **kw: Any) -> Any:
+    import transformers as T
+
+    cls = {
+        "gpt2": T.GPT2Config,
+        "llama": T.LlamaConfig,
+        "mixtral": T.MixtralConfig,
+        "bert": T.BertConfig,
+        "vit": T.ViTConfig,
+        "resnet": T.ResNetConfig,
+    }[kind]
+    cfg = cls(**{**_NO_DROPOUT.get(kind, {}), **kw})
+    if kind in ("gpt2", "llama", "mixtral"):
+        cfg.use_cache = False
+        cfg.bos_token_id = cfg.eos_token_id = cfg.pad_token_id = None
+    return cfg
+
+
+def _hf_model(kind: str, cfg: Any) -> torch.nn.Module:
+    import transformers as T
+
+    cls = {
+        "gpt2": T.GPT2LMHeadModel,
+        "llama": T.LlamaForCausalLM,
+        "mixtral": T.MixtralForCausalLM,
+        "bert": T.BertForMaskedLM,
+        "vit": T.ViTForImageClassification,
+        "resnet": T.ResNetForImageClassification,
+    }[kind]
+    if kind != "resnet":
+        cfg._attn_implementation = "sdpa"
+    return cls(cfg)
+
+
+def _token_inputs(vocab: int) -> Callable[[int, int, str], dict[str, Any]]:
+    def fn(batch: int, seq: int, device: str) -> dict[str, Any]:
+        if device == "meta":
+            ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
+        else:
+            ids = torch.randint(0, vocab, (batch, seq), device=device)
+        return {"input_ids": ids, "labels": ids.clone()}
+
+    return fn
+
+
+def _image_inputs(size: int, num_labels: int) -> Callable[[int, int, str], dict[str, Any]]:
+    def fn(batch: int, seq: int, device: str) -> dict[str, Any]:
+        maker = torch.zeros if device == "meta" else torch.randn
+        labels = torch.zeros(batch, dtype=torch.long, device=device)
+        if device != "meta":
+            labels = torch.randint(0, num_labels, (batch,), device=device)
+        return {"pixel_values": maker(batch, 3, size, size, device=device), "labels": labels}
+
+    return fn
+
+
+def _hf_handle(name: str, kind: str, description: str, **kw: Any) -> ModelHandle:
+    cfg = _hf_config(kind, **kw)
+    g = cfg.to_dict()
+    hidden = g.get("hidden_size") or g.get("n_embd") or (g.get("hidden_sizes") or [0])[-1]
+    summary = {
+        "kind": {"gpt2": "gpt", "mixtral": "moe"}.get(kind, kind),
+        "hidden": hidden,
+        "num_layers": g.get("num_hidden_layers") or g.get("n_layer") or sum(g.get("depths", [])),
+        "heads": g.get("num_attention_heads") or g.get("n_head") or 0,
+        "vocab": g.get("vocab_size", 0),
+        "seq_len": g.get("max_position_embeddings") or g.get("n_positions") or 0,
+        "tokens": kind in ("gpt2", "llama", "mixtral", "bert"),
+    }
+    if kind in ("vit", "resnet"):
+        size = g.get("image_size", 224)
+        inputs = _image_inputs(size, g.get("num_labels", 2))
+        summary["seq_len"] = (size // g["patch_size"]) ** 2 + 1 if kind == "vit" else 0
+    else:
+        inputs = _token_inputs(summary["vocab"])
+    return ModelHandle(name, "torch", summary, lambda: _hf_model(kind, cfg), inputs, description)
+
+
+def _gpt3(name: str, hidden: int, layers: int, heads: int) -> Callable[[], ModelHandle]:
+    return lambda: _hf_handle(
+        name,
+        "gpt2",
+        f"GPT-3 {name.split('-')[1].upper()} shape on the GPT-2 architecture (h={hidden}, l={layers}, heads={heads})",
+        n_embd=hidden,
+        n_layer=layers,
+        n_head=heads,
+        vocab_size=51200,
+        n_positions=2048,
+    )
+
+
+# ---- a plain torch model -------------------------------------------------------------------
+class MLP(torch.nn.Module):
+    """Two-layer MLP classifier with a cross-entropy loss (used by runtime tests)."""
+
+    def __init__(self, in_dim: int = 32, hidden: int = 64, num_classes: int = 8) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(in_dim, hidden)
+        self.act = torch.nn.GELU()
+        self.fc2 = torch.nn.Linear(hidden, num_classes)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.fc2(self.act(self.fc1(x)))
+        if labels is None:
+            return logits
+        return torch.nn.functional.cross_entropy(logits, labels)
+
+
+def mlp_factory() -> tuple[torch.nn.Module, Callable[[int, int, str], dict[str, Any]]]:
+    """Example of the ``"package.module:factory"`` form: ``partita.models.zoo:mlp_factory``."""
+    return MLP(), _mlp_inputs
+
+
+def _mlp_inputs(batch: int, seq: int, device: str) -> dict[str, Any]:
+    if device == "meta":
+        return {
+            "x": torch.zeros(batch, 32, device=device),
+            "labels": torch.zeros(batch, dtype=torch.long, device=device),
+        }
+    return {"x": torch.randn(batch, 32, device=device), "labels": torch.randint(0, 8, (batch,), device=device)}
+
+
+def _mlp() -> ModelHandle:
+    summary = {"kind": "mlp", "hidden": 64, "num_layers": 2, "heads": 0, "vocab": 0, "seq_len": 0, "tokens": False}
+    return ModelHandle("mlp", "torch", summary, MLP, _mlp_inputs, "2-layer MLP (32 -> 64 -> 8) with cross-entropy")
+
+
+_TINY = dict(vocab_size=128, max_position_embeddings=32)
+_FACTORIES: dict[str, Callable[[], ModelHandle]] = {
+    "gpt2": lambda: _hf_handle("gpt2", "gpt2", "GPT-2 small, 124M", n_positions=1024),
+    "gpt3-1.3b": _gpt3("gpt3-1.3b", 2048, 24, 16),
+    "gpt3-2.7b": _gpt3("gpt3-2.7b", 2560, 32, 32),
+    "gpt3-6.7b": _gpt3("gpt3-6.7b", 4096, 32, 32),
+    "gpt3-13b": _gpt3("gpt3-13b", 5120, 40, 40),
+    "gpt3-39b": _gpt3("gpt3-39b", 8192, 48, 64),
+    "gpt3-175b": _gpt3("gpt3-175b", 12288, 96, 96),
+    "llama-7b": lambda: _hf_handle(
+        "llama-7b",
+        "llama",
+        "Llama-2 7B",
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+    ),
+    "llama-70b": lambda: _hf_handle(
+        "llama-70b",
+        "llama",
+        "Llama-2 70B (GQA, 8 kv heads)",
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+    ),
+    "mixtral-8x7b": lambda: _hf_handle(
+        "mixtral-8x7b",
+        "mixtral",
+        "Mixtral 8x7B MoE (8 experts, top-2)",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+    ),
+    "bert-large": lambda: _hf_handle(
+        "bert-large",
+        "bert",
+        "BERT-large MLM, 336M",
+        hidden_size=1024,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        intermediate_size=4096,
+        max_position_embeddings=512,
+    ),
+    "vit-huge": lambda: _hf_handle(
+        "vit-huge",
+        "vit",
+        "ViT-H/14 classifier, 632M",
+        hidden_size=1280,
+        num_hidden_layers=32,
+        num_attention_heads=16,
+        intermediate_size=5120,
+        image_size=224,
+        patch_size=14,
+        num_labels=1000,
+    ),
+    "resnet-50": lambda: _hf_handle(
+        "resnet-50",
+        "resnet",
+        "ResNet-50 (bottleneck, 3-4-6-3), 25.6M",
+        embedding_size=64,
+        hidden_sizes=[256, 512, 1024, 2048],
+        depths=[3, 4, 6, 3],
+        layer_type="bottleneck",
+        num_labels=1000,
+    ),
+    "gpt2-tiny": lambda: _hf_handle(
+        "gpt2-tiny",
+        "gpt2",
+        "test GPT-2: 2 layers, h=64, 4 heads",
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        vocab_size=128,
+        n_positions=32,
+    ),
+    "llama-tiny": lambda: _hf_handle(
+        "llama-tiny",
+        "llama",
+        "test Llama: 2 layers, h=64, GQA 4/2 heads",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **_TINY,
+    ),
+    "mixtral-tiny": lambda: _hf_handle(
+        "mixtral-tiny",
+        "mixtral",
+        "test Mixtral: 2 layers, h=64, 4 experts top-2",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        **_TINY,
+    ),
+    "mlp": _mlp,
+}
+_INFOS: dict[str, ModelInfo] = {}
+
+
+def register_model(name: str, handle_factory: Callable[[], Any], info: ModelInfo) -> None:
+    """Add a zoo entry (the JAX front end registers ``jax-gpt-tiny`` this way)."""
+    _FACTORIES[name] = handle_factory
+    _INFOS[name] = info
+
+
+def list_models() -> list[ModelInfo]:
+    out = []
+    for name, factory in _FACTORIES.items():
+        if name not in _INFOS:
+            _INFOS[name] = factory().info
+        out.append(_INFOS[name])
+    return out
+
+
+def resolve_model(spec: str) -> ModelHandle:
+    """A zoo name, a path to a HF ``config.json``, or ``"package.module:factory"``."""
+    if spec in _FACTORIES:
+        return _FACTORIES[spec]()
+    if spec.endswith(".json") or Path(spec).is_file():
+        return _from_config_file(Path(spec))
+    if ":" in spec:
+        return _from_factory(spec)
+    close = difflib.get_close_matches(spec, list(_FACTORIES), n=3, cutoff=0.4)
+    raise ModelError(
+        f"unknown model {spec!r}" + (f"; did you mean {', '.join(close)}?" if close else ""),
+        f"use a zoo name ({', '.join(_FACTORIES)}), a path to a config.json, or 'package.module:factory'",
+    )
+
+
+def _from_config_file(path: Path) -> ModelHandle:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ModelError(f"cannot read model config {path}: {err}", "pass a readable HF config.json") from None
+    mt = raw.get("model_type", "")
+    kind = {"gpt2": "gpt2", "llama": "llama", "mixtral": "mixtral", "bert": "bert", "vit": "vit", "resnet": "resnet"}
+    if mt not in kind:
+        raise ModelError(f"config {path} has model_type {mt!r}", f"use one of {sorted(kind)}")
+    raw = {k: v for k, v in raw.items() if k not in ("model_type", "architectures", "transformers_version")}
+    return _hf_handle(path.stem, kind[mt], f"from {path}", **raw)
+
+
+def _from_factory(spec: str) -> ModelHandle:
+    mod_name, _, fn_name = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(mod_name), fn_name)
+    except (ImportError, AttributeError) as err:
+        raise ModelError(f"cannot load model factory {spec!r}: {err}", "check the module path and name") from None
+    probe = factory()
+    if isinstance(probe, tuple):
+        inputs_fn = probe[1]
+        builder: Callable[[], torch.nn.Module] = lambda: factory()[0]  # noqa: E731
+    else:
+        inputs_fn = getattr(probe, "example_inputs", None)
+        builder = factory
+        if inputs_fn is None:
+            raise ModelError(
+                f"factory {spec!r} returned a module without example inputs",
+                "return (module, example_inputs_fn) where example_inputs_fn(batch, seq, device) -> dict",
+            )
+    summary = {"kind": "custom", "hidden": 0, "num_layers": 0, "heads": 0, "vocab": 0, "seq_len": 0}
+    return ModelHandle(spec, "torch", summary, builder, _adapt_inputs(inputs_fn), f"user factory {spec}")
+
+
+def _adapt_inputs(fn: Callable[..., Mapping[str, Any]]) -> Callable[[int, int, str], dict[str, Any]]:
+    return lambda batch, seq, device: dict(fn(batch, seq, device))

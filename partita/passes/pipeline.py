@@ -1,0 +1,75 @@
+"""The pass pipeline: one named list of ``Graph -> Graph`` rewrites run between tracing and search.
+
+``run_passes(graph, options)`` applies ``PASSES`` in order. ``CHECK=1`` in the environment (or
+``options.check``) runs the IR verifier after every pass, so a broken pass is named at once;
+``DUMP_IR=<dir>`` (or ``options.dump_dir``) writes the printed graph after each pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from partita.errors import IRError
+from partita.ir import Graph
+from partita.passes.annotate import annotate
+from partita.passes.layers import group_layers
+
+Pass = Callable[[Graph], Graph]
+
+
+def dce(graph: Graph) -> Graph:
+    """Drop nodes none of whose outputs reach a graph output (HF helpers leave a few behind)."""
+    live = set(graph.outputs)
+    keep: list[bool] = []
+    for n in reversed(graph.nodes):
+        used = any(o in live for o in n.outputs)
+        keep.append(used)
+        if used:
+            live.update(n.inputs)
+    kept = [n for n, k in zip(graph.nodes, reversed(keep)) if k]
+    produced = {o for n in kept for o in n.outputs}
+    dropped = {o for n in graph.nodes for o in n.outputs} - produced
+    tensors = {k: v for k, v in graph.tensors.items() if k not in dropped}
+    return dataclasses.replace(graph, tensors=tensors, nodes=kept, layers=[])
+
+
+PASSES: list[tuple[str, Pass]] = [
+    ("dce", dce),  # remove dead nodes before costing them
+    ("annotate", annotate),  # node.flops / node.bytes_moved
+    ("group_layers", group_layers),  # node.layer, graph.layers with structural kinds
+]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PassOptions:
+    skip: tuple[str, ...] = ()
+    check: bool | None = None  # None: read CHECK from the environment
+    dump_dir: str | None = None  # None: read DUMP_IR from the environment
+
+
+def run_passes(graph: Graph, options: PassOptions | None = None) -> Graph:
+    opts = options or PassOptions()
+    check = opts.check if opts.check is not None else os.environ.get("CHECK", "0") not in ("", "0")
+    dump = opts.dump_dir if opts.dump_dir is not None else os.environ.get("DUMP_IR") or None
+    names = {name for name, _ in PASSES}
+    unknown = [s for s in opts.skip if s not in names]
+    if unknown:
+        raise IRError(f"unknown pass(es) {unknown} in skip", f"choose from {[n for n, _ in PASSES]}")
+    if check:
+        graph.verify()
+    for k, (name, fn) in enumerate(PASSES):
+        if name in opts.skip:
+            continue
+        graph = fn(graph)
+        if check:
+            try:
+                graph.verify()
+            except IRError as err:
+                raise IRError(f"after pass {name!r}: {err.problem}", err.fix) from None
+        if dump:
+            Path(dump).mkdir(parents=True, exist_ok=True)
+            (Path(dump) / f"{k:02d}_{name}.txt").write_text(graph.as_text())
+    return graph

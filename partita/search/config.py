@@ -1,0 +1,78 @@
+"""Training and search configuration: the frozen inputs of :func:`partita.search.planner.plan_graph`.
+
+``TrainingConfig`` is what the user trains (batch, sequence, dtype, optimizer); ``SearchOptions``
+says how widely the inter-operator DP looks. Both are frozen keyword dataclasses so a plan is a pure
+function of (graph, cluster, training, options) and the compile cache can key on them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from partita.errors import ConfigError
+from partita.ir import DTYPE_BYTES
+from partita.plan import RECOMPUTE, SCHEDULES
+
+OPTIMIZERS = ("adam", "adamw", "sgd")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainingConfig:
+    global_batch: int
+    seq_len: int
+    dtype: str = "bf16"
+    optimizer: str = "adam"
+
+    def __post_init__(self) -> None:
+        if self.global_batch < 1 or self.seq_len < 1:
+            raise ConfigError(
+                f"global_batch={self.global_batch} and seq_len={self.seq_len} must be >= 1.",
+                "pass positive integers.",
+            )
+        if self.dtype not in DTYPE_BYTES:
+            raise ConfigError(f"dtype {self.dtype!r} is unknown.", "use bf16, f16 or f32.")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"optimizer {self.optimizer!r} is unknown.", f"use one of {OPTIMIZERS}.")
+
+    def to_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SearchOptions:
+    """Knobs of the inter-operator search; the defaults are what ``partita compile`` uses.
+
+    * ``schedules``: pipeline schedules to consider. GPipe is off by default because under this cost
+      model it has 1F1B's latency and never less memory (pruning rule R4 in ``inter_op``).
+    * ``zero_stages`` / ``recompute``: per-stage options searched.
+    * ``max_tp``: largest tensor-parallel degree (also capped by devices per node, rule R1).
+    * ``max_micro_batch``: largest per-replica micro-batch tried.
+    * ``max_layer_units``: stage boundaries fall between groups of consecutive layers so that the model
+      has at most this many units (rule R2); 0 = every layer boundary.
+    * ``t_max_epsilon``: relative thinning of the t_max enumeration (rule R3); 0 = exact.
+    * ``uneven_shares``: allow stages whose replicas run on different device types (Cephalo).
+    * ``num_alternatives``: how many runner-up plans to report.
+    """
+
+    schedules: tuple[str, ...] = ("1f1b", "interleaved_1f1b")
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    recompute: tuple[str, ...] = RECOMPUTE
+    max_tp: int = 8
+    max_micro_batch: int = 32
+    max_layer_units: int = 32
+    t_max_epsilon: float = 0.002
+    uneven_shares: bool = True
+    virtual_stages: tuple[int, ...] = (2, 4)
+    num_alternatives: int = 5
+    record_time: bool = False  # put the search wall time in plan.search (breaks byte-identical plans)
+
+    def __post_init__(self) -> None:
+        bad = [s for s in self.schedules if s not in SCHEDULES]
+        if bad or not self.schedules:
+            raise ConfigError(f"schedules {bad or '()'} are unknown.", f"use some of {SCHEDULES}.")
+        if any(z not in (0, 1, 2, 3) for z in self.zero_stages) or not self.zero_stages:
+            raise ConfigError(f"zero_stages {self.zero_stages} must be a non-empty subset of 0..3.", "e.g. (0, 1).")
+        if any(r not in RECOMPUTE for r in self.recompute) or not self.recompute:
+            raise ConfigError(f"recompute {self.recompute} must be a non-empty subset of {RECOMPUTE}.", "")
+        if self.max_tp < 1 or self.max_micro_batch < 1 or self.t_max_epsilon < 0:
+            raise ConfigError("max_tp and max_micro_batch must be >= 1 and t_max_epsilon >= 0.", "fix the option.")

@@ -1,0 +1,257 @@
+"""Inter-operator DP: split the layer sequence into pipeline stages and give each a device group.
+
+Sits between ``stage_cost.py`` (which prices one stage option on a layer range) and ``planner.py``
+(which runs this DP for every outer configuration and writes the Plan). The problem, after Alpa's
+stage DP extended to device types as in Metis / AMP:
+
+* the model is ``U`` layer units; a stage is a range ``[k, j)`` of units and an *option* ``o``: a
+  device class (one device type, or a fixed mix of types whose data-parallel replicas get uneven
+  batch shares) and a width (slots of that class: ``tp`` for a ``dp x tp`` mesh, ``dp`` being fixed
+  by the outer loop);
+* ``times[o, k, j, s]`` is the stage's period per micro-batch when ``s`` stages remain including it
+  (so its in-flight activations are known), ``inf`` when it does not fit in memory;
+* device classes form *segments* visited in a fixed order, each with a capacity in slots; a
+  segment may hold zero stages and slots may stay unused;
+* objective ``alpha * sum_s t_s + beta * max_s t_s`` (``schedule.coefficients``).
+
+For a fixed bound ``t_max`` the DP over (segment i, stages left s, first unit k, slots left c) is::
+
+    G[i][s][k][c] = min( G[i+1][s][k][cap_{i+1}],                               # leave segment i
+                         min_{o in i, j > k, t=times[o,k,j,s] <= t_max} t + G[i][s-1][j][c - w_o] )
+    G[i][0][U][c] = 0
+
+and the answer is ``min_s G[0][s][0][cap_0]``, vectorized with numpy over (j, c). The outer loop
+enumerates ``t_max`` over the distinct stage times, ascending from the smallest feasible one (found
+by bisection, feasibility being monotone in ``t_max``).
+
+Pruning rules (each documented, none silent; the counts are returned):
+
+* R1 (here): stop enumerating ``t_max`` once ``alpha * sum_inf + beta * t_max >= best`` where
+  ``sum_inf`` is the unconstrained minimum of ``sum_s t_s`` (a lower bound): exact.
+* R2 (here): thin the ``t_max`` candidates so consecutive ones differ by more than ``epsilon``
+  relative; the result is within a factor ``(1 + epsilon)`` of the DP optimum. ``epsilon=0`` is exact.
+* R3 (``planner``): layer units group consecutive layers so that ``U <= max_layer_units``.
+* R4 (``planner``): GPipe is only searched on request (1F1B has its latency with no more memory).
+* R5 (``planner``): device types are visited in descending memory per device (1F1B keeps the most
+  activations in the first stages); tensor parallelism stays within a node.
+* R6 (``planner``): outer configurations whose throughput lower bound is not better than the best
+  plan found are skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+INF = math.inf
+
+
+@dataclasses.dataclass(frozen=True)
+class StageProblem:
+    """Input of :func:`solve_stages`. Arrays are indexed ``[option, k, j, s]`` as in the module doc."""
+
+    times: np.ndarray  # float64 [O, U, U + 1, S + 1]
+    option_segment: tuple[int, ...]  # per option
+    option_width: tuple[int, ...]  # per option, slots
+    capacities: tuple[int, ...]  # per segment, slots
+    alpha: float = 1.0
+    beta: float = 0.0
+
+    @property
+    def num_units(self) -> int:
+        return int(self.times.shape[1])
+
+    @property
+    def max_stages(self) -> int:
+        return int(self.times.shape[3]) - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSolution:
+    stages: tuple[tuple[int, int, int], ...]  # (k, j, option) in pipeline order
+    stage_times: tuple[float, ...]
+    objective: float  # alpha * sum + beta * max, on the actual stage times
+
+
+@dataclasses.dataclass
+class DPStats:
+    dp_runs: int = 0
+    t_max_tried: int = 0
+    t_max_candidates: int = 0
+    t_max_thinned: int = 0  # R2
+    t_max_cut: int = 0  # R1
+    stage_candidates: int = 0  # finite (option, k, j, s) entries priced
+
+    def add(self, other: DPStats) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+def _run(p: StageProblem, t_max: float) -> list[np.ndarray]:
+    """Fill ``G[i]`` (shape ``[S + 1, U + 1, cap_i + 1]``) for bound ``t_max``."""
+    num_units, max_stages = p.num_units, p.max_stages
+    times = np.where(p.times <= t_max, p.times, INF)
+    nseg = len(p.capacities)
+    g = [np.full((max_stages + 1, num_units + 1, cap + 1), INF) for cap in p.capacities]
+    for i in range(nseg):
+        g[i][0, num_units, :] = 0.0
+    by_seg: list[list[int]] = [[] for _ in range(nseg)]
+    for o, seg in enumerate(p.option_segment):
+        by_seg[seg].append(o)
+    for s in range(1, max_stages + 1):
+        for i in reversed(range(nseg)):
+            cur = g[i][s]
+            if i + 1 < nseg:
+                cur[:, :] = g[i + 1][s][:, p.capacities[i + 1], None]
+            cap = p.capacities[i]
+            prev = g[i][s - 1]
+            for o in by_seg[i]:
+                w = p.option_width[o]
+                if w > cap:
+                    continue
+                c = times[o, :, :, s]  # [U, U + 1]
+                cand = (c[:, :, None] + prev[None, :, : cap + 1 - w]).min(axis=1)  # [U, cap + 1 - w]
+                np.minimum(cur[:num_units, w:], cand, out=cur[:num_units, w:])
+    return g
+
+
+def _best_stages(p: StageProblem, g: list[np.ndarray]) -> tuple[float, int]:
+    col = g[0][:, 0, p.capacities[0]]
+    s = int(np.argmin(col))
+    return float(col[s]), s
+
+
+def _reconstruct(p: StageProblem, g: list[np.ndarray], t_max: float, s: int) -> list[tuple[int, int, int]]:
+    out: list[tuple[int, int, int]] = []
+    i, k, c = 0, 0, p.capacities[0]
+    while s > 0:
+        val = g[i][s][k, c]
+        if i + 1 < len(p.capacities) and val == g[i + 1][s][k, p.capacities[i + 1]]:
+            i, c = i + 1, p.capacities[i + 1]
+            continue
+        found = None
+        for o, seg in enumerate(p.option_segment):
+            w = p.option_width[o]
+            if seg != i or w > c:
+                continue
+            row = p.times[o, k, :, s]
+            for j in range(k + 1, p.num_units + 1):
+                t = row[j]
+                if t <= t_max and math.isfinite(t) and t + g[i][s - 1][j, c - w] == val:
+                    found = (o, j, w)
+                    break
+            if found:
+                break
+        if found is None:  # cannot happen: every finite G entry has a witness
+            raise RuntimeError(f"DP reconstruction failed at segment {i}, stage {s}, unit {k}")
+        o, j, w = found
+        out.append((k, j, o))
+        k, c, s = j, c - w, s - 1
+    return out
+
+
+def _thin(values: np.ndarray, epsilon: float) -> list[float]:
+    """Group sorted values within ``(1 + epsilon)`` of a group's first and keep each group's largest."""
+    if epsilon == 0:
+        return [float(v) for v in values]
+    kept: list[float] = []
+    first = None
+    for v in values:
+        if first is None or v > first * (1.0 + epsilon):
+            first = float(v)
+            kept.append(first)
+        else:
+            kept[-1] = float(v)
+    return kept
+
+
+def solve_stages(p: StageProblem, *, epsilon: float = 0.0, stats: DPStats | None = None) -> StageSolution | None:
+    """Best stage sequence for ``p`` (None when nothing fits). See the module docstring."""
+    st = stats if stats is not None else DPStats()
+    finite = p.times[np.isfinite(p.times)]
+    st.stage_candidates += int(finite.size)
+    if finite.size == 0:
+        return None
+    cands = np.unique(finite)
+    st.t_max_candidates += int(cands.size)
+    thinned = _thin(cands, epsilon)
+    st.t_max_thinned += int(cands.size) - len(thinned)
+
+    def run(t: float) -> tuple[float, int, list[np.ndarray]]:
+        st.dp_runs += 1
+        g = _run(p, t)
+        val, s = _best_stages(p, g)
+        return val, s, g
+
+    sum_inf, _, _ = run(INF)
+    if not math.isfinite(sum_inf):
+        return None
+    lo, hi = 0, len(thinned) - 1  # smallest feasible candidate by bisection
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if math.isfinite(run(thinned[mid])[0]):
+            hi = mid
+        else:
+            lo = mid + 1
+    best: StageSolution | None = None
+    for idx in range(lo, len(thinned)):
+        t = thinned[idx]
+        if best is not None and p.alpha * sum_inf + p.beta * t >= best.objective:
+            st.t_max_cut += len(thinned) - idx
+            break
+        st.t_max_tried += 1
+        val, s, g = run(t)
+        if not math.isfinite(val):
+            continue
+        stages = _reconstruct(p, g, t, s)
+        times = tuple(float(p.times[o, k, j, len(stages) - n]) for n, (k, j, o) in enumerate(stages))
+        obj = p.alpha * sum(times) + p.beta * max(times)
+        if best is None or obj < best.objective - 1e-12 * abs(obj):
+            best = StageSolution(tuple(stages), times, obj)
+    return best
+
+
+def brute_force_stages(p: StageProblem) -> StageSolution | None:
+    """Exhaustive reference for tests: every split, option and segment order allowed by ``p``."""
+    best: list[StageSolution | None] = [None]
+    num_units = p.num_units
+
+    def rec(k: int, seg: int, left: list[int], acc: list[tuple[int, int, int]]) -> None:
+        if k == num_units:
+            n = len(acc)
+            times = tuple(float(p.times[o, a, b, n - i]) for i, (a, b, o) in enumerate(acc))
+            if not all(math.isfinite(t) for t in times):
+                return
+            obj = p.alpha * sum(times) + p.beta * max(times)
+            if best[0] is None or obj < best[0].objective:
+                best[0] = StageSolution(tuple(acc), times, obj)
+            return
+        if len(acc) >= p.max_stages:
+            return
+        for o, sg in enumerate(p.option_segment):
+            w = p.option_width[o]
+            if sg < seg or w > left[sg]:
+                continue
+            for j in range(k + 1, num_units + 1):
+                left[sg] -= w
+                rec(j, sg, left, [*acc, (k, j, o)])
+                left[sg] += w
+
+    rec(0, 0, list(p.capacities), [])
+    return best[0]
+
+
+def stage_problem(
+    times: np.ndarray,
+    option_segment: Sequence[int],
+    option_width: Sequence[int],
+    capacities: Sequence[int],
+    alpha: float,
+    beta: float,
+) -> StageProblem:
+    return StageProblem(
+        np.asarray(times, dtype=np.float64), tuple(option_segment), tuple(option_width), tuple(capacities), alpha, beta
+    )

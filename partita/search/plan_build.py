@@ -1,0 +1,255 @@
+"""Turn the planner's winning candidate (and its runners-up) into a :class:`~partita.plan.Plan`.
+
+Used only by ``search/planner.py``: assigns ranks (contiguous per stage in ``cluster.ranks()``
+order, each device type consumed node by node so a stage spans as few nodes as possible), copies
+placements / strategies / collectives from the LayerSolutions, and fills the predicted breakdown::
+
+    step = m * t_busiest + bubble + tail      compute_s + communication_s + bubble_s = step_s
+
+where ``communication_s`` is the busiest stage's per-micro-batch communication times ``m`` plus the
+exposed gradient-sync / optimizer tail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import partita
+from partita.passes.annotate import layer_stats
+from partita.plan import Collective, Plan, Stage, validate
+from partita.search import schedule as sched
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePick:
+    k: int
+    j: int
+    option: Any  # planner.Option
+    combo: int
+
+
+@dataclasses.dataclass
+class Candidate:
+    dp: int
+    b: int
+    m: int
+    schedule: str
+    v: int
+    stages: tuple[StagePick, ...]
+    search: Any  # planner.Search
+
+    def _arr(self, i: int) -> Any:
+        p = self.stages[i]
+        return p.option.arrays[p.combo]
+
+    @property
+    def stage_times(self) -> list[float]:
+        return [float(self._arr(i).time[p.k, p.j]) for i, p in enumerate(self.stages)]
+
+    @property
+    def tails(self) -> list[float]:
+        return [float(self._arr(i).tail[p.k, p.j]) for i, p in enumerate(self.stages)]
+
+    def memory(self, i: int) -> float:
+        p = self.stages[i]
+        return float(self._arr(i).memory[p.k, p.j, len(self.stages) - i])
+
+    @property
+    def pipeline(self) -> sched.PipelineTime:
+        return sched.pipeline_time(self.stage_times, self.schedule, self.m, self.v)
+
+    @property
+    def step_time(self) -> float:
+        return self.pipeline.step_s + max(self.tails)
+
+    def breakdown(self) -> dict[str, float]:
+        times = self.stage_times
+        busiest = max(range(len(times)), key=lambda i: times[i])
+        p = self.stages[busiest]
+        comm = float(self._arr(busiest).comm[p.k, p.j])
+        tail = max(self.tails)
+        pt = self.pipeline
+        return {
+            "compute_s": self.m * (times[busiest] - comm),
+            "communication_s": self.m * comm + tail,
+            "bubble_s": pt.bubble_s,
+            "tail_s": tail,
+        }
+
+    def summary(self) -> str:
+        parts = []
+        for p in self.stages:
+            z, r = p.option.combos[p.combo]
+            dev = (
+                "+".join(f"{a}x{d.name}" for d, a, _ in p.option.devices)
+                if len(p.option.devices) > 1
+                else p.option.devices[0][0].name
+            )
+            parts.append(f"[{p.j - p.k}u {dev} {self.dp}x{p.option.tp} z{z} {r}]")
+        v = f" v={self.v}" if self.v > 1 else ""
+        return f"dp={self.dp} b={self.b} m={self.m} {self.schedule}{v} " + " ".join(parts)
+
+
+def _why(c: Candidate, best: Candidate) -> str:
+    a, b = c.breakdown(), best.breakdown()
+    slower = (c.step_time / best.step_time - 1) * 100
+    deltas = {
+        "bubble": a["bubble_s"] - b["bubble_s"],
+        "communication": a["communication_s"] - b["communication_s"],
+        "compute": a["compute_s"] - b["compute_s"],
+    }
+    k = max(deltas, key=lambda x: deltas[x])
+    return f"slower by {slower:.1f}% mostly because of more {k} (+{deltas[k]:.3g} s)"
+
+
+def _assign_ranks(c: Candidate) -> tuple[list[list[int]], list[int]]:
+    cl = c.search.cluster
+    queues: dict[str, list[int]] = {}
+    for rank, dev, _node in cl.ranks():
+        queues.setdefault(dev, []).append(rank)
+    per_stage = []
+    for p in c.stages:
+        ranks: list[int] = []
+        for d, reps, _share in p.option.devices:
+            for _ in range(reps):
+                ranks.extend(queues[d.name][: p.option.tp])
+                del queues[d.name][: p.option.tp]
+        per_stage.append(ranks)
+    used = sorted(r for rs in per_stage for r in rs)
+    pos = {r: i for i, r in enumerate(used)}
+    return [[pos[r] for r in rs] for rs in per_stage], used
+
+
+def build_plan(search: Any, cands: list[Candidate], elapsed_s: float) -> Plan:
+    order = sorted(cands, key=lambda c: (round(c.step_time, 12), c.summary()))
+    best = order[0]
+    g, tr = search.graph, search.training
+    stage_ranks, used = _assign_ranks(best)
+    stages = []
+    for i, (p, ranks) in enumerate(zip(best.stages, stage_ranks)):
+        z, r = p.option.combos[p.combo]
+        a0, b0 = search.units[p.k][0], search.units[p.j - 1][1]
+        layers = tuple(lay.name for lay in g.layers[a0:b0])
+        dev0 = p.option.devices[0][0]
+        placements: dict[str, tuple[str, ...]] = {}
+        strategies: dict[str, str] = {}
+        colls: list[Collective] = []
+        for li in range(a0, b0):
+            hit = search.costs.layer(li, dev0, p.option.tp, p.option.devices[0][2])
+            sol = hit[1]
+            placements.update({k: tuple(v) for k, v in sol.param_placements.items()})
+            strategies.update(sol.op_strategies)
+            for cc in sol.collectives:
+                n = cc.count if cc.phase == "optimizer" else cc.count * best.m
+                colls.append(dataclasses.replace(cc, count=n))
+        arr = p.option.arrays[p.combo]
+        if best.dp > 1:
+            gbytes = float(sum(search.costs.layer(li, dev0, p.option.tp, 1)[0].grad_bytes for li in range(a0, b0)))
+            kind = "all_reduce" if z == 0 else "reduce_scatter"
+            colls.append(Collective(kind, "dp", gbytes, 1 if z < 2 else best.m, "optimizer", "gradient sync (dp)"))
+        if i + 1 < len(best.stages):
+            bnd = float(search.costs.layer(b0 - 1, dev0, p.option.tp, p.option.devices[0][2])[0].boundary_bytes)
+            colls.append(Collective("p2p", "pp", bnd, best.m * best.v, "forward", f"activation to stage {i + 1}"))
+        mixed = len(p.option.devices) > 1
+        t = float(arr.time[p.k, p.j])
+        comm = float(arr.comm[p.k, p.j])
+        stages.append(
+            Stage(
+                index=i,
+                layers=layers,
+                device_type="mixed" if mixed else dev0.name,
+                ranks=tuple(ranks),
+                dp=best.dp,
+                tp=p.option.tp,
+                zero_stage=z,
+                recompute=r,
+                batch_shares=tuple(p.option.shares) if mixed else (),
+                replica_device_types=tuple(d.name for d, a, _ in p.option.devices for _ in range(a)) if mixed else (),
+                param_placements=placements,
+                op_strategies=strategies,
+                collectives=tuple(colls),
+                predicted={
+                    "time_s": t,
+                    "compute_s": t - comm,
+                    "comm_s": comm,
+                    "forward_s": (t - comm) / 3,
+                    "tail_s": float(arr.tail[p.k, p.j]),
+                    "memory_bytes": best.memory(i),
+                    "in_flight": sched.in_flight(best.schedule, i, len(best.stages), best.m, best.v),
+                },
+            )
+        )
+    br = best.breakdown()
+    step = best.step_time
+    stats = layer_stats(g, {"B": tr.global_batch, "S": tr.seq_len})
+    flops = float(sum(s.forward_flops + s.backward_flops for s in stats))
+    if search.costs.linear_batch:
+        flops *= tr.global_batch
+    used_devs = [search.cluster.ranks()[r][1] for r in used]
+    peak = sum(next(d for d in search.types if d.name == n).flops(tr.dtype) for n in used_devs)
+    mem = {}
+    for i, s in enumerate(stages):
+        mem[f"stage{i}:{s.device_type}"] = best.memory(i)
+    alts = []
+    seen = {best.summary()}
+    for c in order[1:]:
+        if c.summary() in seen:
+            continue
+        seen.add(c.summary())
+        alts.append({"summary": c.summary(), "step_time_s": c.step_time, "why": _why(c, best)})
+        if len(alts) >= search.options.num_alternatives:
+            break
+    sst = search.stats
+    ilp = {
+        "num_solves": search.costs.num_solves,
+        "memo_entries": len(search.costs.memo),
+        "memo_hits": search.costs.memo.hits,
+    }
+    search_d: dict[str, Any] = {
+        "num_candidates": sst.stage_candidates,
+        "dp_runs": sst.dp_runs,
+        "t_max_tried": sst.t_max_tried,
+        "t_max_candidates": sst.t_max_candidates,
+        "t_max_thinned_R2": sst.t_max_thinned,
+        "t_max_cut_R1": sst.t_max_cut,
+        "num_configs": search.num_configs,
+        "num_plans_compared": len(cands),
+        "layer_units": len(search.units),
+        "ilp": ilp,
+        "alternatives": alts,
+    }
+    if getattr(search.options, "record_time", False):
+        search_d["time_s"] = elapsed_s
+    plan = Plan(
+        model={
+            "name": g.meta.get("model", g.name),
+            "framework": g.meta.get("framework", ""),
+            "graph_hash": g.hash(),
+            "num_params": g.num_params(),
+            "layers": [lay.name for lay in g.layers],
+        },
+        cluster={
+            "name": search.cluster.name,
+            "fingerprint": search.cluster.fingerprint(),
+            "spec": search.cluster.to_dict(),
+            "rank_map": used,
+        },
+        training=tr.to_dict(),
+        stages=tuple(stages),
+        schedule=best.schedule,
+        micro_batch_size=best.b,
+        num_micro_batches=best.m,
+        num_virtual_stages=best.v,
+        predicted={
+            "step_time_s": step,
+            **br,
+            "memory_per_device": mem,
+            "tokens_per_s": tr.global_batch * tr.seq_len / step,
+            "mfu": flops / step / peak if peak else 0.0,
+        },
+        search=search_d,
+        partita_version=partita.__version__,
+    )
+    validate(plan)
+    return plan

@@ -1,0 +1,335 @@
+"""The planner: ``plan_graph(graph, cluster, training) -> Plan``, the search's entry point.
+
+Called by ``compiler/driver.py``. For every outer configuration (data-parallel degree ``dp``,
+per-replica micro-batch ``b``, hence ``m = global_batch / (b * dp)`` micro-batches) it prices every
+stage option with ``stage_cost.py`` (per-layer LayerSolutions from the intra-op ILP, memoised by
+layer kind), runs the stage DP of ``inter_op.py`` and keeps the best plans; the winner is written
+as a :class:`~partita.plan.Plan` with its runners-up and why they lost.
+
+Families of stage options (pruning rules R3-R6 are in ``inter_op``'s docstring):
+
+* *pure*: each stage runs on one device type, ``dp x tp`` devices, ``tp`` a power of two within a
+  node; device types are DP segments in descending memory per device;
+* *mixed* (Cephalo): every stage has the same mix, ``a_t = dp * n_t / N`` replicas of type ``t``;
+  replica shares of each micro-batch are proportional to the type's throughput (integers summing
+  to ``b * dp``), the gradient average is weighted by them; the stage's period is its slowest
+  replica's.
+
+All stages share ``dp`` (the Plan keeps one ``micro_batch_size``); ``tp``, device type, ZeRO stage
+and recompute are per stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from partita.cluster import Cluster, DeviceType
+from partita.errors import InfeasibleError
+from partita.ir import Graph
+from partita.plan import Plan
+from partita.search import schedule as sched
+from partita.search.config import SearchOptions, TrainingConfig
+from partita.search.inter_op import DPStats, solve_stages, stage_problem
+from partita.search.plan_build import Candidate, StagePick, build_plan
+from partita.search.stage_cost import (
+    SolverCosts,
+    StageFactors,
+    UnitTable,
+    affine,
+    dp_link,
+    p2p_time_fn,
+    stage_arrays,
+)
+
+DEFAULT_OPTIONS = SearchOptions()
+ZERO_RECOMPUTE = [(z, r) for r in ("none", "selective", "full") for z in (0, 1, 2, 3)]
+
+
+def layer_units(num_layers: int, max_units: int) -> list[tuple[int, int]]:
+    """Rule R3: consecutive layers grouped so there are at most ``max_units`` units."""
+    if max_units <= 0 or num_layers <= max_units:
+        return [(i, i + 1) for i in range(num_layers)]
+    g = math.ceil(num_layers / max_units)
+    return [(a, min(a + g, num_layers)) for a in range(0, num_layers, g)]
+
+
+def powers_of_two(limit: int) -> list[int]:
+    out, x = [], 1
+    while x <= limit:
+        out.append(x)
+        x *= 2
+    return out
+
+
+@dataclasses.dataclass
+class Option:
+    """One DP option: a device class and a tp width, with per (zero, recompute) arrays."""
+
+    segment: int
+    width: int
+    tp: int
+    devices: tuple[tuple[DeviceType, int, int], ...]  # (device, replicas of it, share per replica)
+    shares: tuple[int, ...]  # per replica
+    arrays: list  # per combo: StageArrays (slowest device class)
+    combos: list[tuple[int, str]]
+    best: np.ndarray  # [U, U+1, S+1] min time over combos that fit
+    pick: np.ndarray  # [U, U+1, S+1] combo index
+
+
+class Search:
+    """Prices stage options for one (graph, cluster, training) and runs the DP per configuration."""
+
+    def __init__(
+        self,
+        graph: Graph,
+        cluster: Cluster,
+        training: TrainingConfig,
+        options: SearchOptions,
+        costs: SolverCosts | None = None,
+        factors: StageFactors | None = None,
+    ) -> None:
+        self.graph, self.cluster, self.training, self.options = graph, cluster, training, options
+        self.costs = costs or SolverCosts(graph, cluster, training)
+        self.factors = factors or StageFactors()
+        self.units = layer_units(len(graph.layers), options.max_layer_units)
+        self.types = sorted(cluster.device_types(), key=lambda d: (-d.memory_bytes, -d.flops(training.dtype), d.name))
+        self.stats = DPStats()
+        self.num_configs = 0
+        self.num_configs_pruned = 0
+        self._tables: dict[tuple, UnitTable | None] = {}
+
+    # ---- per-unit tables -----------------------------------------------------------------
+    def table(self, dev: DeviceType, tp: int, b: int) -> UnitTable | None:
+        key = (dev.name, tp, b)
+        if key not in self._tables:
+            rows = [self.costs.layer(i, dev, tp, b) for i in range(len(self.graph.layers))]
+            self._tables[key] = (
+                None if any(r is None for r in rows) else UnitTable.build([r[0] for r in rows], self.units)
+            )
+        return self._tables[key]
+
+    def tps(self, dev: DeviceType) -> list[int]:
+        return [t for t in powers_of_two(min(self.options.max_tp, self.cluster.gpus_per_node(dev.name)))]
+
+    # ---- stage options -----------------------------------------------------------------
+    def arrays(
+        self, devs: tuple[tuple[DeviceType, int, int], ...], dp: int, tp: int, in_flight: np.ndarray, p2p_mult: int
+    ) -> tuple[list, np.ndarray, np.ndarray, list[tuple[int, str]]] | None:
+        """Per combo arrays for a device class; ``best``/``pick`` over combos that fit everywhere."""
+        per_combo: list[Any] = []
+        times: list[np.ndarray] = []
+        combos = [(z, r) for z, r in ZERO_RECOMPUTE if z in self.options.zero_stages and r in self.options.recompute]
+        if dp == 1:
+            combos = [(z, r) for z, r in combos if z == 0]
+        tabs = []
+        for dev, _, share in devs:
+            tab = self.table(dev, tp, share)
+            if tab is None:
+                return None
+            tabs.append(tab)
+        for z, r in combos:
+            worst: Any = None
+            ok: Any = None
+            for (dev, _, _), tab in zip(devs, tabs):
+                cm = self.costs.cost_model(dev)
+                gpn = self.cluster.gpus_per_node(dev.name)
+                link = dp_link(dev, dp, tp, tp if len(devs) > 1 else gpn, self.cluster.network)
+                single_node = self.cluster.count(dev.name) <= gpn and len(devs) == 1 and len(self.types) == 1
+                a = stage_arrays(
+                    tab,
+                    dp=dp,
+                    zero=z,
+                    recompute=r,
+                    in_flight=in_flight,
+                    allreduce=affine(cm, "all_reduce", link),
+                    reduce_scatter=affine(cm, "reduce_scatter", link),
+                    all_gather=affine(cm, "all_gather", link),
+                    p2p=p2p_time_fn(dev, cm, self.cluster.network, single_node, self.factors, gpn),
+                    p2p_mult=p2p_mult,
+                    hbm_bandwidth=dev.hbm_bandwidth,
+                    factors=self.factors,
+                )
+                fit = a.memory <= dev.memory_bytes * self.factors.memory_usable
+                ok = fit if ok is None else ok & fit
+                worst = (
+                    a
+                    if worst is None
+                    else dataclasses.replace(
+                        worst,
+                        time=np.maximum(worst.time, a.time),
+                        tail=np.maximum(worst.tail, a.tail),
+                        memory=np.maximum(worst.memory, a.memory),
+                    )
+                )
+            per_combo.append(worst)
+            times.append(np.where(ok, worst.time[:, :, None], np.inf))
+        stack = np.stack(times)
+        return per_combo, stack.min(axis=0), stack.argmin(axis=0), combos
+
+    def mixes(self, dp: int, b: int) -> list[tuple[tuple[DeviceType, int, int], ...]]:
+        """Device classes: each type alone, and the Cephalo mix (replicas proportional to counts)."""
+        out: list[tuple[tuple[DeviceType, int, int], ...]] = [((d, dp, b),) for d in self.types]
+        n = self.cluster.num_devices
+        if self.options.uneven_shares and len(self.types) > 1 and dp > 1:
+            reps = [dp * self.cluster.count(d.name) / n for d in self.types]
+            if all(x == int(x) and x >= 1 for x in reps):
+                thr = []
+                for d in self.types:
+                    tab = self.table(d, 1, b)
+                    thr.append(0.0 if tab is None else 1.0 / float(tab.fwd.sum() + tab.bwd.sum()))
+                if all(t > 0 for t in thr):
+                    tot = sum(int(a) * t for a, t in zip(reps, thr))
+                    raw = [b * dp * t / tot for t in thr]
+                    shares = [max(1, round(x)) for x in raw]
+                    diff = b * dp - sum(int(a) * s for a, s in zip(reps, shares))
+                    order = sorted(range(len(shares)), key=lambda i: -thr[i])
+                    while diff != 0:  # fix the total on the fastest types, whole replicas at a time
+                        moved = False
+                        for i in order:
+                            step = int(reps[i]) * (1 if diff > 0 else -1)
+                            if abs(diff) >= int(reps[i]) and shares[i] + step // int(reps[i]) >= 1:
+                                shares[i] += step // int(reps[i])
+                                diff -= step
+                                moved = True
+                                break
+                        if not moved:
+                            break
+                    if diff == 0 and len(set(shares)) > 1:
+                        out.append(tuple((d, int(a), s) for d, a, s in zip(self.types, reps, shares)))
+        return out
+
+    def options_for(self, dp: int, b: int, m: int, schedule: str, v: int) -> tuple[list[Option], list[int], list]:
+        num_units = len(self.units)
+        caps_pure = [self.cluster.count(d.name) // dp for d in self.types]
+        max_stages = max(1, min(num_units, sum(caps_pure)))
+        in_flight = np.array([0.0] + [sched.in_flight(schedule, 0, s, m, v) for s in range(1, max_stages + 1)])
+        opts: list[Option] = []
+        segments: list[int] = []
+        for cls in self.mixes(dp, b):
+            if len(cls) == 1:
+                cap = self.cluster.count(cls[0][0].name) // dp
+            else:
+                cap = min(self.cluster.count(d.name) // a for d, a, _ in cls)
+            if cap < 1:
+                continue
+            seg = len(segments)
+            segments.append(cap)
+            tps = sorted(set.intersection(*[set(self.tps(d)) for d, _, _ in cls]))
+            for tp in tps:
+                if tp > cap:
+                    continue
+                got = self.arrays(cls, dp, tp, in_flight, sched.p2p_multiplier(schedule, v))
+                if got is None:
+                    continue
+                per_combo, best, pick, combos = got
+                shares = tuple(s for _, a, s in cls for _ in range(a))
+                opts.append(Option(seg, tp, tp, cls, shares, per_combo, combos, best, pick))
+        return opts, segments, [len(c) > 1 for c in self.mixes(dp, b)]
+
+    def solve_config(self, dp: int, b: int, schedule: str, v: int = 1) -> list[Candidate]:
+        """Best plan of each family (pure / mixed) for one outer configuration."""
+        m = self.training.global_batch // (b * dp)
+        opts, caps, _ = self.options_for(dp, b, m, schedule, v)
+        if not opts:
+            return []
+        alpha, beta = sched.coefficients(schedule, m, v)
+        out = []
+        mixed_segs = {o.segment for o in opts if len(o.devices) > 1}
+        families = [[o for o in opts if o.segment not in mixed_segs]]
+        if mixed_segs:
+            families.append([o for o in opts if o.segment in mixed_segs])
+        for fam in families:
+            if not fam:
+                continue
+            segs = sorted({o.segment for o in fam})
+            remap = {s: i for i, s in enumerate(segs)}
+            times = np.stack([o.best for o in fam])
+            p = stage_problem(
+                times, [remap[o.segment] for o in fam], [o.width for o in fam], [caps[s] for s in segs], alpha, beta
+            )
+            sol = solve_stages(p, epsilon=self.options.t_max_epsilon, stats=self.stats)
+            if sol is None:
+                continue
+            picks = []
+            n = len(sol.stages)
+            for idx, (k, j, o) in enumerate(sol.stages):
+                opt = fam[o]
+                c = int(opt.pick[k, j, n - idx])
+                picks.append(StagePick(k, j, opt, c))
+            out.append(Candidate(dp, b, m, schedule, v, tuple(picks), self))
+        return out
+
+
+def plan_graph(
+    graph: Graph,
+    cluster: Cluster,
+    training: TrainingConfig,
+    *,
+    options: SearchOptions = DEFAULT_OPTIONS,
+    progress: Callable[[str], None] | bool | None = None,
+    costs: SolverCosts | None = None,
+    factors: StageFactors | None = None,
+) -> Plan:
+    """Search the plan space (module docstring) and return the fastest plan that fits."""
+    t0 = time.perf_counter()
+    say = progress if callable(progress) else (print if progress else (lambda _s: None))
+    search = Search(graph, cluster, training, options, costs, factors)
+    cands: list[Candidate] = []
+    schedules = [s for s in options.schedules if s != "interleaved_1f1b"] or ["1f1b"]
+    n = cluster.num_devices
+    for dp in powers_of_two(n):
+        for b in powers_of_two(options.max_micro_batch):
+            if training.global_batch % (b * dp):
+                continue
+            for schedule in schedules:
+                search.num_configs += 1
+                found = search.solve_config(dp, b, schedule)
+                cands.extend(found)
+                if found:
+                    say(f"dp={dp} b={b} {schedule}: {min(c.step_time for c in found):.4f} s")
+    if "interleaved_1f1b" in options.schedules:
+        base = sorted(cands, key=lambda c: c.step_time)[:3]
+        for c in base:
+            for v in options.virtual_stages:
+                if len(c.stages) > 1 and all((p.j - p.k) % v == 0 for p in c.stages):
+                    search.num_configs += 1
+                    cands.extend(search.solve_config(c.dp, c.b, "interleaved_1f1b", v))
+    if not cands:
+        raise _infeasible(search)
+    return build_plan(search, cands, time.perf_counter() - t0)
+
+
+def _infeasible(search: Search) -> InfeasibleError:
+    """Smallest per-device memory any configuration needed, per device type."""
+    need: dict[str, float] = {}
+    for dp in powers_of_two(search.cluster.num_devices):
+        b = 1
+        if search.training.global_batch % dp:
+            continue
+        m = search.training.global_batch // dp
+        opts, caps, _ = search.options_for(dp, b, m, "1f1b", 1)
+        for o in opts:
+            if len(o.devices) > 1:
+                continue
+            name = o.devices[0][0].name
+            cap = caps[o.segment]
+            pp = max(1, min(len(search.units), cap // o.width))
+            for a in o.arrays:
+                mem = (
+                    a.memory[0, len(search.units), 1]
+                    if pp == 1
+                    else float(np.nanmin(np.where(np.isfinite(a.memory[:, :, pp]), a.memory[:, :, pp], np.inf)))
+                )
+                need[name] = min(need.get(name, math.inf), float(mem))
+    have = {d.name: d.memory_bytes for d in search.types}
+    parts = [f"{k}: needs >= {v / 1e9:.1f} GB per device, has {have[k] / 1e9:.1f} GB" for k, v in sorted(need.items())]
+    return InfeasibleError(
+        "no plan fits in memory (" + ("; ".join(parts) or "no stage option could run the model") + ").",
+        "add devices, use devices with more memory, or lower the global batch / sequence length.",
+    )

@@ -1,0 +1,354 @@
+"""Per-stage cost and memory from per-layer LayerSolutions, with ZeRO, recompute and grad-sync overlap.
+
+Sits between the intra-op search (``search/intra_op.py`` via ``search/memo.py``, one
+:class:`LayerSolution` per (layer kind, device type, ``(1, tp)`` mesh, per-replica micro-batch))
+and the inter-op DP (``search/inter_op.py``), which needs ``times[k, j, s]`` and memory for every
+layer-unit range ``[k, j)``. Data parallelism is applied here analytically: layer solutions are
+per replica, and the ``dp`` replicas add the gradient sync and the ZeRO sharding.
+
+Per micro-batch period of a stage (one replica)::
+
+    t = fwd + bwd  (+ fwd of the attention core: selective)  (+ fwd: full recompute)
+    ZeRO-2/3: t = max(t, RS(grads))  ZeRO-3: t = max(t, 2 AG(params) + RS(grads))  (prefetch overlaps)
+    + p2p receive of the input activation and send of its gradient (``p2p_s``)
+
+Memory per device: ``params / dp^[z>=3] + grads / dp^[z>=2] + optimizer / dp^[z>=1]
++ in_flight(s) * saved + transient`` where ``saved`` is all saved activations (none), minus the
+attention core (selective), or only the layer inputs (full, with one layer's activations as the
+transient). It must stay under ``memory_usable`` of the device memory.
+
+Tail after the pipeline drains (bucketed wait-free backprop): the dp gradient all-reduce (ZeRO-0)
+or reduce-scatter (ZeRO-1..3) overlaps the last backward, ``exposed = max(sync / n, sync -
+overlap * bwd)`` for a stage of ``n`` layers; ZeRO-1/2 then all-gather the updated parameters; the
+optimizer step streams its states through HBM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from partita.cluster import DeviceType, Network
+from partita.search.cost_model import CostModel
+from partita.search.mesh import AxisLink, LogicalMesh
+
+
+@dataclasses.dataclass(frozen=True)
+class StageFactors:
+    """Stage-level calibration (the ``"stage"`` section of a calibration profile)."""
+
+    memory_usable: float = 0.92  # fraction of device memory plans may use (allocator, context)
+    grad_overlap: float = 1.0  # fraction of the last backward that hides the gradient sync
+    p2p_efficiency: float = 0.85  # achieved / link bandwidth for stage-to-stage sends
+    optimizer_passes: float = 2.0  # read + write of every optimizer byte per step
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCost:
+    """One layer on one replica (a ``(1, tp)`` mesh), per micro-batch, per device."""
+
+    forward_s: float
+    backward_s: float
+    comm_s: float
+    param_bytes: float
+    grad_bytes: float
+    optimizer_bytes: float
+    activation_bytes: float
+    boundary_bytes: float  # output activation (p2p size if a stage ends here)
+    input_bytes: float  # input activation (kept under full recompute)
+    tp_sync_s: float = 0.0  # gradient sync on the tp axis itself (partial grads), once per step
+    selective_bytes: float = 0.0  # saved bytes selective recompute drops (attention core)
+    selective_s: float = 0.0  # forward time it redoes
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitTable:
+    """Per layer-unit arrays (a unit is a run of consecutive layers), one device type, tp, micro-batch."""
+
+    fwd: np.ndarray
+    bwd: np.ndarray
+    comm: np.ndarray
+    params: np.ndarray
+    grads: np.ndarray
+    opt: np.ndarray
+    act: np.ndarray
+    inputs: np.ndarray
+    sel_bytes: np.ndarray
+    sel_s: np.ndarray
+    tp_sync: np.ndarray
+    max_layer_act: np.ndarray
+    max_layer_params: np.ndarray
+    boundary: np.ndarray  # bytes leaving the unit
+    num_layers: np.ndarray
+
+    @staticmethod
+    def build(costs: Sequence[LayerCost], units: Sequence[tuple[int, int]]) -> UnitTable:
+        def agg(f: str, red=sum) -> np.ndarray:  # noqa: ANN001
+            return np.array([red(getattr(costs[i], f) for i in range(a, b)) for a, b in units], dtype=np.float64)
+
+        return UnitTable(
+            agg("forward_s"),
+            agg("backward_s"),
+            agg("comm_s"),
+            agg("param_bytes"),
+            agg("grad_bytes"),
+            agg("optimizer_bytes"),
+            agg("activation_bytes"),
+            agg("input_bytes"),
+            agg("selective_bytes"),
+            agg("selective_s"),
+            agg("tp_sync_s"),
+            agg("activation_bytes", max),
+            agg("param_bytes", max),
+            np.array([costs[b - 1].boundary_bytes for a, b in units], dtype=np.float64),
+            np.array([b - a for a, b in units], dtype=np.float64),
+        )
+
+
+def _range_sum(x: np.ndarray) -> np.ndarray:
+    """``R[k, j] = sum(x[k:j])`` for k < j (0 elsewhere), shape [U, U + 1]."""
+    c = np.concatenate([[0.0], np.cumsum(x)])
+    r = c[None, :] - c[:-1, None]
+    return np.where(np.triu(np.ones_like(r, dtype=bool), 1), r, 0.0)
+
+
+def _range_max(x: np.ndarray) -> np.ndarray:
+    n = len(x)
+    r = np.zeros((n, n + 1))
+    for k in range(n):
+        r[k, k + 1 :] = np.maximum.accumulate(x[k:])
+    return r
+
+
+def affine(cm: CostModel, kind: str, link: AxisLink) -> tuple[float, float]:
+    """``(intercept, slope)`` of ``cm.collective_time(kind, bytes, link)`` (affine in bytes)."""
+    if link.size <= 1:
+        return 0.0, 0.0
+    t1, t2 = cm.collective_time(kind, 1e6, link), cm.collective_time(kind, 2e6, link)
+    return 2 * t1 - t2, (t2 - t1) / 1e6
+
+
+def dp_link(device: DeviceType, dp: int, tp: int, gpus_per_node: int, network: Network) -> AxisLink:
+    return LogicalMesh((dp, tp), ("dp", "tp"), device, gpus_per_node, network).link(0)
+
+
+def p2p_time_fn(
+    device: DeviceType, cm: CostModel, network: Network, intra_node: bool, factors: StageFactors, gpus_per_node: int
+) -> tuple[float, float]:
+    """``(latency, seconds per byte)`` of one stage-to-stage send from one device."""
+    if intra_node:
+        bw = device.intra_node_bandwidth * cm.efficiency.collective_bandwidth
+        return device.intra_node_latency, 1.0 / bw
+    return network.latency, 1.0 / (network.nic_bandwidth / gpus_per_node * factors.p2p_efficiency)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageArrays:
+    time: np.ndarray  # [U, U + 1] period per micro-batch, p2p included
+    memory: np.ndarray  # [U, U + 1, S + 1] bytes per device
+    tail: np.ndarray  # [U, U + 1] exposed sync + optimizer step, once per step
+    compute: np.ndarray  # [U, U + 1] compute part of time
+    comm: np.ndarray  # [U, U + 1] communication part of time
+
+
+def stage_arrays(
+    tab: UnitTable,
+    *,
+    dp: int,
+    zero: int,
+    recompute: str,
+    in_flight: np.ndarray,
+    allreduce: tuple[float, float],
+    reduce_scatter: tuple[float, float],
+    all_gather: tuple[float, float],
+    p2p: tuple[float, float],
+    p2p_mult: int,
+    hbm_bandwidth: float,
+    factors: StageFactors,
+) -> StageArrays:
+    """All layer ranges of one stage option at once (module docstring for the formulas)."""
+    fwd, bwd, comm = _range_sum(tab.fwd), _range_sum(tab.bwd), _range_sum(tab.comm)
+    params, grads, opt = _range_sum(tab.params), _range_sum(tab.grads), _range_sum(tab.opt)
+    nlay = _range_sum(tab.num_layers)
+    valid = nlay > 0
+    transient: Any = 0.0
+    if recompute == "none":
+        t, saved = fwd + bwd, _range_sum(tab.act)
+    elif recompute == "selective":
+        t, saved = fwd + bwd + _range_sum(tab.sel_s), _range_sum(tab.act - tab.sel_bytes)
+    else:
+        t, saved, transient = 2 * fwd + bwd, _range_sum(tab.inputs), _range_max(tab.max_layer_act)
+    compute = t - comm * (2 if recompute == "full" else 1)
+    sync_comm = np.zeros_like(t)
+    rs = reduce_scatter[0] + reduce_scatter[1] * grads if dp > 1 else 0.0 * grads
+    ag = all_gather[0] + all_gather[1] * params if dp > 1 else 0.0 * params
+    if zero == 2:
+        sync_comm = rs
+    elif zero == 3:
+        sync_comm = 2 * ag + rs
+    t_mb = np.maximum(t, sync_comm)
+    comm_total = comm + np.maximum(0.0, sync_comm - t)
+    recv = np.zeros(len(tab.fwd))
+    recv[1:] = p2p_mult * 2 * (p2p[0] + p2p[1] * tab.boundary[:-1])  # activation in, its gradient out
+    t_mb = t_mb + recv[:, None]
+    comm_total = comm_total + recv[:, None]
+
+    shard = float(dp)
+    mem_static = (
+        params / (shard if zero >= 3 else 1.0)
+        + grads / (shard if zero >= 2 else 1.0)
+        + opt / (shard if zero >= 1 else 1.0)
+        + (_range_max(tab.max_layer_params) if zero >= 3 else 0.0)
+    )
+    memory = mem_static[:, :, None] + saved[:, :, None] * in_flight[None, None, :] + np.asarray(transient)[..., None]
+    if dp > 1:
+        sync = allreduce[0] + allreduce[1] * grads if zero == 0 else rs
+    else:
+        sync = np.zeros_like(grads)
+    window = factors.grad_overlap * bwd
+    exposed = np.where(sync > 0, np.maximum(sync / np.maximum(nlay, 1), sync - window), 0.0)
+    if zero in (1, 2) and dp > 1:
+        exposed = exposed + ag
+    exposed = exposed + _range_sum(tab.tp_sync)
+    touched = (params + grads + opt) / (shard if zero >= 1 else 1.0)
+    tail = exposed + factors.optimizer_passes * touched / (hbm_bandwidth * 0.8)
+    inf = np.inf
+    return StageArrays(
+        np.where(valid, t_mb, inf),
+        np.where(valid[:, :, None], memory, inf),
+        np.where(valid, tail, 0.0),
+        np.where(valid, compute, 0.0),
+        np.where(valid, comm_total, 0.0),
+    )
+
+
+class SolverCosts:
+    """Adapter from ``IntraOpMemo.solve`` to :class:`LayerCost`: one ILP per (kind, device, tp, batch).
+
+    Layers are solved on a ``(1, tp)`` mesh with ``env = {"B": micro_batch, "S": seq}``. A graph
+    traced with static shapes (no ``B`` symbol) is solved at its own batch and scaled linearly
+    (times, activations; parameters unchanged), which :attr:`linear_batch` records.
+    """
+
+    def __init__(self, graph, cluster, training, memo=None) -> None:  # noqa: ANN001
+        from partita.search.memo import IntraOpMemo
+
+        self.graph, self.cluster, self.training = graph, cluster, training
+        self.memo = memo or IntraOpMemo()
+        self.linear_batch = "B" not in graph.symbols and not any(
+            "B" in {str(x) for d in t.shape for x in getattr(d, "free_symbols", ())} for t in graph.tensors.values()
+        )
+        self._cm: dict[str, CostModel] = {}
+        self._nodes: dict[int, tuple[int, int]] = {}
+        self._cache: dict[tuple, tuple[LayerCost, object] | None] = {}
+        self.solve_time_s = 0.0
+        self.num_solves = 0
+
+    def cost_model(self, device: DeviceType) -> CostModel:
+        if device.name not in self._cm:
+            self._cm[device.name] = CostModel.for_device(device)
+        return self._cm[device.name]
+
+    def layer(self, index: int, device: DeviceType, tp: int, micro_batch: int):  # noqa: ANN201
+        """``(LayerCost, LayerSolution)`` for layer ``index`` or None if the layer cannot run on tp."""
+        import time
+
+        from partita.errors import PartitaError
+
+        lay = self.graph.layers[index]
+        b = 1 if self.linear_batch else micro_batch
+        key = (lay.kind, index == 0, device.name, tp, b)
+        if key not in self._cache:
+            mesh = LogicalMesh(
+                (1, tp), ("dp", "tp"), device, max(tp, self.cluster.gpus_per_node(device.name)), self.cluster.network
+            )
+            t0 = time.perf_counter()
+            sol = None
+            for budget in (None, 1e18):  # the device's memory first; unbounded lets the stage check report it
+                try:
+                    sol = self.memo.solve(
+                        self.graph,
+                        lay,
+                        mesh,
+                        env={"B": b, "S": self.training.seq_len},
+                        dtype=self.training.dtype,
+                        optimizer=_opt(self.training.optimizer),
+                        cost_model=self.cost_model(device),
+                        memory_budget=budget,
+                    )
+                    break
+                except PartitaError:
+                    continue
+            self.solve_time_s += time.perf_counter() - t0
+            self.num_solves += 1
+            self._cache[key] = None if sol is None else (self._from_solution(sol, index, b), sol)
+        hit = self._cache[key]
+        if hit is None:
+            return None
+        cost, sol = hit
+        scale = micro_batch / b
+        if scale != 1:
+            # Per kernel t = (F + H) / (peak * e) + overhead (cost_model's saturating curve): the
+            # intercept does not grow with the batch, the rest does.
+            icpt = self._intercept(index, device)
+            fi = min(icpt, 0.9 * (cost.forward_s - cost.comm_s / 2))
+            bi = min(icpt, 0.9 * (cost.backward_s - cost.comm_s / 2))
+            cost = dataclasses.replace(
+                cost,
+                forward_s=(cost.forward_s - fi) * scale + fi,
+                backward_s=(cost.backward_s - bi) * scale + bi,
+                comm_s=cost.comm_s * scale,
+                activation_bytes=cost.activation_bytes * scale,
+                boundary_bytes=cost.boundary_bytes * scale,
+                input_bytes=cost.input_bytes * scale,
+                selective_bytes=cost.selective_bytes * scale,
+                selective_s=cost.selective_s * scale,
+            )
+        return cost, sol
+
+    def _intercept(self, index: int, device: DeviceType) -> float:
+        """Batch-independent seconds of one layer's forward (or backward) on ``device``."""
+        from partita.ir import Prim
+
+        if index not in self._nodes:
+            nodes = [self.graph.node(n) for n in self.graph.layers[index].nodes]
+            self._nodes[index] = (sum(n.prim in (Prim.MATMUL, Prim.CONV) for n in nodes), len(nodes))
+        eff = self.cost_model(device).efficiency
+        num_mm, num_nodes = self._nodes[index]
+        per_mm = eff.matmul_half_flops / (device.flops(self.training.dtype) * eff.matmul)
+        return num_mm * per_mm + num_nodes * eff.kernel_overhead_s
+
+    def _from_solution(self, sol, index: int, b: int) -> LayerCost:  # noqa: ANN001
+        prev = self._cache_prev_boundary(index, sol)
+        return LayerCost(
+            forward_s=sol.forward_time_s,
+            backward_s=sol.backward_time_s,
+            comm_s=sol.comm_time_s,
+            param_bytes=sol.param_bytes,
+            grad_bytes=sol.grad_bytes,
+            optimizer_bytes=sol.optimizer_bytes,
+            activation_bytes=sol.activation_bytes,
+            boundary_bytes=sol.boundary_bytes,
+            input_bytes=prev,
+            tp_sync_s=sol.grad_sync_time_s,
+        )
+
+    def _cache_prev_boundary(self, index: int, sol) -> float:  # noqa: ANN001
+        """Bytes of the layer's input activations per device (replicated over tp at the boundary)."""
+        from partita.ir import dim_size
+
+        lay = self.graph.layers[index]
+        env = {"B": 1 if self.linear_batch else int(sol.env.get("B", 1)), "S": self.training.seq_len}
+        total = 0.0
+        for t in lay.inputs:
+            ten = self.graph.tensors.get(t)
+            if ten is not None and ten.role.value == "activation":
+                total += float(dim_size(ten.nbytes(), env))
+        return total
+
+
+def _opt(name: str) -> str:
+    return "adam" if name in ("adam", "adamw") else name

@@ -1,0 +1,63 @@
+"""The stage DP against exhaustive search on random synthetic cost tables."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from partita.search.inter_op import DPStats, brute_force_stages, solve_stages, stage_problem
+
+
+def _random_problem(rng: np.random.Generator) -> object:
+    num_units = int(rng.integers(1, 7))
+    nseg = int(rng.integers(1, 3))
+    caps = [int(rng.integers(1, 5)) for _ in range(nseg)]
+    opts = [(sg, w) for sg in range(nseg) for w in (1, 2)]
+    speed = rng.uniform(0.5, 2.0, size=(len(opts), num_units))
+    times = np.full((len(opts), num_units, num_units + 1, num_units + 1), np.inf)
+    budget = rng.uniform(2, 6)
+    for o, (_sg, w) in enumerate(opts):
+        for k in range(num_units):
+            for j in range(k + 1, num_units + 1):
+                for s in range(1, num_units + 1):
+                    if (j - k) * s / w <= budget:  # in-flight activations grow with stages left
+                        times[o, k, j, s] = speed[o, k:j].sum() / w**0.8 + 0.1
+    m = int(rng.integers(1, 9))
+    return stage_problem(times, [o[0] for o in opts], [o[1] for o in opts], caps, 1.0, m - 1.0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_dp_equals_brute_force(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for _ in range(40):
+        p = _random_problem(rng)
+        got, ref = solve_stages(p, epsilon=0.0), brute_force_stages(p)
+        assert (got is None) == (ref is None)
+        if ref is not None:
+            assert got.objective == pytest.approx(ref.objective, rel=1e-12)
+            # the reported stages really cover the units in order and respect capacities
+            assert got.stages[0][0] == 0 and got.stages[-1][1] == p.num_units
+            assert all(a[1] == b[0] for a, b in zip(got.stages, got.stages[1:]))
+            used = [0] * len(p.capacities)
+            for _k, _j, o in got.stages:
+                used[p.option_segment[o]] += p.option_width[o]
+            assert all(u <= c for u, c in zip(used, p.capacities))
+
+
+def test_thinning_is_within_epsilon_and_counts() -> None:
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        p = _random_problem(rng)
+        ref = brute_force_stages(p)
+        st = DPStats()
+        got = solve_stages(p, epsilon=0.05, stats=st)
+        if ref is None:
+            assert got is None
+            continue
+        assert ref.objective <= got.objective <= ref.objective * 1.05 + 1e-12
+        assert st.dp_runs >= 1 and st.stage_candidates > 0
+
+
+def test_infeasible_is_none() -> None:
+    times = np.full((1, 2, 3, 3), np.inf)
+    assert solve_stages(stage_problem(times, [0], [1], [2], 1.0, 3.0)) is None

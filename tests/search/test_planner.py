@@ -1,0 +1,84 @@
+"""plan_graph end to end on a traced GPT: baselines, brute force, mixed clusters, determinism, infeasibility."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from partita.cluster import cluster_from_dict, parse_cluster
+from partita.errors import InfeasibleError
+from partita.ir import Graph
+from partita.plan import Plan
+from partita.search.baselines import brute_force, megatron_grid, subset
+from partita.search.config import SearchOptions, TrainingConfig
+from partita.search.planner import plan_graph
+
+TRAIN = TrainingConfig(global_batch=64, seq_len=32)
+
+
+@pytest.fixture(scope="module")
+def graph() -> Graph:
+    from partita.compiler.driver import trace_handle
+    from partita.models import resolve_model
+
+    return trace_handle(resolve_model("gpt2-tiny"), batch=1, seq=32)
+
+
+def test_never_worse_than_megatron_grid(graph: Graph) -> None:
+    cl = parse_cluster("8xA100-80G")
+    opts = SearchOptions(t_max_epsilon=0.0)
+    plan = plan_graph(graph, cl, TRAIN, options=opts)
+    best, count = megatron_grid(graph, cl, TRAIN, max_micro_batch=32)
+    assert best is not None and count > 10
+    assert plan.predicted["step_time_s"] <= best.evaluation.predicted_step_time_s * (1 + 1e-9)
+
+
+def test_equals_brute_force_small_mixed(graph: Graph) -> None:
+    cl = parse_cluster("4xA100-80G+4xV100-32G", gpus_per_node=4)
+    opts = SearchOptions(t_max_epsilon=0.0, max_micro_batch=4, schedules=("1f1b",), zero_stages=(0, 1))
+    plan = plan_graph(graph, cl, TRAIN, options=opts)
+    ref = brute_force(graph, cl, TRAIN, opts)
+    assert plan.predicted["step_time_s"] == pytest.approx(ref, rel=1e-9)
+
+
+def test_mixed_cluster_uses_both_types_when_faster(graph: Graph) -> None:
+    cl = parse_cluster("8xH100-80G+8xA100-80G")
+    big = dataclasses.replace(TRAIN, global_batch=4096)  # enough work per step that more devices pay off
+    plan = plan_graph(graph, cl, big)
+    alone = [plan_graph(graph, subset(cl, d.name), big).predicted["step_time_s"] for d in cl.device_types()]
+    assert plan.predicted["step_time_s"] < min(alone)
+    types = {s.device_type for s in plan.stages}
+    uneven = any(s.batch_shares and len(set(s.batch_shares)) > 1 for s in plan.stages)
+    assert uneven or len(types) > 1
+
+
+def test_same_inputs_byte_identical(graph: Graph) -> None:
+    cl = parse_cluster("8xA100-80G+8xV100-32G")
+    a = plan_graph(graph, cl, TRAIN).to_json()
+    b = plan_graph(graph, cl, TRAIN).to_json()
+    assert a == b
+    p = Plan.from_json(a)
+    assert p.search["num_candidates"] > 0 and len(p.search["alternatives"]) >= 1
+    assert set(p.predicted) >= {
+        "step_time_s",
+        "compute_s",
+        "communication_s",
+        "bubble_s",
+        "memory_per_device",
+        "tokens_per_s",
+        "mfu",
+    }
+    total = p.predicted["compute_s"] + p.predicted["communication_s"] + p.predicted["bubble_s"]
+    assert total == pytest.approx(p.predicted["step_time_s"], rel=1e-6)
+
+
+def test_infeasible_names_memory(graph: Graph) -> None:
+    cl = cluster_from_dict(
+        {
+            "nodes": [{"device": "Tiny", "num_nodes": 1, "gpus_per_node": 2}],
+            "device_types": [{"name": "Tiny", "peak_tflops": {"bf16": 10}, "memory_GB": 0.0005, "hbm_GBps": 100}],
+        }
+    )
+    with pytest.raises(InfeasibleError, match="Tiny: needs >="):
+        plan_graph(graph, cl, dataclasses.replace(TRAIN))
