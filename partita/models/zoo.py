@@ -332,7 +332,16 @@ def register_model(name: str, handle_factory: Callable[[], Any], info: ModelInfo
     _INFOS[name] = info
 
 
+def _register_jax_models() -> None:
+    """The JAX entries live in ``models/jax_gpt.py``; importing jax costs seconds, so register lazily."""
+    if "jax-gpt-tiny" not in _FACTORIES:
+        from partita.models.jax_gpt import register_jax_models
+
+        register_jax_models()
+
+
 def list_models() -> list[ModelInfo]:
+    _register_jax_models()
     out = []
     for name, factory in _FACTORIES.items():
         if name not in _INFOS:
@@ -343,6 +352,8 @@ def list_models() -> list[ModelInfo]:
 
 def resolve_model(spec: str) -> ModelHandle:
     """A zoo name, a path to a HF ``config.json``, or ``"package.module:factory"``."""
+    if spec.startswith("jax-"):
+        _register_jax_models()
     if spec in _FACTORIES:
         return _FACTORIES[spec]()
     if spec.endswith(".json") or Path(spec).is_file():
