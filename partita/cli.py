@@ -173,6 +173,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from partita.runtime.profiler import profile
+
+    prof = profile(args.devices, args.nproc, args.out, args.time_budget, progress=not args.no_progress)
+    print(f"wrote {args.out} ({prof.get('device', args.devices)})")
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from partita.compiler.driver import report
 
@@ -260,6 +268,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("extra", nargs=argparse.REMAINDER, help="-- then arguments for the training program")
     s.set_defaults(fn=cmd_run)
 
+    s = sub.add_parser("profile", help="measure this machine and write a calibration profile")
+    s.add_argument("--devices", choices=("cpu", "cuda"), default="cpu")
+    s.add_argument("--nproc", type=int, default=4)
+    s.add_argument("--out", default="profile.json")
+    s.add_argument("--time-budget", type=float, default=240.0, help="upper bound in seconds")
+    s.add_argument("--no-progress", action="store_true")
+    s.set_defaults(fn=cmd_profile)
+
     s = sub.add_parser("report", help="explain a plan (or compare two)")
     s.add_argument("dirs", nargs="+")
     s.add_argument("--html", default=None, help="write a self-contained HTML report here")
@@ -272,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "extra", None) and args.extra[:1] == ["--"]:
         args.extra = args.extra[1:]
-    for name in ("global_batch", "seq", "batch", "steps", "tp", "pp", "dp", "micro_batch", "gpus_per_node"):
+    for name in ("global_batch", "seq", "batch", "steps", "tp", "pp", "dp", "micro_batch", "gpus_per_node", "nproc"):
         v = getattr(args, name, None)
         if isinstance(v, int) and v <= 0:
             err = ConfigError(

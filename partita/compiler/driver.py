@@ -230,12 +230,19 @@ def _model_identity(handle: Any) -> str:
     )
 
 
+def _profile_hash(path: str) -> str:
+    p = Path(path)
+    return hashlib.sha256(p.read_bytes()).hexdigest()[:16] if p.exists() else "missing:" + path
+
+
 def cache_key(handle: Any, cluster: Cluster, training: Any) -> str:
     payload = {
         "model": _model_identity(handle),
         "cluster": cluster.fingerprint(),
         "training": dataclasses.asdict(training) if dataclasses.is_dataclass(training) else dict(training),
         "partita": __version__,
+        # a re-measured profile written to the same path must not hit a stale plan
+        "profiles": {d.name: _profile_hash(d.profile) for d in cluster.device_types() if d.profile},
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
 

@@ -1,0 +1,45 @@
+"""Compile driver: staged API, compile cache hits and misses, outputs written to DIR."""
+
+import json
+
+import pytest
+
+from partita.compiler.driver import compile_to_dir, trace_model
+from partita.plan import Plan
+from partita.search.config import TrainingConfig
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PARTITA_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_cache_hit_and_misses(tmp_path) -> None:
+    tc = TrainingConfig(global_batch=16, seq_len=32, dtype="f32")
+    first = compile_to_dir("mlp", "4xCPU", tc, tmp_path / "a")
+    assert not first.cache_hit
+    plan_text = (tmp_path / "a" / "plan.json").read_text()
+    assert Plan.from_json(plan_text).world_size <= 4
+    for name in ("plan.json", "report.txt", "program_torch.py"):
+        assert (tmp_path / "a" / name).exists()
+    again = compile_to_dir("mlp", "4xCPU", tc, tmp_path / "b")
+    assert again.cache_hit and again.elapsed_s < 1.0
+    assert (tmp_path / "b" / "plan.json").read_text() == plan_text
+    assert "cache hit" in again.as_text()
+    assert not compile_to_dir("mlp", "4xCPU", tc, tmp_path / "c", force=True).cache_hit
+    assert not compile_to_dir("mlp", "2xCPU", tc, tmp_path / "d").cache_hit
+    assert not compile_to_dir("mlp", "4xCPU", TrainingConfig(global_batch=32, seq_len=32, dtype="f32"),
+                              tmp_path / "e").cache_hit
+    assert not compile_to_dir("gpt2-tiny", "4xCPU", tc, tmp_path / "f").cache_hit
+
+
+def test_staged_api(tmp_path) -> None:
+    traced = trace_model("mlp", batch=4, seq=32)
+    assert "mlp" in traced.as_text(batch=4)
+    summary = traced.summary(batch=4)
+    assert summary["num_params"] == 32 * 64 + 64 + 64 * 8 + 8
+    planned = traced.plan("4xCPU", TrainingConfig(global_batch=16, seq_len=32, dtype="f32"))
+    assert "Stages" in planned.as_text()
+    compiled = planned.compile(tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "plan.json").read_text())["format"] == "partita.plan"
+    assert compiled.summary()["predicted_step_time_s"] > 0
