@@ -28,8 +28,9 @@ def test_cache_hit_and_misses(tmp_path) -> None:
     assert "cache hit" in again.as_text()
     assert not compile_to_dir("mlp", "4xCPU", tc, tmp_path / "c", force=True).cache_hit
     assert not compile_to_dir("mlp", "2xCPU", tc, tmp_path / "d").cache_hit
-    assert not compile_to_dir("mlp", "4xCPU", TrainingConfig(global_batch=32, seq_len=32, dtype="f32"),
-                              tmp_path / "e").cache_hit
+    assert not compile_to_dir(
+        "mlp", "4xCPU", TrainingConfig(global_batch=32, seq_len=32, dtype="f32"), tmp_path / "e"
+    ).cache_hit
     assert not compile_to_dir("gpt2-tiny", "4xCPU", tc, tmp_path / "f").cache_hit
 
 

@@ -38,6 +38,19 @@ _PER_ELEMENT: dict[Prim, int] = {
     Prim.TOPK: 1,
 }
 FlopRule = Callable[[Node, Graph], sympy.Expr]
+# Fused pointwise ops counted by the primitive ops they stand for, so a fused torch op and the
+# same function decomposed by JAX count alike (tanh-gelu = x^3, mul, add, mul, tanh, add, mul, mul).
+_TARGET_PER_ELEMENT: dict[str, int] = {
+    "gelu": 5,
+    "gelu_tanh": 8,
+    "silu": 4,
+    "sigmoid": 4,
+    "mish": 6,
+    "softplus": 3,
+    "mse_loss": 3,
+    "l1_loss": 3,
+    "smooth_l1_loss": 4,
+}
 
 
 def _t(g: Graph, name: str) -> Tensor:
@@ -58,7 +71,18 @@ def _label_sizes(node: Node, g: Graph) -> dict[str, sympy.Expr]:
 def _matmul(node: Node, g: Graph) -> sympy.Expr:
     flops = 2 * sympy.Mul(*_label_sizes(node, g).values())
     groups = node.attrs.get("num_groups")
-    return flops / sympy.sympify(groups) if groups else flops
+    if groups:
+        flops = flops / sympy.sympify(groups)
+    if len(node.inputs) == 3 and "linear" in node.target:  # fused bias: one add per output element
+        flops = flops + _t(g, node.outputs[0]).numel()
+    return flops
+
+
+def _target_key(node: Node) -> str:
+    base = node.target.split(".")[1] if node.target.startswith("aten.") else node.target
+    if base == "gelu" and node.attrs.get("approximate") == "tanh":
+        return "gelu_tanh"
+    return base
 
 
 def _attention(node: Node, g: Graph) -> sympy.Expr:
@@ -72,7 +96,7 @@ def _conv(node: Node, g: Graph) -> sympy.Expr:
 
 
 def _per_element(node: Node, g: Graph) -> sympy.Expr:
-    k = _PER_ELEMENT[node.prim]
+    k = _TARGET_PER_ELEMENT.get(_target_key(node), _PER_ELEMENT[node.prim])
     if node.prim in (Prim.REDUCE, Prim.POOL, Prim.TOPK, Prim.CROSS_ENTROPY):
         return k * _t(g, node.inputs[0]).numel() if node.inputs else sympy.Integer(0)
     return k * sum((_t(g, o).numel() for o in node.outputs), sympy.Integer(0))
