@@ -327,10 +327,10 @@ def verify(g: Graph) -> None:
     for o in g.outputs:
         if o not in defined:
             raise IRError(f"graph output {o!r} is never produced", "produce it or drop it from outputs")
-    names = set(seen_nodes)
+    node_names = set(seen_nodes)
     for layer in g.layers:
         for nn in layer.nodes:
-            if nn not in names:
+            if nn not in node_names:
                 raise IRError(f"layer {layer.name!r} lists unknown node {nn!r}", "rebuild layers after rewriting")
 
 

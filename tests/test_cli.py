@@ -24,11 +24,17 @@ def test_clusters_text(capsys) -> None:
     assert "V100-32G" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["evaluate", "gpt2", "--cluster", "8xB200", "--global-batch", "8", "--seq", "128"], "unknown device type 'B200'"),
-    (["compile", "gpt2", "--cluster", "8xA100", "--global-batch", "0", "--out", "x"], "--global-batch is 0"),
-    (["run", "/nonexistent/dir"], "no plan at"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (
+            ["evaluate", "gpt2", "--cluster", "8xB200", "--global-batch", "8", "--seq", "128"],
+            "unknown device type 'B200'",
+        ),
+        (["compile", "gpt2", "--cluster", "8xA100", "--global-batch", "0", "--out", "x"], "--global-batch is 0"),
+        (["run", "/nonexistent/dir"], "no plan at"),
+    ],
+)
 def test_bad_input_exit_2(argv: list[str], match: str, capsys) -> None:
     assert main(argv) == 2
     err = capsys.readouterr().err

@@ -36,9 +36,20 @@ def test_html_in_headless_chromium(tmp_path: Path) -> None:
         pytest.skip("chromium not installed (scripts/test.sh installs it)")
     page = tmp_path / "report.html"
     page.write_text(plan_html(make_plan()))
-    flags = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr", "--v=0"]
+    flags = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        "--enable-logging=stderr",
+        "--v=0",
+    ]
     dom = subprocess.run([*flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
     assert dom.returncode == 0, dom.stderr[-2000:]
     assert 'data-charts="ok"' in dom.stdout, "charts did not render"
@@ -47,6 +58,10 @@ def test_html_in_headless_chromium(tmp_path: Path) -> None:
     console = [ln for ln in dom.stderr.splitlines() if "CONSOLE" in ln or "Uncaught" in ln]
     assert not console, console
     shot = tmp_path / "report.png"
-    r = subprocess.run([*flags, f"--screenshot={shot}", "--window-size=1200,1600", page.as_uri()],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [*flags, f"--screenshot={shot}", "--window-size=1200,1600", page.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0 and shot.exists() and shot.stat().st_size > 10_000, r.stderr[-2000:]

@@ -122,8 +122,17 @@ class Efficiency:
 # Uncalibrated defaults for a CPU "device" (one gloo rank): GEMMs saturate at far fewer FLOPs than on
 # a GPU, kernels cost tens of microseconds in eager PyTorch, and gloo collectives pay ~100 us each.
 # `partita profile --devices cpu` measures the real numbers.
-CPU_EFFICIENCY = Efficiency(matmul=0.5, matmul_half_flops=2e6, attention=0.3, memory=0.5, kernel_overhead_s=2e-5,
-                            collective_bandwidth=0.5, network_bandwidth=0.5, collective_latency_s=1e-4, device="CPU")
+CPU_EFFICIENCY = Efficiency(
+    matmul=0.5,
+    matmul_half_flops=2e6,
+    attention=0.3,
+    memory=0.5,
+    kernel_overhead_s=2e-5,
+    collective_bandwidth=0.5,
+    network_bandwidth=0.5,
+    collective_latency_s=1e-4,
+    device="CPU",
+)
 
 
 def state_bytes_per_param(dtype: str, optimizer: str) -> tuple[int, int, int]:
