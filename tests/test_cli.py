@@ -48,3 +48,18 @@ def test_bad_cluster_file_subprocess(tmp_path) -> None:
     assert r.returncode == 2, r.stderr
     err = " ".join(r.stderr.split())
     assert "not valid YAML" in err and "line " in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "model, match",
+    [
+        ("gpt-17", "unknown model 'gpt-17'"),
+        ("tests.model_fixtures:branchy", "Branchy"),
+        ("no.such.module:factory", "cannot load model factory"),
+    ],
+)
+def test_bad_model_subprocess(model: str, match: str) -> None:
+    r = run_cli("trace", model)
+    assert r.returncode == 2, r.stderr[-3000:]
+    err = " ".join(r.stderr.split())
+    assert match in err and "Traceback" not in err and "partita: error:" in err
