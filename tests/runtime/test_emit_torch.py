@@ -1,0 +1,69 @@
+"""Emitter goldens, refusals and launch checks: no processes (fast)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from partita.compiler.emit_torch import emit_torch
+from partita.errors import PlanError
+from partita.runtime import torch_launch
+from partita.runtime.torch_parallel import check_launch, parse_placement
+from tests.runtime.plans import layout
+
+GOLDEN = Path(__file__).parent.parent / "golden" / "emit_torch"
+CASES = [("gpt2-tiny", n) for n in ("dp", "tp", "dp_tp", "zero3", "uneven", "pp_1f1b", "pp_gpipe", "pp_tp", "hetero")]
+CASES += [("llama-tiny", "pp_tp"), ("mlp", "dp_tp")]
+
+
+@pytest.mark.parametrize("model, name", CASES)
+def test_golden(model: str, name: str) -> None:
+    src = emit_torch(layout(model, name), model)
+    compile(src, "program_torch.py", "exec")
+    path = GOLDEN / f"{model}_{name}.py.golden"  # not .py: ruff must not reformat it
+    if os.environ.get("UPDATE_GOLDEN") == "1":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(src)
+    assert path.read_text() == src, f"regenerate with UPDATE_GOLDEN=1 if the change to {path.name} is intended"
+    assert emit_torch(layout(model, name), model) == src  # deterministic
+
+
+def test_program_shows_layout() -> None:
+    src = emit_torch(layout("gpt2-tiny", "hetero"), "gpt2-tiny")
+    assert "'transformer.h.0.attn.c_attn.weight': 'S(1)'" in src
+    assert "P2PPipeline" in src and "setup_stage_1" in src and "'ranks': [0, 1]" in src
+    src = emit_torch(layout("gpt2-tiny", "zero3"), "gpt2-tiny")
+    assert "reshard_after_forward=True" in src and "apply_recompute(module, 'full')" in src
+    assert "Schedule1F1B" in emit_torch(layout("gpt2-tiny", "pp_1f1b"), "gpt2-tiny")
+    assert "ScheduleGPipe" in emit_torch(layout("gpt2-tiny", "pp_gpipe"), "gpt2-tiny")
+
+
+def test_refusals() -> None:
+    import dataclasses
+
+    plan = dataclasses.replace(layout("gpt2-tiny", "pp_1f1b"), schedule="interleaved_1f1b", num_virtual_stages=2)
+    with pytest.raises(PlanError, match="virtual stages"):
+        emit_torch(plan, "gpt2-tiny")
+    with pytest.raises(PlanError, match="WORLD_SIZE=3"):
+        check_launch(4, ["cpu"], 3, cuda=False)
+    with pytest.raises(PlanError, match="torch.cuda is not available"):
+        check_launch(2, ["gpu"], 2, cuda=False)
+    assert check_launch(2, ["cpu"], 2, cuda=False) == "gloo"
+    with pytest.raises(PlanError, match="partial"):
+        parse_placement("P")
+
+
+def test_dry_run(tmp_path: Path) -> None:
+    plan = layout("gpt2-tiny", "dp_tp")
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    (tmp_path / "program_torch.py").write_text(emit_torch(plan, "gpt2-tiny"))
+    out = torch_launch.run(tmp_path, steps=5, dry_run=True, nnodes=2)
+    assert out["command"][1:5] == ["-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    assert "--nnodes" in out["command"] and "${NODE_RANK}" in out["command_str"]
+    assert out["command"][-2:] == ["--steps", "5"]
+    with pytest.raises(PlanError, match="do not split"):
+        torch_launch.run(tmp_path, steps=1, dry_run=True, nnodes=3)
+    with pytest.raises(PlanError, match="dry-run"):
+        torch_launch.run(tmp_path, steps=1, nnodes=2)
