@@ -164,8 +164,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         resume=args.resume,
         extra_args=tuple(args.extra),
     )
-    if args.json or args.dry_run:
-        _print_json(res) if args.json else print(res.get("command", res))
+    if args.json:
+        _print_json(res)
+    elif args.dry_run:
+        print(res.get("command_str", res.get("command", res)))
     else:
         for i, loss in enumerate(res.get("losses", [])):
             ref = res.get("reference_losses")
@@ -265,7 +267,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--checkpoint-every", type=int, default=0)
     s.add_argument("--resume", action="store_true")
     s.add_argument("--json", action="store_true")
-    s.add_argument("extra", nargs=argparse.REMAINDER, help="-- then arguments for the training program")
     s.set_defaults(fn=cmd_run)
 
     s = sub.add_parser("profile", help="measure this machine and write a calibration profile")
@@ -285,9 +286,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:  # `partita run DIR [options] -- [training program arguments]`
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1 :]
     args = parser.parse_args(argv)
-    if getattr(args, "extra", None) and args.extra[:1] == ["--"]:
-        args.extra = args.extra[1:]
+    args.extra = extra
     for name in ("global_batch", "seq", "batch", "steps", "tp", "pp", "dp", "micro_batch", "gpus_per_node", "nproc"):
         v = getattr(args, name, None)
         if isinstance(v, int) and v <= 0:

@@ -398,7 +398,7 @@ def run_plan(
         plan_dir,
         steps=steps,
         reference=reference,
-        json_out=True,
+        json_out=False,  # the CLI prints
         dry_run=dry_run,
         nnodes=nnodes,
         extra_args=tuple(extra),

@@ -349,15 +349,25 @@ def scale_grads(module: nn.Module, factor: float) -> None:
 
 
 def all_reduce_grads(module: nn.Module, group: dist.ProcessGroup) -> None:
-    """Data-parallel gradient sync without ZeRO: one SUM all-reduce per parameter over ``dp``.
+    """Data-parallel gradient sync without ZeRO: the stage's gradients are flattened into one bucket
+    per dtype and summed by one all-reduce over ``dp`` (the plan prices exactly this: one bucketed
+    gradient all-reduce per stage).
 
     A sum, not a mean: each replica's loss is already weighted by its batch share (see
     ``torch_train.loss_scale``), which is how uneven shares weight the average.
     """
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in module.parameters():
         g = local_grad(p)
         if g is not None:
-            dist.all_reduce(g, group=group)
+            by_dtype.setdefault(g.dtype, []).append(g)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
 
 
 def sync_tied_grads(module: nn.Module, tied: Sequence[Sequence[str]], group: dist.ProcessGroup | None, n: int) -> None:
