@@ -16,9 +16,12 @@ the product ``s_u x s_v``, so only the ``s`` are integer.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -187,11 +190,31 @@ def solve(p: Problem, backend: str = "auto", time_limit_s: float = 60.0) -> Solu
     return _solve_mip(q, backend, time_limit_s)
 
 
+@contextlib.contextmanager
+def _quiet_fd1() -> Iterator[None]:
+    """Silence C-level writes to stdout (file descriptor 1) for the duration."""
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError):  # no real fd 1 (captured stdout): nothing to silence
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
 def _solve_mip(p: Problem, backend: str, time_limit_s: float) -> Solution:
     from ortools.linear_solver import pywraplp
 
     t0 = time.perf_counter()
-    solver = pywraplp.Solver.CreateSolver(backend.upper())
+    with _quiet_fd1():  # HiGHS prints its banner on creation, before SuppressOutput can act
+        solver = pywraplp.Solver.CreateSolver(backend.upper())
     if solver is None:
         raise RuntimeError(f"OR-Tools has no {backend} backend here")
     solver.SuppressOutput()
@@ -220,7 +243,8 @@ def _solve_mip(p: Problem, backend: str, time_limit_s: float) -> Solution:
     obj.SetMinimization()
     params = pywraplp.MPSolverParameters()
     params.SetDoubleParam(pywraplp.MPSolverParameters.RELATIVE_MIP_GAP, 1e-9)
-    status = solver.Solve(params)
+    with _quiet_fd1():
+        status = solver.Solve(params)
     dt = time.perf_counter() - t0
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         raise InfeasibleError(
