@@ -167,7 +167,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(res)
     elif args.dry_run:
-        pass  # the launcher printed the command
+        print(res.get("command_str", res.get("command")))
     else:
         for i, loss in enumerate(res.get("losses", [])):
             ref = res.get("reference_losses")

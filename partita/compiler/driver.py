@@ -13,8 +13,10 @@ hash is recorded in the plan and checked by the runtime.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import io
 import json
 import os
 import time
@@ -394,15 +396,15 @@ def run_plan(
         extra += ["--checkpoint-every", str(checkpoint_every)]
     if resume:
         extra += ["--resume"]
-    return run(
-        plan_dir,
-        steps=steps,
-        reference=reference,
-        json_out=False,  # the CLI prints
-        dry_run=dry_run,
-        nnodes=nnodes,
-        extra_args=tuple(extra),
-    )
+    with contextlib.redirect_stdout(io.StringIO()):  # the launcher prints; the CLI decides what to show
+        return run(
+            plan_dir,
+            steps=steps,
+            reference=reference,
+            dry_run=dry_run,
+            nnodes=nnodes,
+            extra_args=tuple(extra),
+        )
 
 
 def report(dirs: Sequence[str], html: str | None = None) -> str:
