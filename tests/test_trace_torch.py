@@ -108,15 +108,7 @@ def test_symbolic_failure_falls_back_to_static() -> None:
 
 
 def test_data_dependent_model_raises_model_error() -> None:
-    class Branchy(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = torch.nn.Linear(4, 4)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if x.sum() > 0:
-                return self.lin(x).sum()
-            return x.sum()
+    from tests.model_fixtures import Branchy
 
     with pytest.raises(ModelError) as info:
         trace_module(Branchy(), (torch.randn(2, 4),), name="branchy")
