@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             training = TrainingConfig(global_batch=gb, seq_len=seq, dtype="f32", optimizer="adam")
             handle = resolve_model(spec)
             if (model, seq) not in graphs:
-                graphs[(model, seq)] = trace_handle(handle, batch=1, seq=seq)
+                graphs[(model, seq)] = trace_handle(handle, batch=2, seq=seq)
             graph = graphs[(model, seq)]
             uncal = parse_shorthand(f"{world}xCPU")
             # a CPU rank's share of the cores depends on how many ranks run: use the profile

@@ -14,7 +14,6 @@ from __future__ import annotations
 import csv
 import dataclasses
 import hashlib
-import itertools
 import json
 import sys
 import time
@@ -75,12 +74,12 @@ def predict(rows: list[dict], eff: Efficiency, factors: StageFactors) -> list[fl
     for r in rows:
         dims = (r["hidden"], r["heads"], r["layers"], r["seq"])
         if dims not in graphs:
-            graphs[dims] = gpt_graph(*dims)
+            graphs[dims] = gpt_graph(*dims, megatron_2021=True)
         cl = cluster(r["gpus"], eff)
         tr = TrainingConfig(global_batch=r["global_batch"], seq_len=r["seq"])
         key = (dims, r["gpus"])
         if key not in costs:
-            costs[key] = SolverCosts(graphs[dims], cl, tr)
+            costs[key] = SolverCosts(graphs[dims], cl, tr, tp_style="megatron")
             costs[key]._cm["A100-80G"] = __import__("partita.search.cost_model", fromlist=["CostModel"]).CostModel(
                 cl.groups[0].device, eff
             )
@@ -117,25 +116,56 @@ def metrics(rows: list[dict], pred: list[float]) -> dict:
     }
 
 
-GRID = {"matmul": [0.8, 0.9], "collective_bandwidth": [0.7, 1.0], "matmul_half_flops": [2e9, 2e10, 6e10]}
+# Coordinate descent over these values, starting from the first of each list; two sweeps.
+CANDIDATES: dict[str, list[float]] = {
+    "matmul": [0.85, 0.75, 0.8, 0.9, 0.95],
+    "collective_bandwidth": [0.85, 0.6, 0.7, 1.0],
+    "network_bandwidth": [0.5, 0.3, 0.4, 0.6, 0.8],
+    "matmul_half_flops": [2e9, 6e9, 2e10, 6e10],
+    "memory": [0.8, 0.6, 0.7, 0.9],
+    "grad_overlap": [1.0, 0.0, 0.5],  # a StageFactors field: Megatron-LM of 2021 did not overlap DP sync
+}
+STAGE_FIELDS = ("grad_overlap",)
+
+
+def objective(rows: list[dict], pred: list[float]) -> float:
+    """Mean over model sizes of the median abs error (the per-model target), on the given rows."""
+    sizes = sorted({r["params_b"] for r in rows})
+    meds = [
+        metrics([r for r in rows if r["params_b"] == s], [p for r, p in zip(rows, pred) if r["params_b"] == s])
+        for s in sizes
+    ]
+    return float(np.mean([m["median_abs_err"] for m in meds]))
+
+
+def efficiency(values: dict[str, float]) -> Efficiency:
+    eff = {k: v for k, v in values.items() if k not in STAGE_FIELDS}
+    return Efficiency(**eff, attention=0.8 * values["matmul"], device="A100-80G")
+
+
+def stage_factors(values: dict[str, float]) -> StageFactors:
+    return StageFactors(**{k: v for k, v in values.items() if k in STAGE_FIELDS})
 
 
 def fit(train: list[dict]) -> tuple[Efficiency, StageFactors, float]:
-    best = None
-    for mm, cb, hf in itertools.product(*GRID.values()):
-        eff = Efficiency(
-            matmul=mm,
-            attention=0.8 * mm,
-            collective_bandwidth=cb,
-            network_bandwidth=0.6,
-            matmul_half_flops=hf,
-            device="A100-80G",
-        )
-        fac = StageFactors()
-        err = metrics(train, predict(train, eff, fac))["median_abs_err"]
-        if best is None or err < best[2]:
-            best = (eff, fac, err)
-    return best  # type: ignore[return-value]
+    cur = {k: v[0] for k, v in CANDIDATES.items()}
+    seen: dict[tuple, float] = {}
+
+    def score(values: dict[str, float]) -> float:
+        key = tuple(sorted(values.items()))
+        if key not in seen:
+            seen[key] = objective(train, predict(train, efficiency(values), stage_factors(values)))
+        return seen[key]
+
+    best = score(cur)
+    for _sweep in range(2):
+        for name, options in CANDIDATES.items():
+            for v in options:
+                trial = cur | {name: v}
+                err = score(trial)
+                if err < best - 1e-9:
+                    best, cur = err, trial
+    return efficiency(cur), stage_factors(cur), best
 
 
 def main() -> dict:

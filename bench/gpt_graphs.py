@@ -11,16 +11,29 @@ from partita.ir import Graph
 CACHE = Path(os.environ.get("PARTITA_BENCH_CACHE", Path(__file__).parent / ".cache"))
 
 
-def gpt_graph(hidden: int, heads: int, layers: int, seq: int, vocab: int = 51200) -> Graph:
-    """GPT-2-architecture model of these dims (the zoo's gpt3 entries), traced at batch 1."""
+def gpt_graph(
+    hidden: int, heads: int, layers: int, seq: int, vocab: int = 51200, *, megatron_2021: bool = False
+) -> Graph:
+    """GPT-2-architecture model of these dims (the zoo's gpt3 entries), traced at batch 2 (symbolic B).
+
+    ``megatron_2021`` traces ``bench/megatron_gpt.py`` instead: the model Megatron-LM ran when the
+    measured rows of ``a100_megatron_measured.csv`` were taken (per-head fused QKV, unfused
+    attention, dropout 0.1).
+    """
     from partita.compiler.driver import trace_handle
     from partita.models import resolve_model
 
     CACHE.mkdir(parents=True, exist_ok=True)
-    name = f"gpt_h{hidden}_a{heads}_l{layers}_s{seq}"
+    name = f"gpt_h{hidden}_a{heads}_l{layers}_s{seq}" + ("_meg21" if megatron_2021 else "")
     out = CACHE / f"{name}.graph.json"
     if out.exists():
         return Graph.from_json(out.read_text())
+    if megatron_2021:
+        from megatron_gpt import handle
+
+        g = trace_handle(handle(hidden, heads, layers, seq, vocab), batch=2, seq=seq)
+        out.write_text(g.to_json())
+        return g
     cfg = CACHE / f"{name}.json"
     cfg.write_text(
         json.dumps(
@@ -34,6 +47,6 @@ def gpt_graph(hidden: int, heads: int, layers: int, seq: int, vocab: int = 51200
             }
         )
     )
-    g = trace_handle(resolve_model(str(cfg)), batch=1, seq=seq)
+    g = trace_handle(resolve_model(str(cfg)), batch=2, seq=seq)
     out.write_text(g.to_json())
     return g

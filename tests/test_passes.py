@@ -142,3 +142,33 @@ def test_group_layers_without_repeats() -> None:
     g = group_layers(annotate(_zoo_graph("mlp")))
     assert [lay.name for lay in g.layers] == ["fc1", "act", "fc2"]
     assert g.producers()[g.outputs[0]].layer == "fc2"
+
+
+def test_pointwise_fusion_drops_only_private_intermediates() -> None:
+    """x -> a=x*2 -> b=a+1 (a private: fused) -> softmax(b) (b private: fused into the reduction);
+    b2 = b as a graph output too in the second graph, so b stays materialised there."""
+    from partita.passes.fusion import fuse_pointwise
+
+    def build(b_is_output: bool) -> Graph:
+        gb = GraphBuilder("f")
+        shp = (B, S, 64)
+        x = gb.tensor("x", shp, "f32", Role.INPUT)
+        (a,) = gb.add(Prim.ELEMENTWISE, [x], [("a", shp, "f32")], prims.elementwise(shp, [shp]))
+        (b,) = gb.add(Prim.ELEMENTWISE, [a], [("b", shp, "f32")], prims.elementwise(shp, [shp]))
+        (v,) = gb.add(Prim.RESHAPE, [b], [("v", shp, "f32")], prims.reshape(shp, shp))
+        (sm,) = gb.add(Prim.SOFTMAX, [v], [("sm", shp, "f32")], prims.softmax(3, 2))
+        gb.outputs.extend([sm, b] if b_is_output else [sm])
+        return group_layers(annotate(gb.build()))
+
+    size = 4 * B * S * 64
+    g = fuse_pointwise(build(False))
+    by = {n.outputs[0]: n for n in g.nodes}
+    assert sympy.expand(by["a"].bytes_moved - size) == 0  # read x only
+    assert by["b"].bytes_moved == 0  # reads a, writes b: both on chip
+    assert sympy.expand(by["sm"].bytes_moved - size) == 0  # writes sm only
+    assert by["a"].attrs["fused_io"] == ["a"] and sorted(by["b"].attrs["fused_io"]) == ["a", "b"]
+    assert sympy.expand(sympy.sympify(g.meta["fused_bytes"], locals={"B": B, "S": S}) - 4 * size) == 0
+    kept = fuse_pointwise(build(True))
+    by = {n.outputs[0]: n for n in kept.nodes}
+    assert sympy.expand(by["b"].bytes_moved - size) == 0  # b is written (graph output), a is not
+    assert sympy.expand(by["sm"].bytes_moved - 2 * size) == 0

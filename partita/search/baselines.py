@@ -51,7 +51,7 @@ def megatron_grid(
     costs: SolverCosts | None = None,
 ) -> tuple[GridPoint | None, int]:
     """Best fitting grid point and the number of points priced."""
-    costs = costs or SolverCosts(graph, cluster, training)
+    costs = costs or SolverCosts(graph, cluster, training, tp_style="megatron")
     n = cluster.num_devices
     gpn = cluster.gpus_per_node(cluster.device_types()[0].name)
     best, count = None, 0

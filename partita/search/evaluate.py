@@ -68,8 +68,14 @@ def evaluate_config(
     num_virtual: int = 1,
     costs: SolverCosts | None = None,
     factors: StageFactors | None = None,
+    tp_style: str = "megatron",
 ) -> Evaluation:
-    """Predicted step time and memory of one configuration (module docstring)."""
+    """Predicted step time and memory of one configuration (module docstring).
+
+    ``tp_style="megatron"`` (the default) prices ``tp`` as Megatron-LM's tensor parallelism: the
+    weights are split and activations stay whole on the tp group. ``"auto"`` lets the intra-op ILP
+    pick any sharding on the tp axis (what ``partita compile`` does).
+    """
     if dp * tp * pp > cluster.num_devices:
         raise ConfigError(
             f"dp*tp*pp = {dp * tp * pp} exceeds the cluster's {cluster.num_devices} devices.",
@@ -81,6 +87,13 @@ def evaluate_config(
             "pick degrees that divide the batch.",
         )
     opts = SearchOptions(zero_stages=(zero_stage,), recompute=(recompute,), max_layer_units=0, max_tp=tp)
+    if costs is None:
+        costs = SolverCosts(graph, cluster, training, tp_style=tp_style)
+    elif costs.tp_style != tp_style:
+        raise ConfigError(
+            f"the shared SolverCosts price tp_style={costs.tp_style!r}, this call asks {tp_style!r}.",
+            "build SolverCosts(..., tp_style=...) with the style you evaluate.",
+        )
     search = Search(graph, cluster, training, opts, costs, factors)
     dev = cluster.device_types()[0]
     m = training.global_batch // (micro_batch * dp)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import sympy
@@ -131,6 +132,7 @@ class _LayerProblem:
         optimizer: str,
         cm: CostModel,
         boundary: tuple[str, ...],
+        tp_style: str = "auto",
     ) -> None:
         self.g, self.layer, self.mesh, self.env, self.dtype, self.cm = graph, layer, mesh, env, dtype, cm
         self.boundary = boundary
@@ -148,8 +150,11 @@ class _LayerProblem:
         self.costs: dict[str, list[_Costs]] = {}
         first_use: set[str] = set()
         for n in self.nodes:
-            sizes = {c: self.ev(d) for c, d in label_sizes(n, graph).items()}
+            exprs = label_sizes(n, graph)
+            sizes = {c: self.ev(d) for c, d in exprs.items()}
             strats = enumerate_strategies(n, sizes, mesh)
+            if tp_style == "megatron":
+                strats = _megatron_only(strats, exprs, mesh)
             params = [t for t in n.inputs if graph.tensors[t].role is Role.PARAMETER and t not in first_use]
             first_use.update(params)
             self.strategies[n.name] = strats
@@ -220,8 +225,11 @@ class _LayerProblem:
         c = _Costs()
         mesh, tensors = self.mesh, self.g.tensors
         flops = self._flops(n, sizes) / s.work_divisor
-        nb = sum(self.nbytes(t) / shard_factor(lay, mesh) for t, lay in zip(n.inputs, s.in_layouts))
-        nb += sum(self.nbytes(t) / shard_factor(lay, mesh) for t, lay in zip(n.outputs, s.out_layouts))
+        fused = n.attrs.get("fused_io", ())  # kept on chip by a fusing backend (passes/fusion.py)
+        nb = sum(self.nbytes(t) / shard_factor(lay, mesh) for t, lay in zip(n.inputs, s.in_layouts) if t not in fused)
+        nb += sum(
+            self.nbytes(t) / shard_factor(lay, mesh) for t, lay in zip(n.outputs, s.out_layouts) if t not in fused
+        )
         if n.prim in VIEW_PRIMS and n.prim is not Prim.DROPOUT:
             nb = 0.0  # views move no data
         c.fwd_compute = self.cm.compute_time(n.prim, flops, nb, self.dtype) if flops or nb else 0.0
@@ -410,6 +418,19 @@ def _collectives(raw: Sequence[tuple[str, int, float, str, str]], mesh: LogicalM
     return tuple(Collective(k, a, b, n, p, r) for (k, a, b, p, r), n in counts.items())
 
 
+TP_STYLES = ("auto", "megatron")
+_TOKEN_SYMBOLS = frozenset({"B", "S"})
+
+
+def _megatron_only(strats: list[Strategy], exprs: Mapping[str, Any], mesh: LogicalMesh) -> list[Strategy]:
+    """Strategies whose ``tp`` axis shards no batch or sequence dim (Megatron-LM without sequence
+    parallelism: weights are split, activations stay whole on the tensor-parallel group)."""
+    tokens = {c for c, d in exprs.items() if {str(x) for x in getattr(d, "free_symbols", ())} & _TOKEN_SYMBOLS}
+    tp = [i for i, name in enumerate(mesh.axis_names) if name == "tp"]
+    keep = [s for s in strats if not any(s.axis_labels[i] in tokens for i in tp)]
+    return keep or strats[:1]
+
+
 def solve_layer(
     graph: Graph,
     layer: Layer,
@@ -422,8 +443,15 @@ def solve_layer(
     memory_budget: float | None = None,
     boundary: tuple[str, ...] | None = None,
     backend: str = "auto",
+    tp_style: str = "auto",
 ) -> LayerSolution:
-    """Cheapest sharding of ``layer`` on ``mesh`` per micro-batch (module docstring for conventions)."""
+    """Cheapest sharding of ``layer`` on ``mesh`` per micro-batch (module docstring for conventions).
+
+    ``tp_style="megatron"`` restricts the ``tp`` mesh axis to Megatron-LM's tensor parallelism
+    (no batch/sequence sharding on it), which ``partita evaluate`` uses to price hand-made configs.
+    """
+    if tp_style not in TP_STYLES:
+        raise ConfigError(f"tp_style {tp_style!r} is unknown.", f"use one of {TP_STYLES}.")
     if cost_model.device.name != mesh.device.name:
         raise ConfigError(
             f"cost model is for {cost_model.device.name} but the mesh is {mesh.device.name}.",
@@ -434,7 +462,7 @@ def solve_layer(
         raise ConfigError(
             f"boundary {bnd} has {len(bnd)} placements for a {mesh.ndim}-d mesh.", "give one placement per mesh axis."
         )
-    lp = _LayerProblem(graph, layer, mesh, env, dtype, optimizer, cost_model, bnd)
+    lp = _LayerProblem(graph, layer, mesh, env, dtype, optimizer, cost_model, bnd, tp_style)
     lp.build_groups()
     budget = float(mesh.device.memory_bytes if memory_budget is None else memory_budget)
     problem = lp.build_problem(budget)

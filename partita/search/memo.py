@@ -44,6 +44,7 @@ class IntraOpMemo:
         cost_model: CostModel,
         budget: float,
         boundary: tuple[str, ...] | None,
+        tp_style: str = "auto",
     ) -> _Key:
         bucket = math.floor(budget / self.budget_bucket_bytes)
         bnd = tuple(boundary) if boundary is not None else mesh.default_boundary()
@@ -59,6 +60,7 @@ class IntraOpMemo:
             bucket,
             bnd,
             cost_model.fingerprint(),
+            tp_style,
         )
 
     def solve(
@@ -73,10 +75,11 @@ class IntraOpMemo:
         cost_model: CostModel,
         memory_budget: float | None = None,
         boundary: tuple[str, ...] | None = None,
+        tp_style: str = "auto",
     ) -> LayerSolution:
         """:func:`~partita.search.intra_op.solve_layer` with memoisation (same signature)."""
         budget = float(mesh.device.memory_bytes if memory_budget is None else memory_budget)
-        k = self.key(layer, mesh, env, dtype, optimizer, cost_model, budget, boundary)
+        k = self.key(layer, mesh, env, dtype, optimizer, cost_model, budget, boundary, tp_style)
         if k in self._store:
             self.hits += 1
             g0, l0, sol = self._store[k]
@@ -93,6 +96,7 @@ class IntraOpMemo:
             cost_model=cost_model,
             memory_budget=floor if floor > 0 else budget,
             boundary=boundary,
+            tp_style=tp_style,
         )
         self._store[k] = (graph, layer, sol)
         return sol

@@ -44,6 +44,7 @@ from partita.search.stage_cost import (
     affine,
     dp_link,
     p2p_time_fn,
+    scatter_gather_p2p,
     stage_arrays,
 )
 
@@ -141,6 +142,9 @@ class Search:
                 gpn = self.cluster.gpus_per_node(dev.name)
                 link = dp_link(dev, dp, tp, tp if len(devs) > 1 else gpn, self.cluster.network)
                 single_node = self.cluster.count(dev.name) <= gpn and len(devs) == 1 and len(self.types) == 1
+                p2p = p2p_time_fn(dev, cm, self.cluster.network, single_node, self.factors, gpn)
+                if self.costs.tp_style == "megatron" and tp > 1 and not single_node:
+                    p2p = scatter_gather_p2p(p2p, tp, dev, cm)
                 a = stage_arrays(
                     tab,
                     dp=dp,
@@ -150,7 +154,7 @@ class Search:
                     allreduce=affine(cm, "all_reduce", link),
                     reduce_scatter=affine(cm, "reduce_scatter", link),
                     all_gather=affine(cm, "all_gather", link),
-                    p2p=p2p_time_fn(dev, cm, self.cluster.network, single_node, self.factors, gpn),
+                    p2p=p2p,
                     p2p_mult=p2p_mult,
                     hbm_bandwidth=dev.hbm_bandwidth,
                     factors=self.factors,

@@ -145,6 +145,14 @@ def p2p_time_fn(
     return network.latency, 1.0 / (network.nic_bandwidth / gpus_per_node * factors.p2p_efficiency)
 
 
+def scatter_gather_p2p(p2p: tuple[float, float], tp: int, device: DeviceType, cm: CostModel) -> tuple[float, float]:
+    """Megatron-LM's scatter-gather send: each of the ``tp`` ranks sends ``1/tp`` of the (replicated)
+    boundary activation over the network, and the receiving stage all-gathers it over the node's
+    link. Returns the per-byte-of-activation price in ``p2p_time_fn``'s form."""
+    gather = (tp - 1) / tp / (device.intra_node_bandwidth * cm.efficiency.collective_bandwidth)
+    return p2p[0] + (tp - 1) * device.intra_node_latency, p2p[1] / tp + gather
+
+
 @dataclasses.dataclass(frozen=True)
 class StageArrays:
     time: np.ndarray  # [U, U + 1] period per micro-batch, p2p included
@@ -233,10 +241,11 @@ class SolverCosts:
     (times, activations; parameters unchanged), which :attr:`linear_batch` records.
     """
 
-    def __init__(self, graph, cluster, training, memo=None) -> None:  # noqa: ANN001
+    def __init__(self, graph, cluster, training, memo=None, tp_style: str = "auto") -> None:  # noqa: ANN001
         from partita.search.memo import IntraOpMemo
 
         self.graph, self.cluster, self.training = graph, cluster, training
+        self.tp_style = tp_style  # "megatron": the tp axis shards weights only (intra_op.solve_layer)
         self.memo = memo or IntraOpMemo()
         self.linear_batch = "B" not in graph.symbols and not any(
             "B" in {str(x) for d in t.shape for x in getattr(d, "free_symbols", ())} for t in graph.tensors.values()
@@ -278,6 +287,7 @@ class SolverCosts:
                         optimizer=_opt(self.training.optimizer),
                         cost_model=self.cost_model(device),
                         memory_budget=budget,
+                        tp_style=self.tp_style,
                     )
                     break
                 except PartitaError:
