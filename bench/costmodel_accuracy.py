@@ -123,6 +123,7 @@ CANDIDATES: dict[str, list[float]] = {
     "network_bandwidth": [0.5, 0.3, 0.4, 0.6, 0.8],
     "matmul_half_flops": [2e9, 6e9, 2e10, 6e10],
     "memory": [0.8, 0.6, 0.7, 0.9],
+    "pointwise_fusion": [1.0, 0.5, 0.0],  # Megatron-LM's hand-fused kernels
     "grad_overlap": [1.0, 0.0, 0.5],  # a StageFactors field: Megatron-LM of 2021 did not overlap DP sync
 }
 STAGE_FIELDS = ("grad_overlap",)

@@ -68,6 +68,7 @@ class Efficiency:
     collective_bandwidth: float = 0.4  # NCCL bus bandwidth / preset intra-node (bidirectional) number
     network_bandwidth: float = 0.85  # achieved / NIC line rate
     collective_latency_s: float = 10e-6  # fixed cost per collective call
+    pointwise_fusion: float = 0.0  # share of fusable intermediate traffic removed (0 eager, 1 fused)
     device: str = ""  # device type the factors were measured on ("" = generic defaults)
 
     def __post_init__(self) -> None:
@@ -75,6 +76,8 @@ class Efficiency:
             v = getattr(self, f.name)
             if f.name != "device" and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
                 raise ProfileError(f"efficiency field {f.name}={v!r} is not a number >= 0.", "fix the profile.")
+        if self.pointwise_fusion > 1:
+            raise ProfileError(f"efficiency pointwise_fusion={self.pointwise_fusion} is above 1.", "use 0..1.")
         for name in ("matmul", "attention", "memory", "collective_bandwidth", "network_bandwidth"):
             if not 0 < getattr(self, name) <= 1:
                 raise ProfileError(f"efficiency {name}={getattr(self, name)} must be in (0, 1].", "fix the profile.")

@@ -136,6 +136,8 @@ class _LayerProblem:
     ) -> None:
         self.g, self.layer, self.mesh, self.env, self.dtype, self.cm = graph, layer, mesh, env, dtype, cm
         self.boundary = boundary
+        # share of fusable pointwise traffic the engine removes: XLA always fuses; torch per profile
+        self.fusion = 1.0 if graph.meta.get("framework") == "jax" else cm.efficiency.pointwise_fusion
         self.state_bytes = state_bytes_per_param(dtype, optimizer)
         self.nodes = [graph.node(n) for n in layer.nodes]
         self.producer = {o: n for n in self.nodes for o in n.outputs}
@@ -225,11 +227,9 @@ class _LayerProblem:
         c = _Costs()
         mesh, tensors = self.mesh, self.g.tensors
         flops = self._flops(n, sizes) / s.work_divisor
-        fused = n.attrs.get("fused_io", ())  # kept on chip by a fusing backend (passes/fusion.py)
-        nb = sum(self.nbytes(t) / shard_factor(lay, mesh) for t, lay in zip(n.inputs, s.in_layouts) if t not in fused)
-        nb += sum(
-            self.nbytes(t) / shard_factor(lay, mesh) for t, lay in zip(n.outputs, s.out_layouts) if t not in fused
-        )
+        fused = n.attrs.get("fused_io", ())  # fusable intermediates (passes/fusion.py)
+        ios = [*zip(n.inputs, s.in_layouts), *zip(n.outputs, s.out_layouts)]
+        nb = sum(self.nbytes(t) / shard_factor(lay, mesh) * (1.0 - self.fusion * (t in fused)) for t, lay in ios)
         if n.prim in VIEW_PRIMS and n.prim is not Prim.DROPOUT:
             nb = 0.0  # views move no data
         c.fwd_compute = self.cm.compute_time(n.prim, flops, nb, self.dtype) if flops or nb else 0.0

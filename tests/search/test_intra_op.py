@@ -142,3 +142,52 @@ def test_deterministic_and_memo_dedups_96_blocks() -> None:
     assert set(last.param_placements) == {g.tensors[p].fqn for p in g.layers[-1].params}
     assert all("h.0." not in c.reason for c in last.collectives)
     assert last.forward_time_s == sols[0].forward_time_s
+
+
+def test_megatron_style_keeps_batch_whole_on_tp() -> None:
+    """auto shards the batch of a batch-dominated MLP on the tp axis (then syncs grads); megatron
+    splits the weights column- then row-wise, with one forward all-reduce and no gradient sync."""
+    g = builders.mlp(1024, 4096)
+    mesh = LogicalMesh((1, 8), ("dp", "tp"), A100, 8)
+    env = {"B": 65536}
+    auto = solve_layer(g, g.layers[0], mesh, env=env, dtype="bf16", cost_model=CM)
+    meg = solve_layer(g, g.layers[0], mesh, env=env, dtype="bf16", cost_model=CM, tp_style="megatron")
+    assert set(auto.op_strategies.values()) == {"a@tp"}
+    assert any(c.phase == "optimizer" for c in auto.collectives)
+    assert meg.op_strategies == {"mlp.fc": "n@tp", "mlp.gelu": "b@tp", "mlp.proj": "k@tp"}
+    assert {(c.kind, c.phase) for c in meg.collectives} == {("all_reduce", "forward")}
+    assert meg.forward_time_s + meg.backward_time_s > auto.forward_time_s + auto.backward_time_s
+    with pytest.raises(Exception, match="tp_style"):
+        solve_layer(g, g.layers[0], mesh, env=env, dtype="bf16", cost_model=CM, tp_style="nope")
+
+
+def test_pointwise_fusion_share_prices_marked_traffic() -> None:
+    """x -> gelu-like chain of three pointwise ops: fused pricing drops the two private intermediates."""
+    import dataclasses
+
+    import sympy
+
+    from partita import prims
+    from partita.ir import GraphBuilder, Prim, Role
+    from partita.passes.fusion import fuse_pointwise
+    from partita.passes.layers import group_layers
+    from partita.search.cost_model import Efficiency
+
+    B, S = sympy.Symbol("B"), sympy.Symbol("S")
+    gb = GraphBuilder("chain")
+    shp = (B, S, 1024)
+    t = gb.tensor("x", shp, "bf16", Role.INPUT)
+    for name in ("a", "b", "c"):
+        (t,) = gb.add(Prim.ELEMENTWISE, [t], [(name, shp, "bf16")], prims.elementwise(shp, [shp]))
+    gb.outputs.append(t)
+    g = fuse_pointwise(group_layers(gb.build({"framework": "torch"})))
+    mesh = LogicalMesh((1,), ("tp",), A100, 8)
+    env = {"B": 8, "S": 2048}
+
+    def fwd(share: float) -> float:
+        cm = CostModel(A100, dataclasses.replace(Efficiency(), pointwise_fusion=share, kernel_overhead_s=0.0))
+        return solve_layer(g, g.layers[0], mesh, env=env, dtype="bf16", cost_model=cm).forward_time_s
+
+    eager, fused, half = fwd(0.0), fwd(1.0), fwd(0.5)
+    assert fused < 0.35 * eager  # 6 tensor passes -> 2 (read x, write c); b is then FLOP-bound
+    assert fused < half < eager
