@@ -152,10 +152,13 @@ def search_table(plan: Plan) -> Table:
     return t
 
 
-def plan_text(plan: Plan) -> str:
-    return _render(
-        summary_table(plan), stages_table(plan), breakdown_table(plan), alternatives_table(plan), search_table(plan)
-    )
+def plan_text(plan: Plan, run_log: Mapping[str, Any] | None = None) -> str:
+    """The plan's tables; with a run log, its "Predicted vs measured" tables after them."""
+    tables = [summary_table(plan), stages_table(plan), breakdown_table(plan), alternatives_table(plan)]
+    tables.append(search_table(plan))
+    if run_log:
+        tables += run_log_tables(run_log)
+    return _render(*tables)
 
 
 def compare_text(a: Plan, b: Plan) -> str:
@@ -283,7 +286,7 @@ def _bars_svg(ident: str, items: list[tuple[str, float, float | None]], unit: st
     return "".join(parts)
 
 
-def plan_html(plan: Plan) -> str:
+def plan_html(plan: Plan, run_log: Mapping[str, Any] | None = None) -> str:
     mem = [
         (
             f"stage {s.index} ({s.device_type})",
@@ -314,6 +317,7 @@ MFU {_s(p.get("mfu"), "%")}, {plan.world_size} devices, {plan.num_stages} stages
 <h2>Time breakdown</h2>{_bars_svg("breakdown", brk, "s")}
 <h2>Layer to stage map</h2><table id="layermap"><tr><th>layer</th><th>stage</th><th>device</th><th>mesh</th></tr>
 {layer_rows}</table>
+{run_log_html(run_log) if run_log else ""}
 <h2>Full report</h2><pre>{text}</pre>
 <script>
 // Self-check: every chart must have drawn shapes; the result is readable in the DOM.
@@ -325,8 +329,87 @@ document.body.setAttribute("data-charts", ok ? "ok" : "missing");
 """
 
 
-def run_log_rows(log: Mapping[str, Any]) -> list[tuple[str, str, str]]:
-    """Predicted vs measured rows from a run log (``partita run --json`` output saved as run.json)."""
-    steps = log.get("step_time_s") or []
-    med = sorted(steps)[len(steps) // 2] if steps else None
-    return [("step time", _s(log.get("predicted_step_time_s")), _s(med))]
+def _pct(x: Any) -> str:
+    return "-" if x is None else f"{100 * float(x):+.1f}%"
+
+
+def _count(e: Mapping[str, Any] | None) -> str:
+    return "-" if not e else str(int(e.get("count") or 0))
+
+
+def _bytes(e: Mapping[str, Any] | None) -> str:
+    if not e or e.get("bytes") is None:
+        return "-"
+    b = float(e["bytes"])
+    return f"{b / 2**20:.2f} MiB" if b >= 2**20 else f"{b / 2**10:.1f} KiB"
+
+
+def run_log_tables(log: Mapping[str, Any]) -> list[Table]:
+    """ "Predicted vs measured" from a run log (``DIR/run_log.json``, written by ``partita run DIR``)."""
+    st = log.get("step_time_s") or {}
+    measured = st.get("measured") or []
+    t = Table(title=f"Predicted vs measured ({log.get('framework')} run, {log.get('steps')} steps)")
+    for c in ("what", "predicted", "measured", "error"):
+        t.add_column(c)
+    med = st.get("measured_median")
+    how = f" (median of {len(measured)})" if measured else " (not measured)"
+    t.add_row("step time", _s(st.get("predicted")), _s(med) + how, _pct(st.get("error")))
+    for s in log.get("stages", []):
+        m = s.get("measured_time_s")
+        err = (m - s["predicted_time_s"]) / s["predicted_time_s"] if m and s.get("predicted_time_s") else None
+        t.add_row(f"stage {s['index']} time", _s(s.get("predicted_time_s")), _s(m), _pct(err))
+    losses, ref = log.get("losses") or [], log.get("reference_losses")
+    if losses:
+        diff = max(abs(a - b) for a, b in zip(losses, ref)) if ref else None
+        t.add_row(
+            "losses",
+            f"reference {ref[0]:.4f} -> {ref[-1]:.4f}" if ref else "-",
+            f"{losses[0]:.4f} -> {losses[-1]:.4f}",
+            f"max |diff| {diff:.1e}" if diff is not None else "-",
+        )
+    src = "in the compiled HLO" if log.get("collective_source") == "hlo" else "at run time, first rank per stage"
+    c = Table(title=f"Collectives per step, predicted vs measured (counted {src})")
+    for col in ("stage", "kind", "predicted #", "measured #", "predicted bytes", "measured bytes", "match"):
+        c.add_column(col)
+    for s in log.get("stages", []):
+        for kind, row in s.get("collectives", {}).items():
+            pred, meas = row.get("predicted"), row.get("measured")
+            same = (
+                "-"
+                if not s.get("collectives_measured")
+                else "yes"
+                if _count(pred) == (_count(meas) if meas else "0")
+                else "NO"
+            )
+            c.add_row(str(s["index"]), kind, _count(pred), _count(meas) if s.get("collectives_measured") else "-",
+                      _bytes(pred), _bytes(meas), same)  # fmt: skip
+    gaps = Table(title="Not measured by this run", show_header=False)
+    gaps.add_column("gap")
+    for g in log.get("gaps", []):
+        gaps.add_row(str(g))
+    return [t, c, gaps]
+
+
+def run_log_text(log: Mapping[str, Any]) -> str:
+    return _render(*run_log_tables(log))
+
+
+def run_log_html(log: Mapping[str, Any]) -> str:
+    """The run log section of the HTML page: the same tables, as a table element per part."""
+    st = log.get("step_time_s") or {}
+    rows = [("step time", _s(st.get("predicted")), _s(st.get("measured_median")), _pct(st.get("error")))]
+    coll = "".join(
+        f"<tr><td>{s['index']}</td><td>{html.escape(kind)}</td><td>{_count(r.get('predicted'))}</td>"
+        f"<td>{_count(r.get('measured')) if s.get('collectives_measured') else '-'}</td>"
+        f"<td>{_bytes(r.get('predicted'))}</td><td>{_bytes(r.get('measured'))}</td></tr>"
+        for s in log.get("stages", [])
+        for kind, r in s.get("collectives", {}).items()
+    )
+    head = "".join(f"<tr><td>{a}</td><td>{b}</td><td>{c}</td><td>{d}</td></tr>" for a, b, c, d in rows)
+    return (
+        '<h2>Predicted vs measured</h2><table id="runlog"><tr><th>what</th><th>predicted</th><th>measured (median)'
+        f"</th><th>error</th></tr>{head}</table>"
+        '<h3>Collectives per step</h3><table id="runlog-collectives"><tr><th>stage</th><th>kind</th>'
+        "<th>predicted #</th><th>measured #</th><th>predicted bytes</th><th>measured bytes</th></tr>"
+        f"{coll}</table><pre>{html.escape(run_log_text(log))}</pre>"
+    )

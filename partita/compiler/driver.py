@@ -110,7 +110,12 @@ class Traced:
         return Planned(self, cl, training, plan, time.perf_counter() - t0)
 
 
-def trace_model(spec: str, *, batch: int = 1, seq: int | None = None) -> Traced:
+# torch.export specializes dims of size 0 and 1, so a trace at batch 1 comes out static and the
+# search would have to scale it linearly in the batch; at batch 2 the batch dim stays symbolic (B).
+TRACE_BATCH = 2
+
+
+def trace_model(spec: str, *, batch: int = TRACE_BATCH, seq: int | None = None) -> Traced:
     from partita.models import resolve_model
 
     handle = resolve_model(spec)
@@ -124,7 +129,7 @@ def _seq_default(handle: Any) -> int:
     return int(cfg.get("seq_len", 128)) if isinstance(cfg, Mapping) else 128
 
 
-def trace_handle(handle: Any, *, batch: int = 1, seq: int | None = None) -> Graph:
+def trace_handle(handle: Any, *, batch: int = TRACE_BATCH, seq: int | None = None) -> Graph:
     """Trace a zoo/user model handle on abstract values and run the standard passes."""
     from partita.passes.pipeline import run_passes
 
@@ -249,6 +254,42 @@ def cache_key(handle: Any, cluster: Cluster, training: Any) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
 
 
+@dataclasses.dataclass
+class CachedPlan:
+    """A plan for a model handle, from the compile cache or a fresh trace + search."""
+
+    plan: Plan
+    cache_hit: bool
+    key: str
+    path: Path  # the cache entry's plan.json
+    elapsed_s: float
+
+
+def plan_handle(
+    handle: Any, cluster: str | Cluster, training: Any, *, force: bool = False, progress: bool = False
+) -> CachedPlan:
+    """The plan for ``handle`` on ``cluster``: a cache hit when the key matches (no trace), else
+    trace + search, written to the cache. Used by :func:`compile_to_dir` and ``partita.parallelize``."""
+    t0 = time.perf_counter()
+    cl = parse_cluster(cluster) if isinstance(cluster, str) else cluster
+    _check_training(training)
+    key = cache_key(handle, cl, training)
+    cached = cache_dir() / "plans" / key / PLAN_FILE
+    if not force and cached.exists():
+        try:
+            plan = Plan.from_json(cached.read_text(), str(cached))
+        except PlanError:
+            plan = None  # a corrupt cache entry is recompiled, never trusted
+        if plan is not None:
+            return CachedPlan(plan, True, key, cached, time.perf_counter() - t0)
+    traced = Traced(handle, trace_handle(handle, batch=TRACE_BATCH, seq=training.seq_len), 0.0)
+    traced.trace_time_s = time.perf_counter() - t0
+    planned = traced.plan(cl, training, progress=progress)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(cached, planned.plan.to_json())
+    return CachedPlan(planned.plan, False, key, cached, time.perf_counter() - t0)
+
+
 def compile_to_dir(
     model: str,
     cluster: str,
@@ -260,28 +301,15 @@ def compile_to_dir(
     progress: bool = False,
 ) -> Compiled:
     t0 = time.perf_counter()
-    out = Path(out_dir)
     cl = parse_cluster(cluster, gpus_per_node)
     _check_training(training)
     from partita.models import resolve_model
 
     handle = resolve_model(model)
-    key = cache_key(handle, cl, training)
-    cached = cache_dir() / "plans" / key / PLAN_FILE
-    if not force and cached.exists():
-        try:
-            plan = Plan.from_json(cached.read_text(), str(cached))
-        except PlanError:
-            plan = None  # a corrupt cache entry is recompiled, never trusted
-        if plan is not None:
-            return _write_outputs(plan, model, out, cache_hit=True, elapsed_s=time.perf_counter() - t0, key=key)
-    traced = Traced(handle, trace_handle(handle, batch=1, seq=training.seq_len), 0.0)
-    traced.trace_time_s = time.perf_counter() - t0
-    planned = traced.plan(cl, training, progress=progress)
-    res = _write_outputs(planned.plan, model, out, cache_hit=False, elapsed_s=time.perf_counter() - t0, key=key)
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(cached, planned.plan.to_json())
-    return res
+    got = plan_handle(handle, cl, training, force=force, progress=progress)
+    return _write_outputs(
+        got.plan, model, Path(out_dir), cache_hit=got.cache_hit, elapsed_s=time.perf_counter() - t0, key=got.key
+    )
 
 
 def _check_training(training: Any) -> None:
@@ -358,7 +386,7 @@ def evaluate_model(
     cl = parse_cluster(cluster, gpus_per_node)  # validate the cheap inputs before tracing
     from partita.search.evaluate import evaluate_config
 
-    traced = trace_model(model, batch=1, seq=training.seq_len)
+    traced = trace_model(model, batch=TRACE_BATCH, seq=training.seq_len)
     return evaluate_config(
         traced.graph,
         cl,
@@ -384,11 +412,15 @@ def run_plan(
     resume: bool = False,
     extra_args: Sequence[str] = (),
 ) -> Mapping[str, Any]:
+    from partita import run_log
+
     plan = load_plan(plan_dir)
     if plan.model.get("framework") == "jax":
         from partita.runtime.jax_run import run as jax_run
 
-        return jax_run(plan_dir, steps=steps, reference=reference)
+        result = jax_run(plan_dir, steps=steps, reference=reference)
+        run_log.write(plan_dir, run_log.build(plan, result, steps=steps, framework="jax"))
+        return result
     from partita.runtime.torch_launch import run
 
     extra = list(extra_args)
@@ -397,7 +429,7 @@ def run_plan(
     if resume:
         extra += ["--resume"]
     with contextlib.redirect_stdout(io.StringIO()):  # the launcher prints; the CLI decides what to show
-        return run(
+        result = run(
             plan_dir,
             steps=steps,
             reference=reference,
@@ -405,14 +437,21 @@ def run_plan(
             nnodes=nnodes,
             extra_args=tuple(extra),
         )
+    if not dry_run:  # DIR/run_log.json: measured beside predicted, for `partita report DIR`
+        run_log.write(plan_dir, run_log.build(plan, result, steps=steps, framework="torch"))
+    return result
 
 
 def report(dirs: Sequence[str], html: str | None = None) -> str:
+    """Text report of one plan (with its run log's "Predicted vs measured" when DIR has one), or
+    the comparison of two; ``html`` also writes the first plan's page there."""
     from partita import report as rep
+    from partita import run_log
 
     plans = [load_plan(d) for d in dirs]
+    logs = [run_log.load(d) for d in dirs]
     if html:
-        Path(html).write_text(rep.plan_html(plans[0]))
+        Path(html).write_text(rep.plan_html(plans[0], logs[0]))
     if len(plans) == 2:
         return rep.compare_text(plans[0], plans[1])
-    return "\n\n".join(rep.plan_text(p) for p in plans)
+    return "\n\n".join(rep.plan_text(p, log) for p, log in zip(plans, logs))

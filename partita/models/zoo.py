@@ -111,7 +111,9 @@ def _hf_model(kind: str, cfg: Any) -> torch.nn.Module:
         "resnet": T.ResNetForImageClassification,
     }[kind]
     if kind != "resnet":
-        cfg._attn_implementation = "sdpa"
+        # HF's own config key picks the attention kernel; "eager" traces the unfused
+        # matmul-softmax-dropout-matmul that Megatron-LM ran before flash attention.
+        cfg._attn_implementation = getattr(cfg, "_attn_implementation_internal", None) or "sdpa"
     return cls(cfg)
 
 
@@ -404,3 +406,127 @@ def _from_factory(spec: str) -> ModelHandle:
 
 def _adapt_inputs(fn: Callable[..., Mapping[str, Any]]) -> Callable[[int, int, str], dict[str, Any]]:
     return lambda batch, seq, device: dict(fn(batch, seq, device))
+
+
+# ---- an in-memory module (``partita.parallelize(model, ...)``) ------------------------------
+@dataclasses.dataclass
+class ModuleHandle(ModelHandle):
+    """A user's live ``nn.Module`` as a handle: ``build("meta")`` is a weightless copy to trace.
+
+    The copy shares no storage with the user's module: every parameter and buffer is replaced by a
+    meta tensor of the same shape and dtype through ``copy.deepcopy``'s memo (tied parameters stay
+    tied), so nothing the size of the weights is allocated. ``identity()`` keys the compile cache
+    on what decides the traced graph: the class, its source file, ``repr(module)``, every parameter
+    and buffer's shape and dtype, and the example inputs' shapes.
+    """
+
+    module: torch.nn.Module | None = None
+
+    def build(self, device: str = "meta", seed: int = 0) -> torch.nn.Module:
+        assert self.module is not None
+        if device != "meta":
+            return self.module  # the user's weights, not a re-initialisation
+        import copy
+
+        memo: dict[int, Any] = {}
+        for _, p in self.module.named_parameters(remove_duplicate=False):
+            if id(p) not in memo:
+                memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        for b in self.module.buffers():
+            memo.setdefault(id(b), torch.empty_like(b, device="meta"))
+        return copy.deepcopy(self.module, memo)
+
+    def identity(self) -> str:
+        import hashlib
+        import inspect
+
+        assert self.module is not None
+        cls = type(self.module)
+        try:
+            source = hashlib.sha256(Path(inspect.getfile(cls)).read_bytes()).hexdigest()[:16]
+        except (OSError, TypeError):
+            source = "unknown"
+        tensors = [(n, tuple(p.shape), str(p.dtype)) for n, p in self.module.named_parameters(remove_duplicate=False)]
+        tensors += [(n, tuple(b.shape), str(b.dtype)) for n, b in self.module.named_buffers()]
+        inputs = {k: (tuple(v.shape), str(v.dtype)) for k, v in self.example_inputs(2, 2).items()}
+        payload = {
+            "class": f"{cls.__module__}.{cls.__qualname__}",
+            "source": source,
+            "repr": repr(self.module),
+            "tensors": tensors,
+            "inputs": {k: inputs[k] for k in sorted(inputs)},
+        }
+        return json.dumps(payload, sort_keys=True, default=str)
+
+
+def _forward_names(module: torch.nn.Module) -> list[str]:
+    import inspect
+
+    try:
+        ps = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in ps if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def _sample_inputs(samples: Mapping[str, torch.Tensor]) -> Callable[[int, int, str], dict[str, Any]]:
+    """Zero tensors shaped like ``samples`` with dim 0 = batch (and dim 1 = seq for 2-D integer inputs)."""
+
+    def fn(batch: int, seq: int, device: str) -> dict[str, Any]:
+        out = {}
+        for k, t in samples.items():
+            shape = [batch, *t.shape[1:]]
+            if t.dim() == 2 and not t.is_floating_point() and seq:
+                shape[1] = seq
+            out[k] = torch.zeros(shape, dtype=t.dtype, device=device)
+        return out
+
+    return fn
+
+
+def module_handle(module: torch.nn.Module, example_inputs: Any = None, name: str | None = None) -> ModuleHandle:
+    """A handle for a live module. ``example_inputs``: a tensor (the first forward argument), a tuple
+    of tensors (positional), a dict ``{arg: tensor}`` (any batch size; only shapes and dtypes are
+    used), or ``fn(batch, seq, device) -> dict``. ``None`` works for Hugging Face token models
+    (``config.vocab_size``): ``input_ids`` and ``labels`` of shape (batch, seq)."""
+    if not isinstance(module, torch.nn.Module):
+        raise ModelError(
+            f"partita.parallelize got a {type(module).__name__}, not a torch.nn.Module.",
+            "pass the model object (for JAX, use @partita.parallelize(...) on the loss function).",
+        )
+    names = _forward_names(module)
+    cfg = getattr(module, "config", None)
+    vocab = int(getattr(cfg, "vocab_size", 0) or 0)
+    if callable(example_inputs) and not isinstance(example_inputs, torch.Tensor):
+        inputs_fn = _adapt_inputs(example_inputs)
+    elif example_inputs is None and vocab:
+        inputs_fn = _token_inputs(vocab)
+    elif example_inputs is None:
+        raise ModelError(
+            f"partita.parallelize cannot tell what {type(module).__name__}.forward takes.",
+            "pass example_inputs=x (one batch of the first forward argument, any batch size), or a dict "
+            "{'x': x, 'labels': y} of forward arguments.",
+        )
+    else:
+        if isinstance(example_inputs, torch.Tensor):
+            example_inputs = (example_inputs,)
+        if isinstance(example_inputs, (tuple, list)):
+            if len(example_inputs) > len(names):
+                raise ModelError(
+                    f"{len(example_inputs)} example inputs for forward({', '.join(names)}).",
+                    "pass a dict {argument name: tensor}.",
+                )
+            example_inputs = dict(zip(names, example_inputs))
+        if not isinstance(example_inputs, Mapping) or not all(
+            isinstance(v, torch.Tensor) for v in example_inputs.values()
+        ):
+            raise ModelError(
+                "example_inputs must be a tensor, a tuple or dict of tensors, or fn(batch, seq, device) -> dict.",
+                "pass e.g. example_inputs={'x': x, 'labels': y}.",
+            )
+        inputs_fn = _sample_inputs(dict(example_inputs))
+    kind = "gpt" if type(module).__name__.startswith("GPT2") else "custom"
+    seq = int(getattr(cfg, "n_positions", 0) or getattr(cfg, "max_position_embeddings", 0) or 0)
+    summary = {"kind": kind, "hidden": 0, "num_layers": 0, "heads": 0, "vocab": vocab, "seq_len": seq}
+    label = name or f"{type(module).__name__}(user module)"
+    return ModuleHandle(label, "torch", summary, lambda: module, inputs_fn, f"in-memory {label}", module=module)
