@@ -1,8 +1,8 @@
-"""Helpers the generated JAX program (``program_jax.py``, from ``compiler/emit_jax.py``) calls.
+"""Mechanism under the generated JAX programs: layouts, meshes, model and data, stage split, schedule.
 
-Sits under the generated program and beside ``runtime/jax_run.py`` (which launches it). What lives
-here is mechanism; the decisions (meshes, per-parameter PartitionSpecs, stage split, schedule) are
-literal data in the generated file.
+Used by ``runtime/jax_train.py`` (the training loops the generated ``program_jax.py`` runs) and by
+``compiler/emit_jax.py``; the decisions (meshes, per-parameter PartitionSpecs, stage split,
+activation pins, schedule) are literal data in the generated file.
 
 * :func:`partition_spec` turns a plan placement (one ``"R"`` / ``"S(d)"`` per mesh axis
   ``("dp", "tp")``) into a ``PartitionSpec`` (per tensor dim, the mesh axes that shard it);
@@ -12,9 +12,12 @@ literal data in the generated file.
 * :func:`split_model` cuts ``loss_fn(params, *batch)`` into pipeline stages: the loss is traced to a
   jaxpr on abstract micro-batch shapes, every equation gets a layer (from its flax name stack, or
   the latest layer among its inputs, so the split is always monotone), consecutive layers form
-  segments, and each stage becomes a function of (its parameters, its boundary inputs).
+  segments, and each stage becomes a function of (its parameters, its boundary inputs). Segments
+  are evaluated equation by equation, so values crossing layer boundaries and the outputs of named
+  modules can be pinned to a layout.
 * :func:`pipeline_schedule` writes the GPipe / 1F1B action order that the program dispatches.
-* :func:`count_collectives` reads compiled HLO text and counts collectives per kind and mesh axis.
+
+HLO collective counting and the plan's predictions live in ``runtime/jax_fidelity.py``.
 """
 
 from __future__ import annotations
@@ -22,8 +25,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import re
-import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -215,9 +217,14 @@ class ModelSplit:
     avals: dict[int, Any]  # value id -> ShapedArray
     producer: dict[int, int]  # value id -> stage index producing it (-1: batch input)
     loss_id: int
+    pinned: dict[str, int] = dataclasses.field(default_factory=dict)  # module -> outputs pinned
 
     def is_float(self, vid: int) -> bool:
         return bool(jnp.issubdtype(self.avals[vid].dtype, jnp.floating))
+
+
+Constrain = Callable[[int, int, Any], Any]
+ModulePin = Callable[[int, Sequence[Any], Any], Any]
 
 
 def split_model(
@@ -226,12 +233,20 @@ def split_model(
     micro_batch: Sequence[Any],
     layers: Sequence[str],
     stage_layers: Sequence[Sequence[str]],
-    constrain: Callable[[int, int, Any], Any] | None = None,
+    constrain: Constrain | None = None,
+    *,
+    module_pins: Mapping[str, Sequence[Sequence[Any]]] | None = None,
+    pin: ModulePin | None = None,
+    remat_stages: Collection[int] = (),
 ) -> ModelSplit:
     """Cut ``loss_fn`` into ``len(stage_layers)`` stage programs over the plan's layer names.
 
     ``constrain(stage, value_id, x)`` is applied to every value crossing a layer boundary inside a
     stage (the generated program pins those activations with ``with_sharding_constraint``).
+    ``module_pins[module][k]`` lists layouts for the ``k``-th output of flax module ``module`` (a
+    value made inside it and read outside it, in program order); ``pin(stage, layouts, x)``
+    applies them. Layer segments of the stages in ``remat_stages`` run under ``jax.checkpoint``
+    (recomputed in the backward).
     """
     abstract_batch = [jax.ShapeDtypeStruct(np.shape(b), b.dtype) for b in micro_batch]
     closed = jax.make_jaxpr(loss_fn)(abstract_params, *abstract_batch)
@@ -309,7 +324,7 @@ def split_model(
                 "keep layers that share a parameter in one stage.",
             )
         param_stage[fqn] = stages_using.pop() if stages_using else 0
-    var_of = {i: v for v, i in ids.items()}
+    pins = _module_outputs(jaxpr, vid, module_pins or {})
     producer = {i: (layer_stage[s] if s < len(layers) else -1) for i, s in defined_in.items()}
     for i in batch_ids:
         producer[i] = -1
@@ -345,10 +360,10 @@ def split_model(
             seg_out = sorted(
                 i for i in {vid(o) for e in seg_eqns[k] for o in e.outvars} if any(u > k for u in uses.get(i, set()))
             )
-            with warnings.catch_warnings():  # a sub-jaxpr has no DebugInfo of its own
-                warnings.simplefilter("ignore", DeprecationWarning)
-                sub = jcore.Jaxpr([], [var_of[i] for i in seg_in], [var_of[i] for i in seg_out], seg_eqns[k])
-            seg_funcs.append((seg_in, seg_out, jcore.jaxpr_as_fun(jcore.ClosedJaxpr(sub, []))))
+            fn = _segment_fn(
+                seg_eqns[k], vid, seg_in, seg_out, pins, (lambda s, x, st=st: pin(st, s, x)) if pin else None
+            )
+            seg_funcs.append((seg_in, seg_out, jax.checkpoint(fn) if st in remat_stages else fn))
         stages.append(
             StageProgram(
                 st,
@@ -365,7 +380,70 @@ def split_model(
                 "the plan's layer names must be the model's module names (e.g. blocks_0).",
             )
     avals = {i: v.aval for v, i in ids.items()}
-    return ModelSplit(stages, batch_ids, avals, producer, loss_id)
+    pinned: dict[str, int] = {}
+    for m, _ in pins.values():
+        pinned[m] = pinned.get(m, 0) + 1
+    return ModelSplit(stages, batch_ids, avals, producer, loss_id, pinned)
+
+
+def _module_outputs(
+    jaxpr: Any, vid: Callable[[Any], int], module_pins: Mapping[str, Sequence[Sequence[Any]]]
+) -> dict[int, tuple[str, Sequence[Any]]]:
+    """value id -> (module, layouts) for the outputs of the pinned modules (made inside, read outside).
+
+    A module whose output count differs from its pin list is left unpinned (the jaxpr and the
+    plan's graph disagree about it: better no pin than a wrong one).
+    """
+    if not module_pins:
+        return {}
+    made_by: dict[int, str] = {}
+    outs: dict[str, list[int]] = {m: [] for m in module_pins}
+    for eqn in jaxpr.eqns:
+        path = _name_path(eqn)
+        for v in eqn.invars:
+            if isinstance(v, jcore.Literal):
+                continue
+            m = made_by.get(vid(v))
+            if m is not None and not (path == m or path.startswith(m + ".")) and vid(v) not in outs[m]:
+                outs[m].append(vid(v))
+        for o in eqn.outvars:
+            if path in outs:
+                made_by[vid(o)] = path
+    for v in jaxpr.outvars:
+        m = made_by.get(vid(v)) if not isinstance(v, jcore.Literal) else None
+        if m is not None and vid(v) not in outs[m]:
+            outs[m].append(vid(v))
+    result: dict[int, tuple[str, Sequence[Any]]] = {}
+    for m, vids in outs.items():
+        if len(vids) == len(module_pins[m]):
+            result.update({i: (m, module_pins[m][k]) for k, i in enumerate(sorted(vids))})
+    return result
+
+
+def _segment_fn(
+    eqns: Sequence[Any],
+    vid: Callable[[Any], int],
+    seg_in: Sequence[int],
+    seg_out: Sequence[int],
+    pins: Mapping[int, tuple[str, Sequence[Any]]],
+    pin: Callable[[Sequence[Any], Any], Any] | None,
+) -> Callable[..., list[Any]]:
+    """Evaluate one layer's equations (``jax.core.eval_jaxpr``'s loop) with module-output pins."""
+
+    def fn(*args: Any) -> list[Any]:
+        env = dict(zip(seg_in, args))
+        for eqn in eqns:
+            params = eqn.primitive.get_bind_params(eqn.params)
+            sub, params = params if isinstance(params, tuple) else ((), params)  # jax < 0.7 also returned subfuns
+            ins = [v.val if isinstance(v, jcore.Literal) else env[vid(v)] for v in eqn.invars]
+            with eqn.ctx.manager:
+                ans = eqn.primitive.bind(*sub, *ins, **params)
+            for o, x in zip(eqn.outvars, ans if eqn.primitive.multiple_results else [ans]):
+                i = vid(o)
+                env[i] = pin(pins[i][1], x) if pin is not None and i in pins else x
+        return [env[i] for i in seg_out]
+
+    return fn
 
 
 def _stage_apply(
@@ -377,7 +455,7 @@ def _stage_apply(
     outs: list[int],
     seg_funcs: list[tuple[list[int], list[int], Callable[..., Any]]],
     consts: Mapping[int, Any],
-    constrain: Callable[[int, int, Any], Any] | None,
+    constrain: Constrain | None,
 ) -> Callable[..., list[Any]]:
     def apply(params: Mapping[str, Any], inputs: Sequence[Any]) -> list[Any]:
         env: dict[int, Any] = dict(consts)
@@ -439,130 +517,3 @@ def pipeline_schedule(kind: str, num_stages: int, num_micro_batches: int) -> lis
         if not progressed:
             raise PlanError(f"schedule {kind!r} deadlocks for {p} stages.", "use gpipe or 1f1b.")
     return out
-
-
-# ---- HLO fidelity ----------------------------------------------------------------------------
-HLO_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_OP = re.compile(
-    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.*?)\s(?P<kind>all-reduce|all-gather|reduce-scatter|all-to-all|"
-    r"collective-permute)(?P<start>-start)?\((?P<rest>.*)$"
-)
-_SHAPE = re.compile(r"\b[a-z]+\d*\[([\d,]*)\]")
-_COMMENT = re.compile(r"/\*.*?\*/")
-
-
-def _iota(sizes: Sequence[int], dims: str | None, perm: str | None) -> np.ndarray:
-    ids = np.arange(int(np.prod(sizes)))
-    if dims:
-        ids = ids.reshape([int(x) for x in dims.split(",")])
-        if perm:
-            ids = ids.transpose([int(x) for x in perm.split(",")])
-    return ids.reshape(sizes)
-
-
-def _replica_groups(rest: str) -> list[list[int]] | None:
-    """Device groups of a collective, from any of XLA's printed forms."""
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:<=\[([\d,]+)\](?:T\(([\d,]+)\))?)?\s*\{([^}]*)\}", rest)
-    if m:  # XLA's own view of the devices: mesh['axis_0'=1,'axis_1'=4] {'axis_1'}; groups vary the listed axes
-        named = re.findall(r"'([^']+)'=(\d+)", m.group(1))
-        sizes = [int(n) for _, n in named]
-        ids = _iota(sizes, m.group(2), m.group(3))
-        listed = [i for i, (name, _) in enumerate(named) if f"'{name}'" in m.group(4)]
-        others = [i for i in range(len(sizes)) if i not in listed]
-        size = int(np.prod([sizes[i] for i in listed])) if listed else 1
-        return ids.transpose(others + listed).reshape(-1, size).tolist()
-    m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", rest)
-    if m:  # iota form: [groups, size]<=[dims]T(perm)
-        dims = [int(x) for x in m.group(2).split(",")]
-        return _iota(dims, m.group(2), m.group(3)).reshape([int(x) for x in m.group(1).split(",")]).tolist()
-    m = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", rest)
-    if m:
-        return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
-    m = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", rest)
-    if m:
-        return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1))]
-    return None
-
-
-def _axes_of(rest: str, mesh_shape: Sequence[int]) -> str:
-    """The stage-mesh axes ("dp", "tp", "dp,tp") a collective's device groups span."""
-    groups = _replica_groups(rest)
-    if not groups:
-        return "?"
-    dp, tp = mesh_shape
-    varied = set()
-    for g in groups:
-        coords = [(i // tp, i % tp) for i in g if i < dp * tp]
-        if len({c[0] for c in coords}) > 1:
-            varied.add("dp")
-        if len({c[1] for c in coords}) > 1:
-            varied.add("tp")
-    return ",".join(a for a in AXES if a in varied) or "none"
-
-
-def _phase(op_name: str) -> str:
-    if "transpose(" in op_name:
-        return "backward"
-    if "jvp(" in op_name:
-        return "forward"
-    return "other"
-
-
-def count_collectives(hlo_text: str, mesh_shape: Sequence[int] = (1, 1)) -> dict[str, Any]:
-    """Collectives in compiled HLO text, one entry per HLO op (XLA may combine several tensors in one).
-
-    Returns ``{kind: ops, "by_axis": {"kind@axis": ops}, "operands": {kind: tensors},
-    "elements": {kind: result elements}, "by_phase": {"kind@forward|backward|other": tensors}}``;
-    the phase comes from each tensor's JAX name stack (``transpose(jvp(...))`` is backward).
-    """
-    counts = dict.fromkeys(HLO_KINDS, 0)
-    operands = dict.fromkeys(HLO_KINDS, 0)
-    elements = dict.fromkeys(HLO_KINDS, 0)
-    by_axis: dict[str, int] = {}
-    by_phase: dict[str, int] = {}
-    for raw in hlo_text.splitlines():
-        m = _OP.search(_COMMENT.sub("", raw))
-        if not m:
-            continue
-        kind, rest = m.group("kind"), m.group("rest")
-        counts[kind] += 1
-        key = f"{kind}@{_axes_of(rest, mesh_shape)}"
-        by_axis[key] = by_axis.get(key, 0) + 1
-        shapes = _SHAPE.findall(m.group("shape"))
-        if m.group("start") and kind in ("all-gather", "collective-permute"):
-            shapes = shapes[len(shapes) // 2 :]  # async (operand, result) tuple: count the result
-        operands[kind] += len(shapes)
-        elements[kind] += sum(int(np.prod([int(x) for x in s.split(",") if x])) for s in shapes)
-        name = re.search(r'op_name="([^"]*)"', rest)
-        names = name.group(1) if name else ""
-        inner = re.fullmatch(r"[^/]*/\((.*)\)", names)
-        parts = inner.group(1).split(":") if inner else [names] * len(shapes)
-        for part in parts[: len(shapes)] or [names]:
-            k = f"{kind}@{_phase(part)}"
-            by_phase[k] = by_phase.get(k, 0) + 1
-    return {**counts, "by_axis": by_axis, "operands": operands, "elements": elements, "by_phase": by_phase}
-
-
-def weighted_collectives(per_function: Mapping[str, Mapping[str, Any]], calls: Mapping[str, int]) -> dict[str, Any]:
-    """Per-step totals of a stage whose jitted functions run ``calls[name]`` times per step."""
-    out: dict[str, Any] = dict.fromkeys(HLO_KINDS, 0)
-    nested: dict[str, dict[str, int]] = {"by_axis": {}, "operands": {}, "elements": {}, "by_phase": {}}
-    for name, counts in per_function.items():
-        n = calls.get(name, 0)
-        for k in HLO_KINDS:
-            out[k] += n * counts[k]
-        for field, acc in nested.items():
-            for k, v in counts[field].items():
-                acc[k] = acc.get(k, 0) + n * v
-    return {**out, **nested}
-
-
-def predicted_collectives(collectives: Sequence[Any]) -> dict[str, Any]:
-    """The plan's ``Stage.collectives`` in the same shape as :func:`count_collectives`."""
-    counts: dict[str, Any] = {}
-    by_axis: dict[str, int] = {}
-    for c in collectives:
-        kind = "collective-permute" if c.kind == "p2p" else c.kind.replace("_", "-")
-        counts[kind] = counts.get(kind, 0) + int(c.count)
-        by_axis[f"{kind}@{c.axis}"] = by_axis.get(f"{kind}@{c.axis}", 0) + int(c.count)
-    return {**counts, "by_axis": by_axis}

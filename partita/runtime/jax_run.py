@@ -65,11 +65,12 @@ def run(
 ) -> dict[str, Any]:
     """Train ``steps`` steps of the plan in ``plan_dir``; return the program's result dict.
 
-    Keys: ``losses``, ``reference_losses`` (with ``reference``), ``hlo_collectives``
-    (stage -> kind -> count per step, plus ``by_axis`` / ``elements`` and per-function counts for
-    pipeline stages), ``predicted_collectives`` (the plan's ``Stage.collectives`` in the same form),
-    ``collective_check`` (stage -> kind -> {"hlo", "predicted"}), ``max_param_diff`` /
-    ``max_grad_diff`` against the reference.
+    Keys (``runtime/jax_train.main``): ``losses``, ``reference_losses`` (with ``reference``),
+    ``collectives`` (stage -> ``kind@axis`` -> ops and bytes per step, read from the compiled HLO
+    plus the program's stage-to-stage sends), ``predicted_collectives`` (the plan's, as the JAX
+    program issues them), ``collective_mismatches`` (stage -> list of differences), ``hlo_collectives``
+    (per-function detail), ``notes`` (where the program departs from the plan; also printed to
+    stderr), ``max_param_diff`` / ``max_grad_diff`` against the reference.
     """
     plan_dir = Path(plan_dir)
     plan = _plan(plan_dir)
@@ -129,7 +130,8 @@ def run(
                 detail,
             )
         result = json.loads(out.read_text())
-    result["collective_check"] = compare_collectives(result["hlo_collectives"], result["predicted_collectives"])
+    for note in result.get("notes", []):
+        print(f"partita: {note}", file=sys.stderr)
     return result
 
 
@@ -141,14 +143,3 @@ class ProgramFailed(PlanError):
     def __init__(self, problem: str, fix: str, log: str) -> None:
         super().__init__(problem, fix)
         self.log = log
-
-
-def compare_collectives(hlo: Mapping[str, Any], predicted: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """stage -> kind -> {"hlo": n, "predicted": m or None}; predicted is None when the plan has none."""
-    kinds = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-    out: dict[str, dict[str, Any]] = {}
-    for stage, counts in hlo.items():
-        pred = predicted.get(stage, {})
-        has_pred = bool(pred.get("by_axis"))
-        out[stage] = {k: {"hlo": counts.get(k, 0), "predicted": pred.get(k, 0) if has_pred else None} for k in kinds}
-    return out

@@ -1,7 +1,9 @@
-"""Hand-built Plans for the JAX codegen/runtime tests (plans are test inputs; the search makes real ones).
+"""Hand-built Plans for the JAX codegen/runtime tests (``searched_plans.py`` has the search's own).
 
-Each case names a model and a layout: ``dp``, ``tp`` (Megatron), ``dp_tp``, ``zero3`` and ``pp``
-(2 stages of dp=2 x tp=2). Parameter placements are per mesh axis (dp, tp).
+Each case names a model and a layout: ``dp``, ``tp`` (Megatron), ``dp_tp``, ``zero3``, ``pp`` (2 stages
+of dp=2 x tp=2), ``uneven`` (dp=4 replicas taking 1, 1, 2 and 4 samples of each micro-batch) and
+``uneven_pp`` (2 stages of dp=2, shares 1 and 3); ``dp_tp_remat`` recomputes its layers in the backward. Parameter placements are per mesh axis (dp, tp).
+Hand plans carry no predicted collectives: their HLO is checked against the layout in the tests.
 """
 
 from __future__ import annotations
@@ -41,7 +43,15 @@ def megatron_gpt(tp: bool, num_layers: int = 2) -> dict[str, tuple[str, str]]:
 
 
 def _stage(
-    index: int, layers: tuple[str, ...], ranks: range, dp: int, tp: int, placements: Mapping, zero: int
+    index: int,
+    layers: tuple[str, ...],
+    ranks: range,
+    dp: int,
+    tp: int,
+    placements: Mapping,
+    zero: int,
+    shares: tuple[int, ...] = (),
+    recompute: str = "none",
 ) -> Stage:
     return Stage(
         index=index,
@@ -51,6 +61,8 @@ def _stage(
         dp=dp,
         tp=tp,
         zero_stage=zero,
+        batch_shares=shares,
+        recompute=recompute,
         param_placements=dict(placements),
     )
 
@@ -60,27 +72,36 @@ def make_plan(model: str, layout: str, *, schedule: str = "gpipe", optimizer: st
     layers = GPT_LAYERS if gpt else MLP_LAYERS
     megatron = megatron_gpt if gpt else megatron_mlp
     micro_batch = 8  # samples per micro-batch over all replicas: the same global batch for every layout
-    if layout == "pp":
+    num_micro_batches = NUM_MICRO_BATCHES
+    if layout in ("pp", "uneven_pp"):
         cut = 3 if gpt else 1
-        pl = megatron(True)
+        pl = megatron(layout == "pp")
+        shares = (1, 3) if layout == "uneven_pp" else ()
+        if shares:
+            micro_batch, num_micro_batches = 4, 4
+        first, rest = layers[:cut], layers[cut:]
         stages = (
-            _stage(0, layers[:cut], range(0, 4), 2, 2, {k: v for k, v in pl.items() if _in(k, layers[:cut])}, 0),
-            _stage(1, layers[cut:], range(4, 8), 2, 2, {k: v for k, v in pl.items() if _in(k, layers[cut:])}, 0),
+            _stage(0, first, range(0, 4), 2, 2, {k: v for k, v in pl.items() if _in(k, first)}, 0, shares),
+            _stage(1, rest, range(4, 8), 2, 2, {k: v for k, v in pl.items() if _in(k, rest)}, 0, shares),
         )
         dp = 2
+    elif layout == "uneven":
+        dp = 4
+        stages = (_stage(0, layers, range(4), 4, 1, {}, 0, (1, 1, 2, 4)),)
     else:
-        dp, tp = {"dp": (4, 1), "tp": (1, 4), "dp_tp": (2, 4), "zero3": (4, 1), "zero3_tp": (2, 4)}[layout]
+        dp, tp = {"dp": (4, 1), "tp": (1, 4), "dp_tp": (2, 4), "dp_tp_remat": (2, 4), "zero3": (4, 1)}[layout]
         pl = megatron(tp > 1)
         if layout == "zero3":  # explicit dp sharding of the kernels; the emitter shards the rest
             pl = {"params.fc1.kernel": ("S(0)", "R"), "params.fc2.kernel": ("S(1)", "R")} if not gpt else {}
         zero = 3 if layout.startswith("zero3") else 0
-        stages = (_stage(0, layers, range(dp * tp), dp, tp, pl, zero),)
+        remat = "full" if layout.endswith("remat") else "none"
+        stages = (_stage(0, layers, range(dp * tp), dp, tp, pl, zero, recompute=remat),)
     micro_per_replica = micro_batch // dp
     return Plan(
         model={"name": model, "framework": "jax", "layers": list(layers)},
         cluster={"name": "8xCPU"},
         training={
-            "global_batch": micro_batch * NUM_MICRO_BATCHES,
+            "global_batch": micro_batch * num_micro_batches,
             "seq_len": 16 if gpt else 0,
             "dtype": "f32",
             "optimizer": optimizer,
@@ -88,7 +109,7 @@ def make_plan(model: str, layout: str, *, schedule: str = "gpipe", optimizer: st
         stages=stages,
         schedule=schedule,
         micro_batch_size=micro_per_replica,
-        num_micro_batches=NUM_MICRO_BATCHES,
+        num_micro_batches=num_micro_batches,
     )
 
 

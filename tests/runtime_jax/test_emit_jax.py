@@ -1,6 +1,7 @@
-"""Golden files of the generated JAX programs, and the emitter's refusals.
+"""Golden files of the generated JAX programs, what they show, and the emitter's refusals.
 
-``UPDATE_GOLDEN=1 pytest tests/runtime_jax/test_emit_jax.py`` rewrites tests/golden/emit_jax/.
+``UPDATE_GOLDEN=1 pytest tests/runtime_jax/test_emit_jax.py`` rewrites tests/golden/emit_jax/ (hand-made
+plans, so a change in the search does not move them; ``.py.golden`` so ruff leaves them as emitted).
 """
 
 from __future__ import annotations
@@ -11,24 +12,26 @@ from pathlib import Path
 
 import pytest
 from jax_plan_cases import make_plan
+from searched_plans import CASES, searched_plan
 
 from partita.compiler.emit_jax import emit_jax
 from partita.errors import PlanError
 
 GOLDEN = Path(__file__).parent.parent / "golden" / "emit_jax"
-CASES = [
+GOLDEN_CASES = [
     ("jax-mlp", "dp_tp", "gpipe", "adamw"),
     ("jax-mlp", "zero3", "gpipe", "sgd"),
+    ("jax-mlp", "uneven", "1f1b", "adam"),
     ("jax-mlp", "pp", "1f1b", "adam"),
     ("jax-gpt-tiny", "tp", "gpipe", "adamw"),
-    ("jax-gpt-tiny", "pp", "1f1b", "adamw"),
+    ("jax-gpt-tiny", "pp", "interleaved_1f1b", "adamw"),
 ]
 
 
-@pytest.mark.parametrize("model,layout,schedule,optimizer", CASES)
+@pytest.mark.parametrize("model,layout,schedule,optimizer", GOLDEN_CASES)
 def test_golden_program(model: str, layout: str, schedule: str, optimizer: str) -> None:
     text = emit_jax(make_plan(model, layout, schedule=schedule, optimizer=optimizer), model)
-    path = GOLDEN / f"{model}_{layout}_{schedule}.py"
+    path = GOLDEN / f"{model}_{layout}_{schedule}.py.golden"
     if os.environ.get("UPDATE_GOLDEN"):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
@@ -40,18 +43,48 @@ def test_golden_program(model: str, layout: str, schedule: str, optimizer: str) 
 
 def test_program_shows_the_plan() -> None:
     text = emit_jax(make_plan("jax-mlp", "zero3", optimizer="sgd"), "jax-mlp")
-    assert '"params.fc1.kernel": P("dp"),  # (S(0), R)' in text
-    assert '"params.fc1.bias": P("dp"),  # not in plan: (R, R); ZeRO-3 over dp' in text
+    assert '"params.fc1.kernel": P("dp"),  # stage 0 (S(0), R)' in text
+    assert '"params.fc1.bias": P("dp"),  # stage 0 not in plan: (R, R); ZeRO-3 over dp' in text
     assert "optax.sgd(learning_rate=0.001)" in text
+    assert '"all-gather@dp": {"ops": 8' in text  # ZeRO-3: 4 tensors gathered per micro-batch, 2 micro-batches
     pp = emit_jax(make_plan("jax-mlp", "pp", schedule="1f1b"), "jax-mlp")
     assert "SCHEDULE = [" in pp and '("F", 0, 0), ("B", 1, 0)' in pp
+    uneven = emit_jax(make_plan("jax-mlp", "uneven"), "jax-mlp")
+    assert "shares=[1, 1, 2, 4]" in uneven
+    inter = emit_jax(make_plan("jax-mlp", "pp", schedule="interleaved_1f1b"), "jax-mlp")
+    assert "runs as plain 1F1B over its 2 stages" in inter
 
 
-def test_uneven_shares_are_refused() -> None:
-    plan = make_plan("jax-mlp", "dp")
-    st = dataclasses.replace(plan.stages[0], batch_shares=(1, 1, 2, 4))
-    with pytest.raises(PlanError, match="unevenly"):
-        emit_jax(dataclasses.replace(plan, stages=(st,)), "jax-mlp")
+def test_searched_tp_plan_pins_its_activation_layouts() -> None:
+    """From the plan's op strategies: every column-parallel linear's output leaves sharded on its last
+    dim, row-parallel outputs replicated; repeated blocks get the first block's layouts."""
+    plan = searched_plan("jax-gpt-tiny", **CASES["tp"])
+    text = emit_jax(plan, "jax-gpt-tiny")
+    ns: dict = {}
+    exec(compile(text, "program_jax.py", "exec"), ns)
+    pins, specs = ns["ACTIVATION_PINS"], ns["PARAM_SPECS"]
+    column = [
+        f.split(".", 1)[1].rsplit(".", 1)[0]
+        for f, s in specs.items()
+        if f.endswith("kernel") and tuple(s) == (None, "tp")
+    ]
+    row = [
+        f.split(".", 1)[1].rsplit(".", 1)[0] for f, s in specs.items() if f.endswith("kernel") and tuple(s) == ("tp",)
+    ]
+    assert column and row and any(m.startswith("blocks_1.") for m in column)
+    for m in column:
+        assert tuple(pins[m][0][0]) == (None, None, "tp"), (m, pins[m])
+    for m in row:
+        assert tuple(pins[m][0][-1]) == (), (m, pins[m])
+    assert "stage 0 blocks_1: placements and op strategies copied from blocks_0 (same kind)" in ns["NOTES"]
+    assert ns["PREDICTED_COLLECTIVES"]["stage0"]  # the plan's tp collectives, carried into the program
+
+
+def test_stages_with_different_shares_are_refused() -> None:
+    plan = make_plan("jax-mlp", "uneven_pp")
+    st = dataclasses.replace(plan.stages[1], batch_shares=(2, 2))
+    with pytest.raises(PlanError, match="splits micro-batches"):
+        emit_jax(dataclasses.replace(plan, stages=(plan.stages[0], st)), "jax-mlp")
 
 
 def test_partial_parameter_placement_is_refused() -> None:

@@ -1,4 +1,4 @@
-"""Unit tests of the JAX runtime helpers: layouts, stage split, schedules, HLO collective parsing.
+"""Unit tests of the JAX runtime helpers: layouts, stage split (and its pins), schedules, batch layout.
 
 In-process and device-count independent (the split runs on whatever default device JAX has).
 """
@@ -93,35 +93,43 @@ def test_pipeline_schedule_is_complete_and_causal(kind: str, p: int, m: int) -> 
         assert first == [("F", 0, i) for i in range(m)] + [("B", 0, i) for i in range(m)]
 
 
-HLO = """
-  %all-reduce.10 = (f32[256]{0}, /*index=1*/f32[64,256]{1,0}, f32[]) all-reduce(%a, %b, %c), channel_id=2, replica_groups=mesh['axis_0'=4,'axis_1'=1] {'axis_0'}, use_global_device_ids=true, to_apply=%add, metadata={op_name="jit(step)/(transpose(jvp(MLP))/fc1/reduce_sum:transpose(jvp(MLP))/fc1/dot_general:jvp()/reduce_sum)"}
-  %all-reduce.5 = f32[4,16,64]{2,1,0} all-reduce(%x), channel_id=6, replica_groups={{0,1,2,3},{4,5,6,7}}, use_global_device_ids=true, to_apply=%add, metadata={op_name="jit(step)/jvp(GPT)/blocks_0/mlp/proj/dot_general"}
-  %all-gather.2 = f32[256,64]{0,1} all-gather(%w), channel_id=3, replica_groups=mesh['axis_0'=1,'axis_1'=4] {'axis_1'}, dimensions={1}, use_global_device_ids=true
-  %all-gather.3 = f32[8,64]{1,0} all-gather(%w), channel_id=4, replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}, use_global_device_ids=true
-  ROOT %cp = f32[8]{0} collective-permute(%y), channel_id=5, source_target_pairs={{0,1},{1,0}}
-  %get-tuple-element.1 = f32[256]{0} get-tuple-element(%all-reduce.10), index=0
-"""
+def test_module_pins_reach_module_outputs() -> None:
+    """``module_pins`` are applied to the outputs of the named modules, and the split still composes."""
+    h = gpt_handle()
+    batch = jp.make_batch(h, 4, 16, 0)
+    seen: list[tuple[int, tuple, tuple]] = []
 
+    def pin(stage: int, specs: tuple, x: jax.Array) -> jax.Array:
+        seen.append((stage, tuple(specs), x.shape))
+        return x
 
-def test_count_collectives_reads_every_hlo_form() -> None:
-    c = jp.count_collectives(HLO, (2, 4))
-    assert (c["all-reduce"], c["all-gather"], c["collective-permute"], c["reduce-scatter"]) == (2, 2, 1, 0)
-    assert c["operands"]["all-reduce"] == 4
-    assert c["elements"]["all-reduce"] == 256 + 64 * 256 + 1 + 4 * 16 * 64
-    # mesh['axis_0'=4,'axis_1'=1]{'axis_0'}: groups {0..3} on a (2, 4) mesh are one dp row -> tp
-    assert c["by_axis"] == {"all-reduce@tp": 2, "all-gather@tp": 1, "all-gather@dp": 1, "collective-permute@tp": 1}
-    assert c["by_phase"]["all-reduce@backward"] == 2 and c["by_phase"]["all-reduce@forward"] == 2
-
-
-def test_predicted_collectives_sum_by_kind() -> None:
-    from partita.plan import Collective
-
-    pred = jp.predicted_collectives(
-        [
-            Collective("all_reduce", "tp", 1e6, 4),
-            Collective("all_reduce", "dp", 1e6, 1),
-            Collective("p2p", "pp", 1.0, 2),
-        ]
+    pins = {"blocks_0.attn.qkv": [["qkv-layout"]], "blocks_1.mlp.fc": [["fc-layout"]], "ln_f": [["a"], ["b"]]}
+    split = jp.split_model(
+        h.loss_fn, h.abstract_params(), batch, GPT_LAYERS, [GPT_LAYERS[:3], GPT_LAYERS[3:]], module_pins=pins, pin=pin
     )
-    assert pred["all-reduce"] == 5 and pred["collective-permute"] == 2
-    assert pred["by_axis"] == {"all-reduce@tp": 4, "all-reduce@dp": 1, "collective-permute@pp": 2}
+    assert split.pinned == {"blocks_0.attn.qkv": 1, "blocks_1.mlp.fc": 1}  # ln_f has one output, not two
+    flat = jp.flatten(h.init_params(0))
+    values = dict(zip(split.batch_ids, batch))
+    for st in split.stages:
+        values.update(zip(st.outputs, st.apply({f: flat[f] for f in st.param_fqns}, [values[i] for i in st.inputs])))
+    assert sorted(seen) == [(0, ("qkv-layout",), (4, 16, 192)), (1, ("fc-layout",), (4, 16, 256))]
+    np.testing.assert_allclose(values[split.loss_id], h.loss_fn(h.init_params(0), *batch), rtol=1e-6)
+
+
+def test_replica_batch_uneven_shares_pad_and_weigh() -> None:
+    from jax_plan_cases import make_plan
+
+    from partita.compiler.emit_jax import emit_jax
+    from partita.runtime import jax_train
+
+    plan = make_plan("jax-mlp", "uneven")
+    ns: dict = {}
+    exec(compile(emit_jax(plan, "jax-mlp"), "program_jax.py", "exec"), ns)
+    prog = ns["PROGRAM"]
+    assert prog.stages[0]["shares"] == [1, 1, 2, 4]
+    host = [np.arange(16 * 3, dtype=np.float32).reshape(16, 3)]
+    (x,), w = jax_train.replica_batch(prog, host)
+    assert x.shape == (2, 4, 4, 1, 3) and w.shape == (2, 4, 4)  # (micro-batch, replica, padded share, 1, ...)
+    np.testing.assert_array_equal(x[1, 3, :, 0], host[0][12:16])  # replica 3 takes the last 4 of micro-batch 1
+    np.testing.assert_array_equal(x[0, 0, 1:], 0)  # padding
+    assert np.isclose(w.sum(), 1.0) and (w[0, 0, 1:] == 0).all() and np.isclose(w[0, 3, 0], 1 / 16)
