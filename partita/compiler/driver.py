@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import io
 import json
@@ -242,8 +243,24 @@ def _profile_hash(path: str) -> str:
     return hashlib.sha256(p.read_bytes()).hexdigest()[:16] if p.exists() else "missing:" + path
 
 
+@functools.cache
+def code_fingerprint() -> str:
+    """Hash of the sources that decide a plan (IR, passes, search, tracers, emitters, data files).
+
+    The version string alone misses edits between releases (an editable install, a patched
+    pass); a stale cached plan would then disagree with a fresh trace (its ``graph_hash``)."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for sub in ("ir.py", "prims.py", "plan.py", "cluster.py", "passes", "search", "compiler", "data"):
+        for p in sorted((root / sub).rglob("*") if (root / sub).is_dir() else [root / sub]):
+            if p.is_file() and p.suffix in (".py", ".json"):
+                h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def cache_key(handle: Any, cluster: Cluster, training: Any) -> str:
     payload = {
+        "code": code_fingerprint(),
         "model": _model_identity(handle),
         "cluster": cluster.fingerprint(),
         "training": dataclasses.asdict(training) if dataclasses.is_dataclass(training) else dict(training),

@@ -32,6 +32,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -306,8 +307,18 @@ class LazyJit:
         return self.compiled.as_text()
 
 
-def train(program: Program, handle: Any, host_params: Any, host_batch: Sequence[np.ndarray], steps: int) -> Any:
+def train(
+    program: Program,
+    handle: Any,
+    host_params: Any,
+    host_batch: Sequence[np.ndarray],
+    steps: int,
+    step_times: list[float] | None = None,
+) -> Any:
     """Train ``steps`` optimizer steps; returns (losses, params, last gradients, fidelity per stage).
+
+    ``step_times`` (if given) receives each step's wall time, synchronised on the updated
+    parameters; the first includes the jit compilations.
 
     Per stage jitted forward / backward / last / update functions, dispatched in
     ``program.schedule`` order (one stage: its fused forward+backward per micro-batch, then the
@@ -364,6 +375,7 @@ def train(program: Program, handle: Any, host_params: Any, host_batch: Sequence[
     schedule = program.schedule or [("B", 0, mb) for mb in range(program.num_micro_batches)]
     losses, grads = [], {}
     for step in range(steps):
+        t0 = time.perf_counter()
         acts, cots, saved, mb_losses = {}, {}, {}, []
         accs = [fns[s]["zeros"](params[s]) for s in range(len(runs))]
         for action, s, mb in schedule:
@@ -394,6 +406,9 @@ def train(program: Program, handle: Any, host_params: Any, host_batch: Sequence[
             params[s], opt_states[s], g = fns[s]["update"](params[s], opt_states[s], accs[s])
             grads.update(g)
         losses.append(sum(float(np.sum(jp.to_host(x) * w_np[mb])) for mb, x in mb_losses))
+        jax.block_until_ready(params)
+        if step_times is not None:
+            step_times.append(time.perf_counter() - t0)
     fidelity = {}
     m = program.num_micro_batches
     for run, fn in zip(runs, fns):
@@ -473,11 +488,13 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
     handle = jp.load_model(program.model)
     host_params = jax.tree.map(np.asarray, handle.init_params(program.seed))
     host_batch = jp.make_batch(handle, program.global_batch, program.seq_len, program.seed)
-    losses, params, grads, fidelity = train(program, handle, host_params, host_batch, args.steps)
+    times: list[float] = []
+    losses, params, grads, fidelity = train(program, handle, host_params, host_batch, args.steps, times)
     params = {f: jp.to_host(x) for f, x in params.items()}  # collective in multi-process runs
     grads = {f: jp.to_host(x) for f, x in grads.items()}
     result = {
         "losses": losses,
+        "step_time_s": times,  # the first includes the jit compilations
         "notes": list(program.notes),
         "hlo_collectives": hlo_detail(fidelity),
         **fidelity_report(program, fidelity),

@@ -83,7 +83,7 @@ class IntraOpMemo:
         if k in self._store:
             self.hits += 1
             g0, l0, sol = self._store[k]
-            return sol if l0.name == layer.name and g0 is graph else _rename(sol, g0, l0, graph, layer)
+            return sol if l0.name == layer.name and g0 is graph else rename_solution(sol, g0, l0, graph, layer)
         self.misses += 1
         floor = math.floor(budget / self.budget_bucket_bytes) * self.budget_bucket_bytes
         sol = solve_layer(
@@ -102,7 +102,7 @@ class IntraOpMemo:
         return sol
 
 
-def _rename(sol: LayerSolution, g0: Graph, src: Layer, g1: Graph, dst: Layer) -> LayerSolution:
+def rename_solution(sol: LayerSolution, g0: Graph, src: Layer, g1: Graph, dst: Layer) -> LayerSolution:
     names = dict(zip(src.nodes, dst.nodes))
     for a, b in zip(src.nodes, dst.nodes):  # tensors by position of the nodes that produce them
         names.update(zip(g0.node(a).outputs, g1.node(b).outputs))

@@ -136,8 +136,7 @@ def build_plan(search: Any, cands: list[Candidate], elapsed_s: float) -> Plan:
         strategies: dict[str, str] = {}
         colls: list[Collective] = []
         for li in range(a0, b0):
-            hit = search.costs.layer(li, dev0, p.option.tp, p.option.devices[0][2])
-            sol = hit[1]
+            sol = search.costs.solution(li, dev0, p.option.tp, p.option.devices[0][2])
             placements.update({k: tuple(v) for k, v in sol.param_placements.items()})
             strategies.update(sol.op_strategies)
             for cc in sol.collectives:
@@ -145,7 +144,8 @@ def build_plan(search: Any, cands: list[Candidate], elapsed_s: float) -> Plan:
                 colls.append(dataclasses.replace(cc, count=n))
         arr = p.option.arrays[p.combo]
         if best.dp > 1:
-            gbytes = float(sum(search.costs.layer(li, dev0, p.option.tp, 1)[0].grad_bytes for li in range(a0, b0)))
+            mb = p.option.devices[0][2]
+            gbytes = float(sum(search.costs.layer(li, dev0, p.option.tp, mb)[0].grad_bytes for li in range(a0, b0)))
             kind = "all_reduce" if z == 0 else "reduce_scatter"
             colls.append(Collective(kind, "dp", gbytes, 1 if z < 2 else best.m, "optimizer", "gradient sync (dp)"))
         if i + 1 < len(best.stages):

@@ -253,6 +253,7 @@ class SolverCosts:
         self._cm: dict[str, CostModel] = {}
         self._nodes: dict[int, tuple[int, int]] = {}
         self._cache: dict[tuple, tuple[LayerCost, object] | None] = {}
+        self._solved_for: dict[tuple, int] = {}  # cache key -> index of the layer the ILP ran on
         self.solve_time_s = 0.0
         self.num_solves = 0
 
@@ -294,6 +295,7 @@ class SolverCosts:
                     continue
             self.solve_time_s += time.perf_counter() - t0
             self.num_solves += 1
+            self._solved_for[key] = index
             self._cache[key] = None if sol is None else (self._from_solution(sol, index, b), sol)
         hit = self._cache[key]
         if hit is None:
@@ -318,6 +320,23 @@ class SolverCosts:
                 selective_s=cost.selective_s * scale,
             )
         return cost, sol
+
+    def solution(self, index: int, device: DeviceType, tp: int, micro_batch: int):  # noqa: ANN201
+        """The layer's ``LayerSolution`` in layer ``index``'s own names (parameter FQNs, nodes).
+
+        :meth:`layer` shares one solution between all layers of a kind; the plan needs each layer's
+        placements and strategies under its own names, so the shared one is renamed here."""
+        from partita.search.memo import rename_solution
+
+        hit = self.layer(index, device, tp, micro_batch)
+        if hit is None:
+            return None
+        b = 1 if self.linear_batch else micro_batch
+        src = self._solved_for[(self.graph.layers[index].kind, index == 0, device.name, tp, b)]
+        if src == index:
+            return hit[1]
+        g = self.graph
+        return rename_solution(hit[1], g, g.layers[src], g, g.layers[index])
 
     def _intercept(self, index: int, device: DeviceType) -> float:
         """Batch-independent seconds of one layer's forward (or backward) on ``device``."""

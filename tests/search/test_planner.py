@@ -82,3 +82,14 @@ def test_infeasible_names_memory(graph: Graph) -> None:
     )
     with pytest.raises(InfeasibleError, match="Tiny: needs >="):
         plan_graph(graph, cl, dataclasses.replace(TRAIN))
+
+
+def test_every_layer_has_its_own_placements(graph: Graph) -> None:
+    """Repeated blocks share one ILP solution; the plan must still name every block's parameters."""
+    plan = plan_graph(graph, parse_cluster("8xA100-80G"), TRAIN)
+    params = {t.fqn for t in graph.tensors.values() if t.role.value == "parameter"}
+    placed = {k for s in plan.stages for k in s.param_placements}
+    assert placed == params, sorted(params ^ placed)
+    for s in plan.stages:
+        nodes = {n for lay in graph.layers if lay.name in s.layers for n in lay.nodes}
+        assert set(s.op_strategies) <= nodes and len(s.op_strategies) == len(nodes)
