@@ -44,3 +44,25 @@ def test_staged_api(tmp_path) -> None:
     compiled = planned.compile(tmp_path / "out")
     assert json.loads((tmp_path / "out" / "plan.json").read_text())["format"] == "partita.plan"
     assert compiled.summary()["predicted_step_time_s"] > 0
+
+
+def test_cache_hit_in_a_fresh_process_imports_no_torch(tmp_path) -> None:
+    """`partita compile` on a hit serves plan + program from the cache entry: no trace, no torch."""
+    import os
+    import subprocess
+    import sys
+
+    tc = TrainingConfig(global_batch=16, seq_len=32, dtype="f32")
+    first = compile_to_dir("mlp", "4xCPU", tc, tmp_path / "a")
+    code = (
+        "import sys, json\n"
+        "from partita.compiler.driver import compile_to_dir\n"
+        "from partita.search.config import TrainingConfig\n"
+        f"c = compile_to_dir('mlp', '4xCPU', TrainingConfig(global_batch=16, seq_len=32, dtype='f32'), {str(tmp_path / 'b')!r})\n"
+        "print(json.dumps({'hit': c.cache_hit, 'torch': 'torch' in sys.modules, 's': c.elapsed_s}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ), check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["hit"] and not got["torch"], got
+    for name in ("plan.json", "program_torch.py"):
+        assert (tmp_path / "b" / name).read_text() == (first.out_dir / name).read_text()

@@ -251,17 +251,43 @@ def code_fingerprint() -> str:
     pass); a stale cached plan would then disagree with a fresh trace (its ``graph_hash``)."""
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for sub in ("ir.py", "prims.py", "plan.py", "cluster.py", "passes", "search", "compiler", "data"):
+    for sub in ("ir.py", "prims.py", "plan.py", "cluster.py", "passes", "search", "compiler", "models", "data"):
         for p in sorted((root / sub).rglob("*") if (root / sub).is_dir() else [root / sub]):
             if p.is_file() and p.suffix in (".py", ".json"):
                 h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes())
     return h.hexdigest()[:16]
 
 
-def cache_key(handle: Any, cluster: Cluster, training: Any) -> str:
+def spec_identity(spec: str) -> str | None:
+    """A model identity from the spec string alone (no torch / transformers import), or None.
+
+    Zoo names are code (``models/`` is in :func:`code_fingerprint`, library versions are added
+    here); a ``config.json`` is its content. A ``package.module:factory`` needs its module run,
+    so it has none. Lets ``partita compile`` answer a cache hit without importing torch."""
+    from importlib import metadata
+
+    if ":" in spec and not Path(spec).exists():
+        return None
+    path = Path(spec)
+    if path.suffix == ".json" or path.exists():
+        if not path.is_file():
+            return None
+        body = "file:" + hashlib.sha256(path.read_bytes()).hexdigest()
+    else:
+        body = "zoo:" + spec
+    versions = {}
+    for lib in ("torch", "transformers", "jax", "flax"):
+        try:
+            versions[lib] = metadata.version(lib)
+        except metadata.PackageNotFoundError:
+            versions[lib] = ""
+    return json.dumps({"spec": body, "versions": versions}, sort_keys=True)
+
+
+def cache_key(handle: Any, cluster: Cluster, training: Any, identity: str | None = None) -> str:
     payload = {
         "code": code_fingerprint(),
-        "model": _model_identity(handle),
+        "model": identity if identity is not None else _model_identity(handle),
         "cluster": cluster.fingerprint(),
         "training": dataclasses.asdict(training) if dataclasses.is_dataclass(training) else dict(training),
         "partita": __version__,
@@ -283,14 +309,20 @@ class CachedPlan:
 
 
 def plan_handle(
-    handle: Any, cluster: str | Cluster, training: Any, *, force: bool = False, progress: bool = False
+    handle: Any,
+    cluster: str | Cluster,
+    training: Any,
+    *,
+    force: bool = False,
+    progress: bool = False,
+    key: str | None = None,
 ) -> CachedPlan:
     """The plan for ``handle`` on ``cluster``: a cache hit when the key matches (no trace), else
     trace + search, written to the cache. Used by :func:`compile_to_dir` and ``partita.parallelize``."""
     t0 = time.perf_counter()
     cl = parse_cluster(cluster) if isinstance(cluster, str) else cluster
     _check_training(training)
-    key = cache_key(handle, cl, training)
+    key = key or cache_key(handle, cl, training)
     cached = cache_dir() / "plans" / key / PLAN_FILE
     if not force and cached.exists():
         try:
@@ -320,13 +352,48 @@ def compile_to_dir(
     t0 = time.perf_counter()
     cl = parse_cluster(cluster, gpus_per_node)
     _check_training(training)
+    ident = spec_identity(model)
+    if ident is not None and not force:
+        key = cache_key(None, cl, training, ident)
+        entry = cache_dir() / "plans" / key
+        hit = _cached_outputs(entry, model, Path(out_dir), key, t0)
+        if hit is not None:
+            return hit
     from partita.models import resolve_model
 
     handle = resolve_model(model)
-    got = plan_handle(handle, cl, training, force=force, progress=progress)
-    return _write_outputs(
+    key = cache_key(handle, cl, training, ident)
+    got = plan_handle(handle, cl, training, force=force, progress=progress, key=key)
+    done = _write_outputs(
         got.plan, model, Path(out_dir), cache_hit=got.cache_hit, elapsed_s=time.perf_counter() - t0, key=got.key
     )
+    for name in PROGRAM_FILES:  # keep the generated program with the cached plan (a hit copies it)
+        if (done.out_dir / name).exists():
+            _atomic_write(got.path.parent / name, (done.out_dir / name).read_text())
+    return done
+
+
+PROGRAM_FILES = ("program_torch.py", "program_jax.py")
+
+
+def _cached_outputs(entry: Path, model: str, out: Path, key: str, t0: float) -> Compiled | None:
+    """A cache hit served from the entry's plan and program files (no trace, no emit, no torch)."""
+    from partita.report import plan_text
+
+    try:
+        plan = Plan.from_json((entry / PLAN_FILE).read_text(), str(entry / PLAN_FILE))
+    except (OSError, PlanError):
+        return None  # missing or corrupt: recompile, never trust it
+    name = "program_jax.py" if plan.model.get("framework") == "jax" else "program_torch.py"
+    if not (entry / name).exists():
+        return None
+    out.mkdir(parents=True, exist_ok=True)
+    _atomic_write(out / PLAN_FILE, plan.to_json())
+    _atomic_write(out / "report.txt", plan_text(plan) + "\n")
+    _atomic_write(out / name, (entry / name).read_text())
+    _atomic_write(out / CACHE_FILE, json.dumps({"key": key, "model": model}, indent=1) + "\n")
+    files = {"plan": str(out / PLAN_FILE), "report": str(out / "report.txt"), "program": str(out / name)}
+    return Compiled(out, plan, True, files, time.perf_counter() - t0)
 
 
 def _check_training(training: Any) -> None:
