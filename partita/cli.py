@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 import textwrap
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -102,11 +103,25 @@ def _training(args: argparse.Namespace) -> Any:
     return TrainingConfig(global_batch=args.global_batch, seq_len=args.seq, dtype=args.dtype, optimizer=args.optimizer)
 
 
+def _check_writable_target(path: str, flag: str, want_dir: bool) -> None:
+    """Refuse an output path that cannot be created before any work starts (nothing written half-way)."""
+    from pathlib import Path
+
+    p = Path(path)
+    if want_dir:
+        existing = next(q for q in (p, *p.parents) if q.exists() or q == Path("."))
+        if existing.exists() and not existing.is_dir():
+            raise ConfigError(f"{flag} {path}: {existing} is a file, not a directory.", f"pass a directory to {flag}.")
+    elif not p.parent.is_dir():
+        raise ConfigError(f"{flag} {path}: directory {p.parent} does not exist.", "create it or pick another path.")
+
+
 def cmd_compile(args: argparse.Namespace) -> int:
     from partita.compiler.driver import compile_to_dir
 
     model = args.model or DEFAULT_MODEL
     cluster = args.cluster or DEFAULT_CLUSTER
+    _check_writable_target(args.out, "--out", want_dir=True)
     result = compile_to_dir(
         model,
         cluster,
@@ -162,6 +177,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         nnodes=args.nnodes,
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
+        max_restarts=args.max_restarts,
         extra_args=tuple(args.extra),
     )
     if args.json:
@@ -186,6 +202,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from partita.compiler.driver import report
 
+    if args.html:
+        _check_writable_target(args.html, "--html", want_dir=False)
     print(report(args.dirs, html=args.html))
     return 0
 
@@ -266,6 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--nnodes", type=int, default=1)
     s.add_argument("--checkpoint-every", type=int, default=0)
     s.add_argument("--resume", action="store_true")
+    s.add_argument(
+        "--max-restarts",
+        type=int,
+        default=None,
+        help="torchrun restarts after a rank fails; a restart resumes from the run's latest checkpoint",
+    )
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_run)
 
@@ -291,22 +315,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "--" in argv:  # `partita run DIR [options] -- [training program arguments]`
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1 :]
+    for k in range(len(argv) - 2, -1, -1):  # `--cluster -4xA100`: let the cluster parser say what is wrong
+        if argv[k] == "--cluster" and argv[k + 1].startswith("-") and not argv[k + 1].startswith("--"):
+            argv[k : k + 2] = [f"--cluster={argv[k + 1]}"]
     args = parser.parse_args(argv)
     args.extra = extra
-    for name in ("global_batch", "seq", "batch", "steps", "tp", "pp", "dp", "micro_batch", "gpus_per_node", "nproc"):
+    positive = ("global_batch", "seq", "batch", "steps", "tp", "pp", "dp", "micro_batch", "gpus_per_node", "nproc")
+    for name in (*positive, "nnodes", "checkpoint_every", "max_restarts"):
         v = getattr(args, name, None)
-        if isinstance(v, int) and v <= 0:
+        least = 1 if name in (*positive, "nnodes") else 0
+        if isinstance(v, int) and v < least:
+            flag = f"--{name.replace('_', '-')}"
             err = ConfigError(
-                f"--{name.replace('_', '-')} is {v}; it must be a positive integer.",
-                f"pass --{name.replace('_', '-')} N with N >= 1.",
+                f"{flag} is {v}; it must be {'a positive' if least else 'a non-negative'} integer.",
+                f"pass {flag} N with N >= {least}.",
             )
             print(f"partita: error: {err}", file=sys.stderr)
             return err.exit_code
     try:
-        return int(args.fn(args) or 0)
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            return int(args.fn(args) or 0)
     except PartitaError as err:
-        print("partita: error: " + textwrap.fill(str(err), 100), file=sys.stderr)
+        # no breaks inside names such as A100-80G or a path, so the message can be copied back
+        text = str(err)
+        if "\n" not in err.problem:  # one paragraph; a multi-line problem (a rank's log) stays as it is
+            text = textwrap.fill(text, 100, break_on_hyphens=False, break_long_words=False)
+        print("partita: error: " + text, file=sys.stderr)
         return err.exit_code
+
+
+def _show_warning(
+    message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None, line: Any = None
+) -> None:
+    """Partita's own warnings as one ``partita: warning:`` line; others in Python's usual form."""
+    text = str(message)
+    if text.startswith("partita: "):
+        print("partita: warning: " + text[len("partita: ") :], file=sys.stderr)
+    else:
+        print(warnings.formatwarning(text, category, filename, lineno).rstrip(), file=sys.stderr)
 
 
 if __name__ == "__main__":

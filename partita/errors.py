@@ -43,3 +43,10 @@ class ConfigError(PartitaError):
 
 class InfeasibleError(PartitaError):
     """No plan fits: the message says how much memory the best plan needed against what exists."""
+
+
+class RunError(PartitaError, RuntimeError):
+    """The launched training program failed (a rank raised or was killed); the message holds its last
+    lines. Exit code 1: the input was fine, the run was not."""
+
+    exit_code = 1

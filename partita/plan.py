@@ -23,6 +23,7 @@ import dataclasses
 import json
 import math
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from partita.errors import PlanError
@@ -198,18 +199,35 @@ class Plan:
         return plan
 
 
+def read_plan(path: str | Path) -> Plan:
+    """Read and validate a plan file; unreadable, binary or truncated files raise PlanError naming it."""
+    path = Path(path)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        why = "is not UTF-8 text (corrupt?)" if isinstance(e, UnicodeDecodeError) else f"cannot be read ({e.strerror})"
+        raise PlanError(f"{path} {why}.", "recompile with `partita compile ... --out DIR`.") from None
+    return Plan.from_json(text, str(path))
+
+
 def validate(plan: Plan, source: str = "plan") -> None:
     """Structural checks every consumer relies on; raise PlanError naming the field."""
     if plan.schedule not in SCHEDULES:
         raise PlanError(f"{source}: schedule {plan.schedule!r} is unknown.", f"use one of {SCHEDULES}.")
     if plan.micro_batch_size < 1 or plan.num_micro_batches < 1:
         raise PlanError(f"{source}: micro_batch_size and num_micro_batches must be >= 1.", "recompile the plan.")
+    batch = plan.training.get("global_batch")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise PlanError(f"{source}: training.global_batch is {batch!r}, not a positive integer.", "recompile the plan.")
     seen: set[int] = set()
     layers: list[str] = []
     for s in plan.stages:
         where = f"{source}: stage {s.index}"
         if s.dp < 1 or s.tp < 1 or len(s.ranks) != s.dp * s.tp:
             raise PlanError(f"{where} has dp={s.dp}, tp={s.tp} but {len(s.ranks)} ranks.", "need dp*tp ranks.")
+        if len(set(s.ranks)) != len(s.ranks):
+            dup = sorted({r for r in s.ranks if s.ranks.count(r) > 1})
+            raise PlanError(f"{where} lists ranks {dup} more than once.", "each rank is in one stage, once.")
         if seen & set(s.ranks):
             raise PlanError(f"{where} reuses ranks {sorted(seen & set(s.ranks))}.", "each rank is in one stage.")
         seen |= set(s.ranks)
@@ -223,6 +241,13 @@ def validate(plan: Plan, source: str = "plan") -> None:
                 f"{where}: batch_shares {list(s.batch_shares)} must have dp={s.dp} entries summing to "
                 f"{plan.micro_batch_size * s.dp}.",
                 "recompile the plan.",
+            )
+        samples = plan.num_micro_batches * sum(shares(s, plan.micro_batch_size))
+        if samples != batch:
+            raise PlanError(
+                f"{where} trains {plan.num_micro_batches} micro-batches x {sum(shares(s, plan.micro_batch_size))} "
+                f"samples = {samples} per step, but training.global_batch is {batch}.",
+                "recompile the plan: the global batch must split exactly into micro-batches and replicas.",
             )
         layers.extend(s.layers)
     if seen != set(range(len(seen))):

@@ -92,10 +92,10 @@ def build(plan: Plan, result: Mapping[str, Any], *, steps: int, framework: str) 
     err = (med - float(predicted_t)) / float(predicted_t) if med is not None and predicted_t else None
     measured = _measured_jax(result) if framework == "jax" else _measured_torch(result)
     predicted = predicted_collectives(plan)
-    runtime_says = framework == "jax" and bool(result.get("predicted_collectives"))
+    runtime_says = bool(result.get("predicted_collectives"))
     if runtime_says:
-        # the JAX program's prediction refines the plan's per kind@axis (ZeRO gathers, p2p as
-        # sends, per-tensor counts: runtime/jax_fidelity.py says why) and it did the comparison
+        # the generated program's prediction refines the plan's to what its runtime issues
+        # (runtime/fidelity.predict_stage, runtime/jax_fidelity.py say why) and it did the comparison
         predicted = _per_stage(result["predicted_collectives"])
     stages = []
     for s in plan.stages:

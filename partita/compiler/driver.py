@@ -445,10 +445,12 @@ def _write_outputs(
 
 
 def load_plan(plan_dir: str | Path) -> Plan:
+    from partita.plan import read_plan
+
     path = Path(plan_dir) / PLAN_FILE if Path(plan_dir).is_dir() else Path(plan_dir)
     if not path.exists():
         raise PlanError(f"no plan at {path}.", "run `partita compile MODEL --out DIR` first, then pass DIR.")
-    return Plan.from_json(path.read_text(), str(path))
+    return read_plan(path)
 
 
 # ---- evaluate / run / report -------------------------------------------------------------
@@ -494,6 +496,7 @@ def run_plan(
     nnodes: int = 1,
     checkpoint_every: int = 0,
     resume: bool = False,
+    max_restarts: int | None = None,
     extra_args: Sequence[str] = (),
 ) -> Mapping[str, Any]:
     from partita import run_log
@@ -519,6 +522,7 @@ def run_plan(
             reference=reference,
             dry_run=dry_run,
             nnodes=nnodes,
+            max_restarts=max_restarts,
             extra_args=tuple(extra),
         )
     if not dry_run:  # DIR/run_log.json: measured beside predicted, for `partita report DIR`

@@ -6,11 +6,28 @@ one ``setup_stage_<i>`` per stage with the per-parameter placements written out,
 with the schedule, ``lr_lambda``, and a ``__main__`` that hands these to
 ``partita.runtime.torch_train.main``. Same plan -> byte-identical program (golden-tested).
 
+The predicted collectives are the ones this runtime issues for the plan's layout
+(``runtime/fidelity.predict_stage``; the plan's own records are kept as ``planned_collectives``).
+For tensor parallelism they follow from the module roles (``runtime/torch_tp``), which the emitter
+derives on the model built on the meta device and writes into the program; the program re-derives
+them and refuses to run if they differ. A spec that cannot be built here (an in-memory module)
+gets no roles: the program derives them at run time and its tp collectives are not predicted.
+
 What torch cannot express, and what the program does instead (also written into the file):
 
-* ZeRO-1/2: FSDP2 has no "shard optimizer state only" mode; both become ``fully_shard`` with
-  ``reshard_after_forward=False`` (ZeRO-2-like: sharded grads and optimizer state, parameters kept
-  gathered from forward to backward; it still all-gathers them once per step).
+* ZeRO-1: FSDP2 cannot keep a full parameter copy between steps. The program keeps parameters
+  gathered for the whole step, lets gradients accumulate unsharded, reduce-scatters them once
+  after the last micro-batch and steps the optimizer on the dp shard: ZeRO-1's communication (one
+  all-gather + one reduce-scatter per FSDP unit and step, an all-reduce's volume) and optimizer
+  memory; between steps only the shard is kept (less memory than ZeRO-1, never more).
+  ``ZeroRedundancyOptimizer`` keeps replicas, but all-reduces the gradients and then broadcasts
+  every parameter from its owner: not the reduce-scatter the plan prices.
+* a column shard of a fused weight the model splits after the matmul (GPT-2's q|k|v ``c_attn``):
+  a contiguous ``S(d)`` does not hold whole heads, and a plan placement cannot say "interleaved"
+  (DTensor's strided shard is private), so the output is all-gathered and attention runs on all
+  heads (``torch_tp`` role ``colwise_gather``).
+* ZeRO with ``torch.distributed.pipelining`` (equal-shape stages): the schedule drives FSDP2's
+  gradient sync itself (reduce-scatter after the last micro-batch) for every ZeRO level.
 * stages of different shapes: ``torch.distributed.pipelining`` needs one equal-shape stage per pp
   rank, so such plans run ``torch_schedule.P2PPipeline`` (explicit send/recv).
 * ``interleaved_1f1b`` with ``num_virtual_stages > 1``: a plan stage holds one contiguous layer range,
@@ -19,12 +36,13 @@ What torch cannot express, and what the program does instead (also written into 
 
 from __future__ import annotations
 
+import dataclasses
 import pprint
 from typing import Any
 
-from partita.errors import PlanError
+from partita.errors import PartitaError, PlanError
 from partita.plan import Plan, Stage, shares
-from partita.runtime.fidelity import predicted_summary as fold_collectives
+from partita.runtime import fidelity
 
 _HEADER = '''"""Partita program: {model} on {cluster} ({world} ranks), {num_stages} stage(s), schedule {schedule}.
 
@@ -78,8 +96,108 @@ def _stage_dict(plan: Plan, s: Stage) -> dict[str, Any]:
     }
 
 
-def _program(plan: Plan, model_spec: str) -> dict[str, Any]:
-    return {
+def _meta_model(model_spec: str) -> Any:
+    """The model built on the meta device (nothing allocated), or None when the spec cannot be built."""
+    try:
+        from partita.models.zoo import resolve_model
+
+        return resolve_model(model_spec).build("meta")
+    except (PartitaError, ImportError, AttributeError, TypeError, ValueError):
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class StageFacts:
+    """What the emitter reads off the (meta) model for one stage; ``None`` fields: model unknown."""
+
+    roles: dict[str, str] | None  # tp module path -> torch_tp role (None when tp = 1 or no model)
+    tied_sharded_axes: int | None  # holds a parameter tied to another stage: mesh axes it is sharded on
+    recomputed: dict[str, str] | None = None  # tp modules whose forward runs again under full recompute
+
+
+def tp_placements(s: Stage) -> dict[str, str]:
+    """The stage's parameter placements on the ``tp`` axis (PlanError if a placement is not 2-D)."""
+    out = {}
+    for fqn, pl in sorted(s.param_placements.items()):
+        if len(pl) != 2:
+            raise PlanError(
+                f"stage {s.index}: placement {tuple(pl)} of {fqn} has {len(pl)} entries, the mesh has 2 axes (dp, tp).",
+                "recompile the plan.",
+            )
+        out[fqn] = str(pl[1])
+    return out
+
+
+def stage_facts(plan: Plan, model: Any) -> list[StageFacts]:
+    """Module roles and tied-parameter facts per stage (all None without a model)."""
+    if model is None:
+        return [StageFacts(None, None) for _ in plan.stages]
+    from partita.runtime import torch_parallel as tpar
+
+    paths = [{p for name in s.layers for p in tpar.layer_paths(model, name)} for s in plan.stages]
+
+    def inside(fqn: str, i: int) -> bool:
+        return any(fqn == p or fqn.startswith(p + ".") for p in paths[i])
+
+    tied = tpar.tied_groups(model)
+    holders = [[i for i in range(plan.num_stages) if any(inside(n, i) for n in names)] for names in tied]
+    out = []
+    for i, s in enumerate(plan.stages):
+        pls = tp_placements(s)
+        roles = recomputed = None
+        if s.tp > 1:
+            roles = {p: r for p, r in tpar.tp_roles(model, pls).items() if inside(p, i)}
+            recomputed = _recomputed(model, s, roles)
+        axes = None
+        for names, hold in zip(tied, holders):
+            if len(hold) > 1 and i in hold:
+                here = [n for n in names if inside(n, i)]
+                tp_sharded = s.tp > 1 and any(pls.get(n, "R") != "R" for n in here)
+                axes = int(tp_sharded) + int(s.dp > 1 and s.zero_stage > 0)
+        out.append(StageFacts(roles, axes, recomputed))
+    return out
+
+
+def _recomputed(model: Any, s: Stage, roles: dict[str, str]) -> dict[str, str]:
+    """Block modules whose forward collectives repeat under full recompute.
+
+    ``torch.utils.checkpoint`` (non-reentrant) stops recomputing once the last tensor saved for
+    backward is rebuilt: a block's last tp module (definition order), when row-parallel, feeds only
+    the residual add (saves nothing), so its all-reduce is not repeated.
+    """
+    order = [n for n, _ in model.named_modules()]
+    out = {}
+    for b in (x for x in s.layers if x not in ("embed", "head")):
+        mine = [p for p in order if p in roles and p.startswith(b + ".")]
+        if mine and roles[mine[-1]] in ("rowwise", "rowwise_replicated"):
+            mine = mine[:-1]
+        out.update({p: roles[p] for p in mine})
+    return out
+
+
+def _predicted(plan: Plan, prog: dict[str, Any], facts: list[StageFacts]) -> dict[str, Any]:
+    from partita.runtime import torch_tp
+
+    out = {}
+    for i, s in enumerate(plan.stages):
+        roles = facts[i].roles
+        blocks = [b for b in s.layers if b not in ("embed", "head")]
+        fed = s.layers[:1] if i == 0 else ()  # a first layer that is itself a tp module reads the raw input
+        out[f"stage{s.index}"] = fidelity.predict_stage(
+            prog["stages"],
+            i,
+            runner=prog["runner"],
+            num_micro_batches=plan.num_micro_batches,
+            tp=torch_tp.tp_collectives(roles, fed) if roles is not None else None,
+            tp_block=torch_tp.tp_collectives(facts[i].recomputed or {}, fed),
+            num_units=len(blocks) + 1,
+            tied_sharded_axes=facts[i].tied_sharded_axes,
+        )
+    return out
+
+
+def _program(plan: Plan, model_spec: str, facts: list[StageFacts]) -> dict[str, Any]:
+    prog = {
         "model": model_spec,
         "world_size": plan.world_size,
         "training": dict(plan.training),
@@ -89,12 +207,36 @@ def _program(plan: Plan, model_spec: str) -> dict[str, Any]:
         "runner": _runner_kind(plan),
         "layers": [name for s in plan.stages for name in s.layers],
         "stages": [_stage_dict(plan, s) for s in plan.stages],
-        "predicted_collectives": {f"stage{s.index}": fold_collectives(s.collectives) for s in plan.stages},
+        "planned_collectives": {f"stage{s.index}": fidelity.predicted_summary(s.collectives) for s in plan.stages},
         "predicted_step_time_s": plan.predicted.get("step_time_s"),
     }
+    prog["predicted_collectives"] = _predicted(plan, prog, facts)
+    return prog
 
 
-def _setup_stage(plan: Plan, s: Stage) -> str:
+def _tp_lines(s: Stage, facts: StageFacts) -> list[str]:
+    lines = [
+        f'    # Tensor parallel over mesh["tp"] ({s.tp} ranks), Megatron-style (runtime/torch_tp.py): the modules',
+        "    # below run on DTensors (parameters with their tp placement), activations between modules stay local.",
+        "    # colwise: Replicate in, Shard(-1) out (backward all-reduce of the input grad, one per parent module);",
+        "    # rowwise: Shard(-1) in, all-reduce out; *_gather / *_replicated add an all-gather; vocab: all-reduce out.",
+    ]
+    pls = tp_placements(s)
+    if not pls:
+        lines.append("    # The plan gives no per-parameter placements: every parameter is replicated on tp.")
+    lines.append('    tpar.distribute_params(module, rt.mesh["tp"], {')
+    for fqn, pl in pls.items():
+        lines.append(f"        {fqn!r}: {pl!r},  # plan (dp, tp) = ({s.param_placements[fqn][0]}, {pl})")
+    if facts.roles is None:
+        lines.append("    })  # roles: derived at run time (the model could not be built when this was emitted)")
+        return lines
+    lines.append("    }, roles={")
+    lines += [f"        {p!r}: {r!r}," for p, r in sorted(facts.roles.items())]
+    lines.append("    })")
+    return lines
+
+
+def _setup_stage(plan: Plan, s: Stage, facts: StageFacts) -> str:
     lines = [
         f"# ---- stage {s.index}: ranks {list(s.ranks)} as mesh (dp={s.dp}, tp={s.tp}) on {s.device_type} ----",
         f"def setup_stage_{s.index}(model, rt):",
@@ -102,21 +244,7 @@ def _setup_stage(plan: Plan, s: Stage) -> str:
         f'    module = tpar.split_stage(model, {list(s.layers)!r}, PROGRAM["layers"], rt.device)',
     ]
     if s.tp > 1:
-        lines.append(
-            f'    # Tensor parallel over mesh["tp"] ({s.tp} ranks): each parameter -> DTensor with its tp placement.'
-        )
-        if not s.param_placements:
-            lines.append("    # The plan gives no per-parameter placements: every parameter is replicated on tp.")
-        lines.append('    tpar.distribute_params(module, rt.mesh["tp"], {')
-        for fqn in sorted(s.param_placements):
-            pl = tuple(s.param_placements[fqn])
-            if len(pl) != 2:
-                raise PlanError(
-                    f"stage {s.index}: placement {pl} of {fqn} has {len(pl)} entries, the mesh has 2 axes (dp, tp).",
-                    "recompile the plan.",
-                )
-            lines.append(f"        {fqn!r}: {pl[1]!r},  # plan (dp, tp) = ({pl[0]}, {pl[1]})")
-        lines.append("    })")
+        lines += _tp_lines(s, facts)
     else:
         lines.append("    # tp = 1: parameters stay plain tensors (no tensor parallelism in this stage).")
     if s.recompute != "none":
@@ -127,12 +255,13 @@ def _setup_stage(plan: Plan, s: Stage) -> str:
     if s.dp > 1 and s.zero_stage > 0:
         reshard = s.zero_stage == 3
         note = {
-            1: "ZeRO-1 asked; FSDP2 cannot shard only optimizer state -> ZeRO-2-like (reshard_after_forward=False)",
-            2: "ZeRO-2: sharded grads + optimizer state, params stay gathered forward->backward",
-            3: "ZeRO-3: params, grads and optimizer state sharded; params re-gathered for backward",
+            1: "ZeRO-1: optimizer state on the dp shard; parameters gathered for the whole step, gradients\n"
+            "    # accumulated unsharded and reduce-scattered once after the last micro-batch (torch_schedule)",
+            2: "ZeRO-2: gradients reduce-scattered every micro-batch, parameters gathered for the whole step",
+            3: "ZeRO-3: parameters, gradients and optimizer state sharded; parameters re-gathered for backward",
         }[s.zero_stage]
         lines += [
-            f'    # {note}, over mesh["dp"] ({s.dp} replicas).',
+            f'    # {note}; FSDP2 over mesh["dp"] ({s.dp} replicas), one unit per block + the stage root.',
             "    for block in module.blocks():",
             f'        rt.fsdp_modules.append(fully_shard(block, mesh=rt.mesh["dp"], reshard_after_forward={reshard}))',
             f'    rt.fsdp_modules.append(fully_shard(module, mesh=rt.mesh["dp"], reshard_after_forward={reshard}))',
@@ -160,7 +289,7 @@ def _make_runner(plan: Plan, kind: str) -> str:
     if kind == "local":
         body = [
             f"    # One stage: gradient accumulation over {m} micro-batch(es) (schedule {plan.schedule!r} has no pipeline).",
-            f"    return torch_schedule.LocalSchedule(rt.module, {m}, rt.loss_fn, rt.fsdp_modules)",
+            f'    return torch_schedule.LocalSchedule(rt.module, {m}, rt.loss_fn, rt.fsdp_modules, rt.stage["zero_stage"])',
         ]
     elif kind == "torch_pipeline":
         cls = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}[sched]
@@ -177,7 +306,7 @@ def _make_runner(plan: Plan, kind: str) -> str:
             "    # them, so boundary activations move with explicit dist.isend/recv (torch_schedule.P2PPipeline).",
             "    return torch_schedule.P2PPipeline(",
             f'        rt.module, PROGRAM["stages"], rt.stage["index"], rt.rank, {sched!r}, {m}, rt.loss_fn,',
-            "        rt.boundary, rt.device, rt.fsdp_modules,",
+            '        rt.boundary, rt.device, rt.fsdp_modules, rt.stage["zero_stage"],',
             "    )",
         ]
     return "\n".join(head + body)
@@ -192,7 +321,9 @@ def emit_torch(plan: Plan, model_spec: str) -> str:
             "recompile with `--schedule 1f1b` (or num_virtual_stages = 1).",
         )
     kind = _runner_kind(plan)
-    prog = _program(plan, model_spec)
+    needs_model = plan.num_stages > 1 or any(s.tp > 1 for s in plan.stages)  # tied parameters, tp roles
+    facts = stage_facts(plan, _meta_model(model_spec) if needs_model else None)
+    prog = _program(plan, model_spec, facts)
     stage_lines = "\n".join(
         f"Stage {s.index}: ranks {list(s.ranks)}, mesh (dp={s.dp}, tp={s.tp}) {s.device_type}, layers "
         f"{', '.join(s.layers)}; ZeRO-{s.zero_stage}, recompute {s.recompute}, batch shares "
@@ -217,7 +348,7 @@ def emit_torch(plan: Plan, model_spec: str) -> str:
         ),
         "PROGRAM = " + pprint.pformat(prog, width=110, sort_dicts=True),
         'PROGRAM["__file__"] = __file__',
-        *(_setup_stage(plan, s) for s in plan.stages),
+        *(_setup_stage(plan, s, f) for s, f in zip(plan.stages, facts)),
         "SETUP_STAGE = [" + ", ".join(f"setup_stage_{s.index}" for s in plan.stages) + "]",
         _make_runner(plan, kind),
         "def lr_lambda(step):\n    return 1.0  # constant learning rate; edit for warmup / decay",

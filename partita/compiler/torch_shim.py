@@ -1,7 +1,16 @@
 """The one place Partita touches private or unstable PyTorch APIs.
 
-Used by ``compiler/trace_torch.py`` (capture) and ``models/`` (nothing yet). A torch upgrade that
-moves one of these names should only need an edit here.
+Used by ``compiler/trace_torch.py`` (capture), ``runtime/fidelity.py`` (collective counting) and
+``runtime/torch_parallel.py`` (selective recompute keeps collectives' outputs).
+A torch upgrade that moves one of these names should only need an edit here.
+
+* ``TorchDispatchMode`` (``torch.utils._python_dispatch``) is the base class of
+  ``fidelity.CollectiveCounter``, which sees every ``c10d`` / ``_c10d_functional`` op a training
+  step issues. The public ``torch.distributed.tensor.debug.CommDebugMode`` is the same kind of
+  mode (and steps aside for DTensor ops the same way), but in torch 2.13 it counts no send/recv
+  (its op set has no p2p, so pipeline transfers would go unseen), it tracks modules on every op,
+  and FACTS.md records it crashing in FSDP2 hooks (a plain FSDP2 forward/backward under it
+  counted fine when re-checked here); so Partita keeps its own small mode.
 """
 
 from __future__ import annotations
@@ -12,6 +21,29 @@ from typing import Any
 import sympy
 import torch
 from torch.export import Dim, ExportedProgram
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = [
+    "TorchDispatchMode",
+    "export_program",
+    "functional_collective_ops",
+    "make_dim",
+    "op_name",
+    "schema_arg_names",
+    "sym_expr",
+]
+
+
+def functional_collective_ops() -> tuple[Any, ...]:
+    """DTensor's collectives (``_c10d_functional``) and the wait that completes them."""
+    ops = torch.ops._c10d_functional
+    return (
+        ops.all_reduce.default,
+        ops.all_gather_into_tensor.default,
+        ops.reduce_scatter_tensor.default,
+        ops.all_to_all_single.default,
+        ops.wait_tensor.default,
+    )
 
 
 def export_program(

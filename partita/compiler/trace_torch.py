@@ -13,11 +13,16 @@ when ``labels`` are passed); otherwise at the first output tensor.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
+import logging
+import os
 import re
+import sys
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import sympy
@@ -76,6 +81,12 @@ def _default_dynamic(inputs: Mapping[str, torch.Tensor], module: torch.nn.Module
         tokenish = (t.dim() == 2 and not t.is_floating_point()) or (t.dim() == 3 and key.endswith("embeds"))
         if tokenish:
             spec[f"{key}:1"] = ("S", 2, seq_max)
+            if cfg is not None and seq_max != 8192 and int(t.shape[1]) > seq_max:
+                raise ModelError(
+                    f"sequence length {int(t.shape[1])} of input {key!r} is longer than the {seq_max} positions "
+                    f"{type(module).__name__} has (config.max_position_embeddings / n_positions).",
+                    f"pass --seq {seq_max} or less, or use a config with more positions.",
+                )
     return spec
 
 
@@ -121,7 +132,8 @@ def trace_module(
     ep = None
     if spec:
         try:
-            ep = torch_shim.export_program(wrapper, (tensors,), _torch_dynamic(spec, tensors))
+            with _quiet_torch_logs():
+                ep = torch_shim.export_program(wrapper, (tensors,), _torch_dynamic(spec, tensors))
             meta["shapes"] = "symbolic"
         except ModelError:
             raise
@@ -129,18 +141,68 @@ def trace_module(
             meta["dynamic_fallback"] = f"symbolic export failed, traced static shapes: {_one_line(err)}"
     if ep is None:
         try:
-            ep = torch_shim.export_program(wrapper, (tensors,), None)
+            with _quiet_torch_logs():
+                ep = torch_shim.export_program(wrapper, (tensors,), None)
         except Exception as err:  # noqa: BLE001
+            where = _user_frame(err)
             raise ModelError(
-                f"model {name} ({type(module).__name__}) cannot be traced by torch.export: {_one_line(err)}",
-                "remove Python control flow that depends on tensor values (use torch.where / torch.cond, or "
-                "branch on shapes and config only), and make sure the model runs on the example inputs",
+                f"model {name} ({type(module).__name__}) cannot be traced by torch.export"
+                + (f" at {where}" if where else "")
+                + f": {_one_line(err)}",
+                _export_fix(err),
             ) from None
         meta["shapes"] = "static"
     meta["export_seconds"] = round(time.perf_counter() - start, 3)
     graph = _Lowering(ep, module, name, spec, list(tensors)).run(meta)
     graph.meta.pop("export_seconds", None)  # keep graphs deterministic; timing goes to the caller
     return graph
+
+
+# Loggers that print whole FX graphs when export meets data-dependent code; quiet unless TORCH_LOGS asks.
+_NOISY_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export", "torch._dynamo")
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """Hold back what export prints; on success replay it, on failure drop it (the ModelError says why).
+
+    torch.export prints a failed trace's partial FX graph straight to stderr and logs it as a warning;
+    a user who sets ``TORCH_LOGS`` sees everything.
+    """
+    if os.environ.get("TORCH_LOGS"):
+        yield
+        return
+    loggers = [logging.getLogger(n) for n in _NOISY_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+        sys.stderr.write(held.getvalue())
+    finally:
+        for lg, lvl in zip(loggers, levels):
+            lg.setLevel(lvl)
+
+
+def _user_frame(err: BaseException) -> str:
+    """``file.py:LINE`` of the user's code torch.export names in its message, or ""."""
+    frames = _FRAME.findall(str(err))
+    return f"{frames[-1][0].rsplit('/', 1)[-1]}:{frames[-1][1]}" if frames else ""
+
+
+def _export_fix(err: BaseException) -> str:
+    text = f"{type(err).__name__} {err}"
+    if "data-dependent" in text or "DataDependent" in text:
+        return (
+            "remove Python control flow that depends on tensor values (use torch.where / torch.cond, or "
+            "branch on shapes and config only)"
+        )
+    return (
+        "make sure the model runs on its example inputs (the factory's example_inputs(batch, seq, device) must "
+        "return the keyword arguments forward() takes) and that forward returns a tensor or a loss"
+    )
 
 
 def _accepts(module: torch.nn.Module, param: str) -> bool:
@@ -277,13 +339,15 @@ class _Lowering:
         op = torch_shim.op_name(n.target)
         module = _module_path(n)
         call = Call.from_node(n, op, self)
+        self._check_bounded(n, op, module, call.out_shapes)
         rule = RULES.get(op) or RULES.get(op.rstrip("_") if not op.startswith("__") else op)
         result = rule(call) if rule is not None else None
         if result is None:
             self.num_opaque += 1
             warnings.warn(
                 f"partita: no IR rule for torch op {op!r} (module {module or '<root>'}); kept as OPAQUE "
-                "(priced by bytes, run replicated)",
+                "(priced by bytes, run replicated). To shard it, add a rule for it to RULES in "
+                "partita/compiler/torch_ops.py",
                 stacklevel=3,
             )
             prim, sig, inputs = (
@@ -310,6 +374,19 @@ class _Lowering:
             self.multi[n.name] = [next(it) if isinstance(v, torch.Tensor) else None for v in outs_val]
         else:
             self.env[n.name] = n.name
+
+    def _check_bounded(self, n: torch.fx.Node, op: str, module: str, shapes: Sequence[Sequence[Any]]) -> None:
+        """Refuse output sizes that depend on tensor values (torch's unbacked ``u0``): no bound to plan for."""
+        free = {str(x) for shp in shapes for d in shp for x in getattr(d, "free_symbols", ())}
+        unbacked = sorted(x for x in free if x.startswith("u") and x[1:].isdigit())
+        if unbacked:
+            where = _source(n)
+            raise ModelError(
+                f"op {op!r} (module {module or '<root>'}{', ' + where if where else ''}) has an output size that "
+                f"depends on tensor values ({', '.join(unbacked)}), with no bound Partita can plan memory for.",
+                "replace value-dependent shapes (boolean-mask indexing, nonzero, unique) with fixed-size ops, e.g. "
+                "torch.where(mask, x, 0) or multiplying by the mask, or pad the result to a known maximum size.",
+            )
 
     def run(self, meta: dict[str, Any]) -> Graph:
         self.b_meta = meta

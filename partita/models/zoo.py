@@ -388,7 +388,14 @@ def _from_factory(spec: str) -> ModelHandle:
         factory = getattr(importlib.import_module(mod_name), fn_name)
     except (ImportError, AttributeError) as err:
         raise ModelError(f"cannot load model factory {spec!r}: {err}", "check the module path and name") from None
-    probe = factory()
+    try:
+        probe = factory()
+    except Exception as e:  # noqa: BLE001 - any error in user code: name it, no traceback
+        raise ModelError(
+            f"model factory {spec!r} raised {type(e).__name__}: {e}",
+            "fix the factory so that calling it with no arguments returns an nn.Module "
+            "(or (module, example_inputs_fn))",
+        ) from None
     if isinstance(probe, tuple):
         inputs_fn = probe[1]
         builder: Callable[[], torch.nn.Module] = lambda: factory()[0]  # noqa: E731

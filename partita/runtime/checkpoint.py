@@ -1,9 +1,16 @@
 """Distributed checkpoints (DCP) of the generated program's model and optimizer, published atomically.
 
-Called by ``torch_train.py`` every ``--checkpoint-every`` steps and on ``--resume``. Each save goes
-to a fresh ``.tmp-step-NNNNNN`` directory; after every rank finished writing, rank 0 renames it to
-``step-NNNNNN`` (an atomic rename on one file system), so a crash mid-save never leaves a directory
-that :func:`latest` would pick. State dicts come from ``torch.distributed.checkpoint.state_dict``
+Called by ``torch_train.py`` every ``--checkpoint-every`` steps, on ``--resume`` and when torchrun
+restarts a failed job. Each save goes to a fresh ``.tmp-step-NNNNNN`` directory; after every rank
+finished writing, rank 0 writes ``partita_step.json`` (fsynced), then renames the directory to
+``step-NNNNNN`` (an atomic rename on one file system) and fsyncs the parent. A crash at any point
+before the rename leaves only a ``.tmp-`` directory, which :func:`latest` never picks, so the
+previous checkpoint stays the newest readable one.
+
+``partita_step.json`` records the step, the losses so far, the model, the training config, the
+world size and torchrun's run id: a restart resumes only its own run's checkpoints, and a resume
+under a different plan (another world size or cluster: DCP reshards on load) is refused when the
+model or training config differ. State dicts come from ``torch.distributed.checkpoint.state_dict``
 with flattened optimizer state, so stages that hold different parameters save disjoint keys.
 """
 
@@ -13,7 +20,9 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -21,12 +30,27 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
+from partita.errors import PlanError
+
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+META_FILE = "partita_step.json"
 _STEP_DIR = re.compile(r"^step-(\d{6})$")
+_TMP_DIR = re.compile(r"^\.tmp-step-(\d{6})$")
 
 
-def save(root: str | Path, step: int, module: nn.Module, optimizer: Optimizer) -> Path:
-    """Save after ``step`` optimizer steps; every rank calls this. Returns the published directory."""
+def save(
+    root: str | Path,
+    step: int,
+    module: nn.Module,
+    optimizer: Optimizer,
+    meta: Mapping[str, Any] | None = None,
+    before_publish: Callable[[], None] | None = None,
+) -> Path:
+    """Save after ``step`` optimizer steps; every rank calls this. Returns the published directory.
+
+    ``meta`` is merged into ``partita_step.json``; ``before_publish`` runs on every rank after the
+    data is written and before rank 0 publishes it (the fault-injection point of the tests).
+    """
     root = Path(root)
     tmp, final = root / f".tmp-step-{step:06d}", root / f"step-{step:06d}"
     if dist.get_rank() == 0:
@@ -36,27 +60,122 @@ def save(root: str | Path, step: int, module: nn.Module, optimizer: Optimizer) -
     model_sd, optim_sd = get_state_dict(module, optimizer, options=OPTIONS)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     dist.barrier()
+    if before_publish is not None:
+        before_publish()
     if dist.get_rank() == 0:
-        (tmp / "partita_step.json").write_text(json.dumps({"step": step}) + "\n")
+        _write_synced(tmp / META_FILE, json.dumps({**(meta or {}), "step": step}, sort_keys=True) + "\n")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
+        _fsync_dir(root)
+        for p in root.iterdir():  # dead partial saves of earlier attempts
+            if _TMP_DIR.match(p.name):
+                shutil.rmtree(p, ignore_errors=True)
     dist.barrier()
     return final
 
 
-def latest(root: str | Path) -> tuple[int, Path] | None:
-    """The newest published checkpoint under ``root`` as (step, path), or None."""
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    """The ``partita_step.json`` of a published checkpoint."""
+    file = Path(path) / META_FILE
+    try:
+        meta = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise PlanError(
+            f"checkpoint {path} has no readable {META_FILE} ({type(e).__name__}).",
+            "remove that directory so the previous checkpoint is used, or pass a fresh --checkpoint-dir.",
+        ) from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
+        raise PlanError(f"checkpoint {path}: {META_FILE} has no step.", "remove that directory.")
+    return meta
+
+
+def published(root: str | Path) -> list[tuple[int, Path]]:
+    """Every published checkpoint under ``root`` as (step, path), oldest first."""
     root = Path(root)
     if not root.is_dir():
-        return None
+        return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))]
-    return max(found) if found else None
+    return sorted(p for p in found if (p[1] / META_FILE).is_file())
+
+
+def latest(root: str | Path, run_id: str | None = None) -> tuple[int, Path] | None:
+    """The newest published checkpoint under ``root`` as (step, path), or None; with ``run_id``, only
+    checkpoints that run wrote (a torchrun restart must not pick up an older job's state)."""
+    found = published(root)
+    if run_id is not None:
+        found = [f for f in found if _run_id(f[1]) == run_id]
+    return found[-1] if found else None
+
+
+def _run_id(path: Path) -> str | None:
+    try:
+        return read_meta(path).get("run_id")
+    except PlanError:
+        return None
+
+
+# Training fields that must agree for a checkpoint to continue the same run under another plan.
+SAME_RUN_FIELDS = ("global_batch", "seq_len", "optimizer", "lr")
+
+
+def resume_point(
+    root: str | Path, program: Mapping[str, Any], *, resume: bool, restart: int, run_id: str
+) -> tuple[int, Path] | None:
+    """Which checkpoint the program continues from: the newest under ``root`` on ``--resume``, this
+    run's newest on a torchrun restart, else None. Refuses one written for another model or training
+    config (another world size or cluster is fine: that is re-planning, DCP reshards)."""
+    found = latest(root) if resume else latest(root, run_id=run_id) if restart > 0 else None
+    if found is None:
+        return None
+    meta = read_meta(found[1])
+    theirs, mine = meta.get("training", {}), program.get("training", {})
+    diff = [k for k in SAME_RUN_FIELDS if k in theirs and k in mine and theirs[k] != mine[k]]
+    if "model" in meta and meta["model"] != program.get("model"):
+        diff.insert(0, "model")
+    if diff:
+        got = {k: meta.get(k, theirs.get(k)) for k in diff}
+        want = {k: program.get(k, mine.get(k)) for k in diff}
+        raise PlanError(
+            f"checkpoint {found[1]} was written by another run ({got}); this plan trains {want}.",
+            "resume with a plan compiled for the same model and training config (only the cluster and world "
+            "size may change), or pass a fresh --checkpoint-dir.",
+        )
+    return found
 
 
 def load(path: str | Path, module: nn.Module, optimizer: Optimizer) -> int:
-    """Load a published checkpoint into ``module``/``optimizer`` in place; returns its step."""
+    """Load a published checkpoint into ``module``/``optimizer`` in place (DCP reshards to the
+    current layout); returns its step."""
+    step = int(read_meta(path)["step"])
     model_sd, optim_sd = get_state_dict(module, optimizer, options=OPTIONS)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path))
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except Exception as e:  # noqa: BLE001 - DCP raises many types (CheckpointException, KeyError, OSError)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise PlanError(
+            f"checkpoint {path} cannot be loaded into this plan's model ({type(e).__name__}: {first}).",
+            "resume with the model and optimizer that wrote it, or remove it so the previous one is used.",
+        ) from None
     set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=OPTIONS)
-    return int(json.loads((Path(path) / "partita_step.json").read_text())["step"])
+    return step

@@ -28,7 +28,6 @@ Decisions, and why:
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -200,8 +199,7 @@ class ParallelModel(nn.Module):
         t0 = time.perf_counter()
         counter = fidelity.CollectiveCounter(enabled=self._count)
         with counter:  # the loop body of torch_train._train, step for step
-            with tpar.StrideFix() if me["tp"] > 1 else contextlib.nullcontext():
-                local = self.runner.step(xs, ys)
+            local = self.runner.step(xs, ys)
             if me["tp"] > 1 and not rt.fsdp_modules:
                 tpar.align_grads(rt.module)
             if rt.fsdp_modules:

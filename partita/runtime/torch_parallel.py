@@ -12,15 +12,13 @@ How a plan's layer names map to modules (``split_stage``):
   their layers as a chain of module paths, ``x = layer(x)``.
 
 Modules of other stages are replaced by ``nn.Identity`` so parameter FQNs stay those of the full
-model (checkpoints and gradient checks compare by FQN). Tensor parallelism is generic: every
-parameter becomes a DTensor on the stage's ``tp`` mesh with the plan's placement and DTensor's
-sharding propagation runs the layer; attention runs through :func:`dtensor_attention`, which shards
-heads over ``tp`` when they divide (CPU SDPA has no DTensor rule in torch 2.13).
+model (checkpoints and gradient checks compare by FQN). Tensor parallelism is Megatron-style
+(``torch_tp``): the modules whose parameters the plan shards run on DTensors, activations between
+modules stay plain local tensors, so attention runs the model's own kernel on the local heads.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -28,16 +26,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from partita.compiler import torch_shim
 from partita.errors import PlanError
-
-ATTN_IMPL = "partita_dtensor"
+from partita.runtime import torch_tp
+from partita.runtime.torch_tp import parse_placement  # noqa: F401 - the emitted program's API
 
 
 # ---- launch checks and meshes -------------------------------------------------------------
@@ -63,18 +60,6 @@ def build_mesh(device_type: str, ranks: Sequence[int], dp: int, tp: int) -> Devi
     return DeviceMesh(device_type, torch.tensor(list(ranks)).reshape(dp, tp), mesh_dim_names=("dp", "tp"))
 
 
-def parse_placement(text: str) -> Placement:
-    if text == "R":
-        return Replicate()
-    m = re.fullmatch(r"S\((-?\d+)\)", text)
-    if m:
-        return Shard(int(m.group(1)))
-    raise PlanError(
-        f"parameter placement {text!r} cannot be applied to a parameter.",
-        "parameters take 'R' or 'S(d)' per mesh axis; 'P' (partial) is only for activations.",
-    )
-
-
 # ---- architecture adapters ----------------------------------------------------------------
 @dataclass(frozen=True)
 class Adapter:
@@ -83,18 +68,19 @@ class Adapter:
     run_embed: Callable[[nn.Module, Any, StageContext], Any]
     run_block: Callable[[nn.Module, nn.Module, Any, StageContext], Any]
     run_head: Callable[[nn.Module, Any, StageContext], Any]
+    fused: tuple[str, ...] = ()  # modules whose output the model splits on the feature dim (torch_tp)
 
 
 def _gpt2_embed(root: nn.Module, ids: Any, ctx: StageContext) -> Any:
     t = root.transformer
-    pos = ctx.wrap(torch.arange(ids.shape[1], device=ctx.device).unsqueeze(0))
+    pos = torch.arange(ids.shape[1], device=ctx.device).unsqueeze(0)
     return t.drop(t.wte(ids) + t.wpe(pos))
 
 
 def _llama_block(root: nn.Module, block: nn.Module, x: Any, ctx: StageContext) -> Any:
     pos = torch.arange(x.shape[1], device=ctx.device).unsqueeze(0)
     cos, sin = root.model.rotary_emb(torch.ones(1, device=ctx.device), pos)
-    return block(x, attention_mask=None, position_embeddings=(ctx.wrap(cos), ctx.wrap(sin)), position_ids=pos)
+    return block(x, attention_mask=None, position_embeddings=(cos, sin), position_ids=pos)
 
 
 ADAPTERS: dict[str, Adapter] = {
@@ -104,6 +90,7 @@ ADAPTERS: dict[str, Adapter] = {
         _gpt2_embed,
         lambda root, block, x, ctx: block(x),
         lambda root, x, ctx: root.lm_head(root.transformer.ln_f(x)),
+        fused=("attn.c_attn",),  # q|k|v in one [h, 3h] weight, split after the matmul
     ),
     "LlamaForCausalLM": Adapter(
         ("model.embed_tokens",),
@@ -120,6 +107,10 @@ def adapter_for(model: nn.Module) -> Adapter:
     return ADAPTERS.get(type(model).__name__, GENERIC)
 
 
+def adapter_for_arch(arch: str) -> Adapter:
+    return ADAPTERS.get(arch, GENERIC)
+
+
 def layer_paths(model: nn.Module, name: str) -> tuple[str, ...]:
     """Module paths a plan layer name stands for (``"embed"``/``"head"`` are groups)."""
     ad = adapter_for(model)
@@ -129,13 +120,6 @@ def layer_paths(model: nn.Module, name: str) -> tuple[str, ...]:
 @dataclass
 class StageContext:
     device: torch.device
-    tp_mesh: DeviceMesh | None = None
-
-    def wrap(self, t: torch.Tensor) -> Any:
-        """A plain tensor entering a tensor-parallel region becomes a replicated DTensor."""
-        if self.tp_mesh is None or isinstance(t, DTensor):
-            return t
-        return DTensor.from_local(t, self.tp_mesh, [Replicate()], run_check=False)
 
 
 class StageModule(nn.Module):
@@ -161,9 +145,9 @@ class StageModule(nn.Module):
 def run_layers(
     root: nn.Module, arch: str, layers: Sequence[str], x: torch.Tensor, ctx: StageContext, recompute: str = "none"
 ) -> torch.Tensor:
-    """Run plan layers in order on ``root``; DTensor in the middle when ``ctx.tp_mesh``, plain out."""
+    """Run plan layers in order on ``root`` (plain tensors in and out, also under tensor parallelism)."""
     ad = ADAPTERS.get(arch, GENERIC)
-    h: Any = ctx.wrap(x)
+    h: Any = x
     for name in layers:
         if name == "embed":
             h = ad.run_embed(root, h, ctx)
@@ -171,8 +155,6 @@ def run_layers(
             h = ad.run_head(root, h, ctx)
         else:
             h = _run_block(ad, root, root.get_submodule(name), h, ctx, recompute)
-    if isinstance(h, DTensor):
-        h = h.redistribute(ctx.tp_mesh, [Replicate()]).to_local()
     return h
 
 
@@ -190,9 +172,16 @@ def boundary_shapes(
     return out
 
 
+_SAVED_OPS = (
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    *torch_shim.functional_collective_ops(),  # tp collectives: recomputing them would communicate again
+)
+
+
 def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    keep = op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
-    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _run_block(ad: Adapter, root: nn.Module, block: nn.Module, h: Any, ctx: StageContext, recompute: str) -> Any:
@@ -229,91 +218,22 @@ def apply_recompute(module: StageModule, mode: str) -> None:
     module.recompute = mode
 
 
-# ---- tensor parallelism ----------------------------------------------------------------------
-def dtensor_attention(
-    module: nn.Module, query: Any, key: Any, value: Any, attention_mask: Any, dropout: float = 0.0, **kw: Any
-) -> tuple[Any, None]:
-    """Causal SDPA on DTensor q/k/v ``[b, heads, s, d]``: shard heads over tp, attend locally.
+# ---- tensor parallelism (runtime/torch_tp.py) -------------------------------------------------
+def distribute_params(
+    module: StageModule, tp_mesh: DeviceMesh, placements: Mapping[str, str], roles: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """Megatron-style tensor parallelism of a stage from its plan placements (see ``torch_tp``).
 
-    Registered as a Hugging Face attention implementation; returns ``[b, s, heads, d]`` like theirs.
+    Every parameter of a module the plan shards becomes a DTensor on ``tp_mesh`` ("R" when not
+    listed); other parameters stay plain. Names in ``placements`` that are not parameters of this
+    stage raise PlanError (plan and model disagree). Returns ``{module path: role}``.
     """
-    scale = kw.get("scaling")
-    causal = attention_mask is None and query.shape[2] > 1
-    if not isinstance(query, DTensor):
-        out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, is_causal=causal, scale=scale,
-            enable_gqa=query.shape[1] != key.shape[1],
-        )  # fmt: skip
-        return out.transpose(1, 2).contiguous(), None
-    mesh = query.device_mesh
-    n = mesh.size()
-    pl: Placement = Shard(1) if query.shape[1] % n == 0 and key.shape[1] % n == 0 else Replicate()
-    q, k, v = (t.redistribute(mesh, [pl]).to_local() for t in (query, key, value))
-    mask = attention_mask.full_tensor() if isinstance(attention_mask, DTensor) else attention_mask
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-    )
-    out = out.transpose(1, 2).contiguous()
-    return DTensor.from_local(out, mesh, [Shard(2) if pl == Shard(1) else Replicate()], run_check=False), None
+    return torch_tp.tensor_parallel(module, tp_mesh, placements, adapter_for_arch(module.arch).fused, roles)
 
 
-def _register_attention() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTN_IMPL, dtensor_attention)
-
-
-def distribute_params(module: StageModule, tp_mesh: DeviceMesh, placements: Mapping[str, str]) -> None:
-    """Make every parameter a DTensor on ``tp_mesh`` with its plan placement ("R" when not listed).
-
-    Tied parameters (one object under several FQNs) stay one object. Names in ``placements`` that
-    are not parameters of this stage raise PlanError (plan and model disagree).
-    """
-    alias: dict[str, nn.Parameter] = dict(module.named_parameters(remove_duplicate=False))
-    unknown = sorted(set(placements) - set(alias))
-    if unknown:
-        raise PlanError(
-            f"the plan places parameters {unknown[:4]} that stage layers {list(module.layers)} do not have.",
-            "recompile the plan for this model.",
-        )
-    owners: dict[int, list[tuple[nn.Module, str]]] = {}
-    for mod in module.modules():
-        for attr, p in mod._parameters.items():
-            if p is not None:
-                owners.setdefault(id(p), []).append((mod, attr))
-    for p in list(dict(module.named_parameters()).values()):  # snapshot: tied params are replaced once
-        names = [n for n, q in alias.items() if q is p]
-        given = {placements[n] for n in names if n in placements}
-        if len(given) > 1:
-            raise PlanError(f"tied parameter {names} has conflicting placements {sorted(given)}.", "recompile.")
-        pl = parse_placement(given.pop() if given else "R")
-        new = nn.Parameter(distribute_tensor(p.data, tp_mesh, [pl]), requires_grad=p.requires_grad)
-        for mod, attr in owners[id(p)]:
-            mod._parameters[attr] = new
-    module.ctx.tp_mesh = tp_mesh
-    if module.config is not None and hasattr(module.config, "_attn_implementation"):
-        _register_attention()
-        module.config._attn_implementation = ATTN_IMPL
-
-
-class StrideFix(TorchDispatchMode):
-    """Work around DTensor stride metadata drifting from the local tensor's (torch 2.13).
-
-    DTensor takes an output's global strides from meta propagation, which for broadcasting
-    pointwise ops on transposed inputs (Llama's rotary ``q * cos``) and for ``to_local``'s backward
-    disagrees with the eager local result; a later ``view`` then fails on the local tensor
-    ("view size is not compatible..."). Inside this mode such a ``view`` first clones the DTensor
-    to contiguous memory. Values are unchanged; the result no longer aliases its input, which
-    nothing in forward/backward of these models relies on. Active only in stages with tp > 1.
-    """
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is torch.ops.aten.view.default and isinstance(args[0], DTensor):
-            t = args[0]
-            if t.is_contiguous() and not t._local_tensor.is_contiguous():
-                t = torch.ops.aten.clone.default(t, memory_format=torch.contiguous_format)
-                args = (t, *args[1:])
-        return func(*args, **(kwargs or {}))
+def tp_roles(model: nn.Module, placements: Mapping[str, str]) -> dict[str, str]:
+    """The roles :func:`distribute_params` gives ``model``'s modules (``model`` may live on meta)."""
+    return torch_tp.module_roles(model, placements, adapter_for(model).fused)
 
 
 # ---- gradients -------------------------------------------------------------------------------
@@ -329,7 +249,10 @@ def local_grad(p: nn.Parameter) -> torch.Tensor | None:
     g = p.grad
     if g is None:
         return None
-    return g._local_tensor if isinstance(g, DTensor) else g
+    if isinstance(g, DTensor):
+        with torch.no_grad():
+            return g.to_local()  # the local shard itself (no autograd), so in-place updates reach the grad
+    return g
 
 
 def align_grads(module: nn.Module) -> None:

@@ -28,9 +28,19 @@ from torch import nn
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def set_grad_sync(fsdp_modules: Sequence[Any], enabled: bool) -> None:
+def zero_micro_batch(fsdp_modules: Sequence[Any], zero_stage: int, k: int, num_micro_batches: int) -> None:
+    """Set FSDP2 up for micro-batch ``k``'s backward as the stage's ZeRO level says.
+
+    * ZeRO-1: gradients accumulate unsharded; one reduce-scatter after the last micro-batch; the
+      parameters stay gathered for the whole step (optimizer state is on the dp shard).
+    * ZeRO-2: gradients are reduce-scattered every micro-batch (sharded gradients); parameters stay
+      gathered for the whole step.
+    * ZeRO-3: both every micro-batch (parameters re-gathered in forward and in backward).
+    """
+    last = k == num_micro_batches - 1
     for m in fsdp_modules:
-        m.set_requires_gradient_sync(enabled)
+        m.set_requires_gradient_sync(last or zero_stage >= 2)
+        m.set_reshard_after_backward(last or zero_stage >= 3)
 
 
 def replica_ranges(shares: Sequence[int]) -> list[tuple[int, int]]:
@@ -45,13 +55,21 @@ def replica_ranges(shares: Sequence[int]) -> list[tuple[int, int]]:
 class LocalSchedule:
     """A single-stage plan: forward + backward per micro-batch, grads accumulate."""
 
-    def __init__(self, module: nn.Module, num_micro_batches: int, loss_fn: LossFn, fsdp_modules: Sequence[Any]):
+    def __init__(
+        self,
+        module: nn.Module,
+        num_micro_batches: int,
+        loss_fn: LossFn,
+        fsdp_modules: Sequence[Any],
+        zero_stage: int = 0,
+    ) -> None:
         self.module, self.m, self.loss_fn, self.fsdp = module, num_micro_batches, loss_fn, fsdp_modules
+        self.zero = zero_stage
 
     def step(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         losses = []
         for k, (x, y) in enumerate(zip(inputs, targets)):
-            set_grad_sync(self.fsdp, k == self.m - 1)
+            zero_micro_batch(self.fsdp, self.zero, k, self.m)
             loss = self.loss_fn(self.module(x), y)
             loss.backward()
             losses.append(loss.detach())
@@ -117,8 +135,10 @@ class P2PPipeline:
         boundary: Sequence[tuple[torch.Size, torch.dtype]],
         device: torch.device,
         fsdp_modules: Sequence[Any] = (),
+        zero_stage: int = 0,
     ) -> None:
         self.module, self.loss_fn, self.m, self.fsdp = module, loss_fn, num_micro_batches, fsdp_modules
+        self.zero = zero_stage
         self.s, self.n, self.schedule, self.device = stage_index, len(stages), schedule, device
         me = stages[stage_index]
         pos = list(me["ranks"]).index(rank)
@@ -164,7 +184,7 @@ class P2PPipeline:
                 saved[k] = (x, out)
             else:
                 x, out = saved.pop(k)
-                set_grad_sync(self.fsdp, k == self.m - 1)
+                zero_micro_batch(self.fsdp, self.zero, k, self.m)
                 if last:
                     out.backward()
                 else:

@@ -15,15 +15,24 @@ Semantics shared with :func:`reference_run` (so losses and gradients must agree)
   shares weight the average for free);
 * optimizer: ``plan.training["optimizer"]`` (adam / adamw / sgd), ``lr`` from the plan or 1e-3,
   with the program's ``lr_lambda`` as a LambdaLR schedule.
+
+Reliability (``docs/reliability.md``): a :class:`~partita.errors.PartitaError` in a rank prints one
+``partita: error:`` line and exits 2; when torchrun restarts a failed job (``--max-restarts``) the
+program resumes from the newest checkpoint this run published (see ``checkpoint.resume_point``).
+:class:`Fault` is the test hook that kills a rank: ``PARTITA_FAULT_AT_STEP=k`` with
+``PARTITA_FAULT_KIND=raise|sigkill`` (during step k, after backward) or ``sigkill_in_save`` (in
+the save after step k, once the data is written and before it is published), on rank
+``PARTITA_FAULT_RANK`` (default 0), on the first attempt only (``TORCHELASTIC_RESTART_COUNT=0``).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
+import signal
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -33,6 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from partita.errors import PartitaError, PlanError
 from partita.runtime import checkpoint, fidelity
 from partita.runtime import torch_parallel as tpar
 
@@ -104,6 +114,42 @@ def reference_run(
     return {"losses": losses, "grads": grads}
 
 
+# ---- fault injection (tests) -----------------------------------------------------------------------
+FAULT_STEP_ENV, FAULT_KIND_ENV, FAULT_RANK_ENV = "PARTITA_FAULT_AT_STEP", "PARTITA_FAULT_KIND", "PARTITA_FAULT_RANK"
+FAULT_KINDS = ("raise", "sigkill", "sigkill_in_save")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """Kill one rank once, at a chosen step: the hook the fault tests drive through the environment."""
+
+    step: int
+    kind: str
+    rank: int
+
+    @staticmethod
+    def from_env(env: Mapping[str, str]) -> Fault | None:
+        raw = env.get(FAULT_STEP_ENV, "")
+        if not raw or int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+            return None  # no fault asked, or this is a restart: the fault fired on the first attempt
+        kind = env.get(FAULT_KIND_ENV, "raise")
+        if kind not in FAULT_KINDS or not raw.isdigit():
+            raise PlanError(
+                f"{FAULT_STEP_ENV}={raw!r} {FAULT_KIND_ENV}={kind!r} is not a fault this program can inject.",
+                f"set {FAULT_STEP_ENV} to a step number and {FAULT_KIND_ENV} to one of {', '.join(FAULT_KINDS)}.",
+            )
+        return Fault(int(raw), kind, int(env.get(FAULT_RANK_ENV, "0")))
+
+    def fire(self, point: str, step: int, rank: int) -> None:
+        """``point`` is "step" (after backward of ``step``) or "save" (before publishing ``step``)."""
+        if point != ("save" if self.kind == "sigkill_in_save" else "step") or (step, rank) != (self.step, self.rank):
+            return
+        print(f"partita: injected fault {self.kind} at step {step} on rank {rank}", file=sys.stderr, flush=True)
+        if self.kind == "raise":
+            raise RuntimeError(f"injected fault ({FAULT_KIND_ENV}=raise) at step {step} on rank {rank}")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 # ---- the distributed program ---------------------------------------------------------------------
 @dataclasses.dataclass
 class StageRuntime:
@@ -159,17 +205,52 @@ def main(
 ) -> dict[str, Any] | None:
     args = parse_args(argv)
     stages = program["stages"]
-    backend = tpar.check_launch(
-        program["world_size"],
-        [s["kind"] for s in stages],
-        int(os.environ.get("WORLD_SIZE", "1")),
-        torch.cuda.is_available(),
-    )
-    dist.init_process_group(backend)
     try:
-        return _train(program, setup_stage, make_runner, lr_lambda, args, backend)
-    finally:
-        dist.destroy_process_group()
+        backend = tpar.check_launch(
+            program["world_size"],
+            [s["kind"] for s in stages],
+            int(os.environ.get("WORLD_SIZE", "1")),
+            torch.cuda.is_available(),
+        )
+    except PartitaError as err:
+        print(f"partita: error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    try:
+        fault = Fault.from_env(os.environ)
+        init_process_group(backend)
+        result = _train(program, setup_stage, make_runner, lr_lambda, args, backend, fault)
+    except PartitaError as err:  # bad launch or checkpoint: one line, exit 2, no traceback
+        print(f"partita: error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    # Only a clean finish destroys the group: after a failure peers may sit in a collective, and
+    # destroy would wait for them; exiting closes the sockets so they fail and torchrun restarts all.
+    dist.destroy_process_group()
+    return result
+
+
+def init_process_group(backend: str) -> None:
+    """``dist.init_process_group``, with a fresh key space per torchrun attempt.
+
+    torchrun (2.13) keeps one rendezvous TCPStore for every restart of a job, so a restarted
+    worker would read the previous attempt's gloo addresses and fail to connect; prefixing the
+    store with the restart count keeps the attempts apart.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend)
+        return
+    import datetime
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=False,
+        timeout=datetime.timedelta(minutes=5),
+    )
+    store = dist.PrefixStore(f"/partita/attempt_{attempt}", client)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
 
 
 def _train(
@@ -179,6 +260,7 @@ def _train(
     lr_lambda: Callable[[int], float],
     args: argparse.Namespace,
     backend: str,
+    fault: Fault | None = None,
 ) -> dict[str, Any] | None:
     from partita.models.zoo import resolve_model
 
@@ -212,11 +294,22 @@ def _train(
     opt = make_optimizer(rt.module.parameters(), training)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     ckpt_dir = args.checkpoint_dir or os.path.join(os.path.dirname(os.path.abspath(program["__file__"])), "checkpoints")
-    start = 0
-    if args.resume and (found := checkpoint.latest(ckpt_dir)):
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    found = checkpoint.resume_point(ckpt_dir, program, resume=args.resume, restart=restart, run_id=run_id)
+    if found is None and args.checkpoint_every and (other := checkpoint.latest(ckpt_dir)):
+        raise PlanError(
+            f"{ckpt_dir} already holds {other[1].name} from another run; saving there would mix two runs.",
+            "pass --resume to continue that run, or give this one a fresh --checkpoint-dir.",
+        )
+    start, prior = 0, []
+    if found is not None:
         start = checkpoint.load(found[1], rt.module, opt)
+        prior = list(checkpoint.read_meta(found[1]).get("losses", []))[:start]
         for _ in range(start):
             sched.step()
+    meta = {"model": program["model"], "training": dict(training), "world_size": program["world_size"]}
+    meta["run_id"] = run_id
     dump_steps = {int(s) for s in args.dump_steps.split(",") if s}
     i, j = rt.coords
     lo, hi = tpar_ranges(me["shares"])[i]
@@ -228,10 +321,12 @@ def _train(
         ys = [y[k * mb + lo : k * mb + hi].to(device) for k in range(m)]
         dist.barrier()
         t0 = time.perf_counter()
-        counter = fidelity.CollectiveCounter(enabled=not args.no_count)
+        # counting puts a dispatch mode under every op: only the run's first and last steps
+        counter = fidelity.CollectiveCounter(
+            enabled=not args.no_count and fidelity.counted_step(step, start, args.steps)
+        )
         with counter:
-            with tpar.StrideFix() if me["tp"] > 1 else contextlib.nullcontext():
-                local = runner.step(xs, ys)
+            local = runner.step(xs, ys)
             if me["tp"] > 1 and not rt.fsdp_modules:
                 tpar.align_grads(rt.module)
             if rt.fsdp_modules:  # FSDP2 averaged over dp; losses are pre-weighted, so undo the mean
@@ -239,20 +334,24 @@ def _train(
             if me["zero_stage"] == 0 and me["dp"] > 1:
                 tpar.all_reduce_grads(rt.module, rt.mesh.get_group("dp"))
             tpar.sync_tied_grads(rt.module, tied, tied_group, tied_n)
+        if fault is not None:
+            fault.fire("step", step + 1, rank)
         if step + 1 in dump_steps:  # full gradients are gathered outside the counted window
             _dump_grads(args.dump_grads, step + 1, rt, tied)
         opt.step()  # no collectives: every optimizer state lives beside its (sharded) parameter
         sched.step()
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
-        counts.append(counter.summary())
+        counts.append(counter.summary() if counter.enabled else None)
         mine = sum(float(v) for v in local) if (local and j == 0) else 0.0
         t = torch.tensor([mine], dtype=torch.float64)
         dist.all_reduce(t)
         losses.append(float(t))
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
-            checkpoint.save(ckpt_dir, step + 1, rt.module, opt)
-    return _report(program, args, losses, times, counts, start)
+            hook = (lambda k=step + 1: fault.fire("save", k, rank)) if fault is not None else None
+            checkpoint.save(ckpt_dir, step + 1, rt.module, opt, {**meta, "losses": prior + losses}, hook)
+    extra = {"losses_all": prior + losses, "restart_count": restart, "resumed_from": str(found[1]) if found else None}
+    return _report(program, args, losses, times, counts, start, extra)
 
 
 def tpar_ranges(shares: Sequence[int]) -> list[tuple[int, int]]:
@@ -293,13 +392,18 @@ def _report(
     times: list[float],
     counts: list[dict[str, Any]],
     start: int,
+    extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any] | None:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {"rank": dist.get_rank(), "counts": counts, "times": times})
     if dist.get_rank() != 0:
         return None
     stages = program["stages"]
-    measured = {f"stage{s['index']}": gathered[s["ranks"][0]]["counts"][-1] if counts else {} for s in stages}
+
+    def last_counted(rank: int) -> dict[str, Any]:
+        return next((c for c in reversed(gathered[rank]["counts"]) if c is not None), {})
+
+    measured = {f"stage{s['index']}": last_counted(s["ranks"][0]) if counts else {} for s in stages}
     step_times = [max(g["times"][k] for g in gathered) for k in range(len(times))]
     result = {
         "losses": losses,
@@ -314,6 +418,7 @@ def _report(
             if program["predicted_collectives"].get(k)
         },
         "predicted_step_time_s": program.get("predicted_step_time_s"),
+        **(extra or {}),
     }
     text = json.dumps(result, indent=1, sort_keys=True)
     if args.json_out:

@@ -332,8 +332,16 @@ def _infeasible(search: Search) -> InfeasibleError:
                 )
                 need[name] = min(need.get(name, math.inf), float(mem))
     have = {d.name: d.memory_bytes for d in search.types}
-    parts = [f"{k}: needs >= {v / 1e9:.1f} GB per device, has {have[k] / 1e9:.1f} GB" for k, v in sorted(need.items())]
+    parts = [f"{k}: needs >= {_size(v)} per device, has {_size(have[k])}" for k, v in sorted(need.items())]
     return InfeasibleError(
         "no plan fits in memory (" + ("; ".join(parts) or "no stage option could run the model") + ").",
         "add devices, use devices with more memory, or lower the global batch / sequence length.",
     )
+
+
+def _size(nbytes: float) -> str:
+    """1.5 GB / 12.0 MB / 3.0 kB: enough digits that tiny devices do not read "0.0 GB vs 0.0 GB"."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"

@@ -1,8 +1,10 @@
 """Hand-made Plans for the runtime tests: the layouts the brief lists, for the zoo's tiny models.
 
-The plans are test inputs (the search is not involved). Each layout's expected collectives are
-derived from the layout here, from first principles, and written into ``Stage.collectives``
-where the count is a function of the layout alone (DP all-reduce per parameter, pipeline p2p).
+The plans are test inputs (the search is not involved); their ``Stage.collectives`` are what the
+planner records (``search/plan_build.py``: one bucketed gradient sync, one p2p entry per boundary).
+:func:`expected` derives, from first principles and independently of ``runtime/fidelity.py``, the
+collectives the torch runtime must issue per step for each layout; the emitted program's
+prediction and the collectives counted under torchrun must both equal it.
 """
 
 from __future__ import annotations
@@ -14,12 +16,6 @@ LAYERS = {
     "gpt2-tiny": ["embed", "transformer.h.0", "transformer.h.1", "head"],
     "llama-tiny": ["embed", "model.layers.0", "model.layers.1", "head"],
     "mlp": ["fc1", "act", "fc2"],
-}
-# Parameter counts per layer group (distinct tensors), for the data-parallel all-reduce counts.
-NUM_PARAMS = {
-    "gpt2-tiny": {"embed": 2, "block": 12, "head": 2},  # head: ln_f.{weight,bias}; lm_head is tied to wte
-    "llama-tiny": {"embed": 1, "block": 9, "head": 2},  # head: norm.weight + lm_head.weight (untied)
-    "mlp": {"fc1": 2, "act": 0, "fc2": 2},
 }
 
 
@@ -47,11 +43,6 @@ def tp_placements(model: str, layers: list[str]) -> dict[str, tuple[str, str]]:
     return {k: ("R", v) for k, v in out.items()}
 
 
-def num_params(model: str, layers: list[str]) -> int:
-    n = NUM_PARAMS[model]
-    return sum(n.get(x, n.get("block", 0)) for x in layers)
-
-
 def make_plan(
     model: str,
     stages: list[dict],
@@ -69,9 +60,12 @@ def make_plan(
     out = []
     for i, s in enumerate(stages):
         placements = tp_placements(model, s["layers"]) if s["tp"] > 1 else {}
-        colls = []
-        if s["dp"] > 1 and s.get("zero_stage", 0) == 0:  # one SUM all-reduce per gradient tensor
-            colls.append(Collective("all_reduce", "dp", 0.0, num_params(model, s["layers"]), "backward", "grad sync"))
+        colls, z = [], s.get("zero_stage", 0)
+        if s["dp"] > 1:  # as plan_build records it: one bucketed gradient sync (per micro-batch for ZeRO-2/3)
+            kind = "all_reduce" if z == 0 else "reduce_scatter"
+            colls.append(Collective(kind, "dp", 0.0, 1 if z < 2 else num_micro_batches, "optimizer", "grad sync"))
+        if i + 1 < len(stages):
+            colls.append(Collective("p2p", "pp", 0.0, num_micro_batches, "forward", f"activation to stage {i + 1}"))
         out.append(
             Stage(
                 index=i,
@@ -109,7 +103,13 @@ def layout(model: str, name: str) -> Plan:
         "dp": lambda: make_plan(model, one(ranks=[0, 1], dp=2, tp=1)),
         "tp": lambda: make_plan(model, one(ranks=[0, 1], dp=1, tp=2), micro_batch_size=4),
         "dp_tp": lambda: make_plan(model, one(ranks=[0, 1, 2, 3], dp=2, tp=2)),
+        "zero1": lambda: make_plan(model, one(ranks=[0, 1], dp=2, tp=1, zero_stage=1)),
+        "zero2": lambda: make_plan(model, one(ranks=[0, 1], dp=2, tp=1, zero_stage=2)),
         "zero3": lambda: make_plan(model, one(ranks=[0, 1], dp=2, tp=1, zero_stage=3, recompute="full")),
+        "tp_full": lambda: make_plan(model, one(ranks=[0, 1], dp=1, tp=2, recompute="full"), micro_batch_size=4),
+        "tp_selective": lambda: make_plan(
+            model, one(ranks=[0, 1], dp=1, tp=2, recompute="selective"), micro_batch_size=4
+        ),
         "uneven": lambda: make_plan(model, one(ranks=[0, 1], dp=2, tp=1, batch_shares=(3, 1))),
         "pp_1f1b": lambda: make_plan(
             model, [dict(layers=a, ranks=[0], dp=1, tp=1), dict(layers=b, ranks=[1], dp=1, tp=1)],
@@ -129,3 +129,80 @@ def layout(model: str, name: str) -> Plan:
         ),
     }  # fmt: skip
     return table[name]()
+
+
+# ---- what the torch runtime must issue, from first principles --------------------------------------
+# Per micro-batch, per plan layer, with the placements of tp_placements() (torch_tp's Megatron hooks):
+# (forward, backward) counts. GPT-2 block: c_attn holds q|k|v in one weight, so its column shard is
+# gathered (AG) and attention runs on all heads; c_proj then slices its replicated input (its
+# backward all-gathers) and all-reduces its output; the MLP is a column/row pair (AR out, AR of the
+# input gradient); c_attn's input gradient is one more AR. Llama block: q/k/v + o and gate/up +
+# down are two column/row pairs: 2 AR forward, 2 AR backward (column siblings share one input).
+# The tied GPT-2 LM head is vocab-column-parallel only where wte is sharded (the stage holding
+# "embed"): AG of the logits forward, AR of its input gradient backward. Embedding: AR forward.
+TP_LAYER = {
+    "gpt2-tiny": {
+        "embed": ({"all_reduce": 1}, {}),
+        "block": ({"all_gather": 1, "all_reduce": 2}, {"all_gather": 1, "all_reduce": 2}),
+        "head+embed": ({"all_gather": 1}, {"all_reduce": 1}),
+    },
+    "llama-tiny": {"block": ({"all_reduce": 2}, {"all_reduce": 2}), "head": ({"all_gather": 1}, {"all_reduce": 1})},
+    # fc1 reads the program input: no input gradient, no AR. Split over two stages, fc1 has no row
+    # partner (its output is gathered) and fc2 gets a replicated input (sliced; backward all-gathers).
+    "mlp": {
+        "fc2": ({"all_reduce": 1}, {}),
+        "fc1 alone": ({"all_gather": 1}, {}),
+        "fc2 alone": ({"all_reduce": 1}, {"all_gather": 1}),
+    },
+}
+# Full recompute re-runs a block's forward, except the last all-reduce (checkpoint early stop: the
+# output of the block's last row-parallel module feeds only the residual add, which saves nothing).
+TP_RECOMPUTED = {"gpt2-tiny": {"all_gather": 1, "all_reduce": 1}, "llama-tiny": {"all_reduce": 1}}
+
+
+def _tp_counts(model: str, s: Stage, m: int) -> dict[str, int]:
+    table, out = TP_LAYER[model], {}
+    for name in s.layers:
+        key = "block" if name not in ("embed", "head") and "block" in table else name
+        if name == "head" and "head+embed" in table:
+            key = "head+embed" if "embed" in s.layers else ""
+        if model == "mlp" and name in ("fc1", "fc2") and not {"fc1", "fc2"} <= set(s.layers):
+            key = f"{name} alone"
+        fwd, bwd = table.get(key, ({}, {}))
+        again = TP_RECOMPUTED.get(model, {}) if key == "block" and s.recompute == "full" else {}
+        for kind in set(fwd) | set(bwd) | set(again):
+            out[kind] = out.get(kind, 0) + m * (fwd.get(kind, 0) + bwd.get(kind, 0) + again.get(kind, 0))
+    return out
+
+
+def expected(model: str, plan: Plan) -> dict[int, dict[str, int]]:
+    """Collective counts per stage and step on the stage's first rank, from the layout alone."""
+    m, n = plan.num_micro_batches, plan.num_stages
+    out: dict[int, dict[str, int]] = {}
+    for s in plan.stages:
+        e: dict[str, int] = {}
+
+        def add(kind: str, k: int, e: dict[str, int] = e) -> None:
+            if k:
+                e[kind] = e.get(kind, 0) + k
+
+        units = sum(1 for x in s.layers if x not in ("embed", "head")) + 1  # FSDP: one per block + the root
+        if s.dp > 1 and s.zero_stage == 0:
+            add("all_reduce", 1)  # one flattened gradient all-reduce
+        elif s.dp > 1:  # ZeRO-1: gather once, reduce once; ZeRO-2: reduce per micro-batch; ZeRO-3: both
+            add("all_gather", units if s.zero_stage < 3 else 2 * m * units)
+            add("reduce_scatter", units if s.zero_stage == 1 else m * units)
+        if s.tp > 1:
+            for kind, k in _tp_counts(model, s, m).items():
+                add(kind, k)
+        if n > 1:
+            others = [t for t in plan.stages if t is not s]
+            if s.tp == 1 and others[0].tp > 1:  # hetero stage 1: recv from tp0 of stage 0, grads to both
+                add("p2p", m + m * others[0].tp)
+            else:  # one neighbour: activations one way, gradients back (tp rank 0 reports)
+                add("p2p", 2 * m)
+            if model == "gpt2-tiny":  # wte / lm_head tied across the two stages: one all-reduce
+                add("all_reduce", 1)
+                add("all_gather", int(s.tp > 1 and "embed" in s.layers))  # gathering the tp-sharded wte grad
+        out[s.index] = e
+    return out

@@ -1,4 +1,4 @@
-"""Emitter goldens, refusals and launch checks: no processes (fast)."""
+"""Emitter goldens, tensor-parallel roles, predicted collectives, refusals and launch checks: no processes."""
 
 from __future__ import annotations
 
@@ -9,13 +9,16 @@ import pytest
 
 from partita.compiler.emit_torch import emit_torch
 from partita.errors import PlanError
-from partita.runtime import torch_launch
+from partita.models.zoo import resolve_model
+from partita.runtime import torch_launch, torch_tp
 from partita.runtime.torch_parallel import check_launch, parse_placement
-from tests.runtime.plans import layout
+from tests.runtime.plans import expected, layout, tp_placements
 
 GOLDEN = Path(__file__).parent.parent / "golden" / "emit_torch"
 CASES = [("gpt2-tiny", n) for n in ("dp", "tp", "dp_tp", "zero3", "uneven", "pp_1f1b", "pp_gpipe", "pp_tp", "hetero")]
-CASES += [("llama-tiny", "pp_tp"), ("mlp", "dp_tp")]
+CASES += [("gpt2-tiny", "zero1"), ("llama-tiny", "pp_tp"), ("llama-tiny", "tp_full"), ("mlp", "dp_tp")]
+LAYOUTS = ("dp", "tp", "dp_tp", "zero1", "zero2", "zero3", "uneven", "pp_1f1b", "pp_gpipe", "pp_tp", "hetero")
+LAYOUTS += ("tp_full", "tp_selective")
 
 
 @pytest.mark.parametrize("model, name", CASES)
@@ -30,12 +33,52 @@ def test_golden(model: str, name: str) -> None:
     assert emit_torch(layout(model, name), model) == src  # deterministic
 
 
+def _program(src: str) -> dict:
+    """The PROGRAM literal of an emitted source (executed without the torch imports)."""
+    ns: dict = {}
+    exec(src[src.index("PROGRAM = ") : src.index('PROGRAM["__file__"]')], ns)  # noqa: S102 - our own emitted data
+    return ns["PROGRAM"]
+
+
+@pytest.mark.parametrize("model", ["gpt2-tiny", "llama-tiny", "mlp"])
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_predicted_collectives_follow_the_layout(model: str, name: str) -> None:
+    plan = layout(model, name)
+    prog = _program(emit_torch(plan, model))
+    got = {int(k[5:]): {kind: v["count"] for kind, v in d.items()} for k, d in prog["predicted_collectives"].items()}
+    assert got == expected(model, plan)
+    assert set(prog["planned_collectives"]) == set(prog["predicted_collectives"])  # the plan's own records kept
+
+
+def test_tp_roles() -> None:
+    gpt2 = resolve_model("gpt2-tiny").build("meta")
+    pl = {k: v[1] for k, v in tp_placements("gpt2-tiny", ["embed", "transformer.h.0", "head"]).items()}
+    roles = torch_tp.module_roles(gpt2, pl, fused=("attn.c_attn",))
+    assert roles == {
+        "transformer.wte": "vocab",
+        "lm_head": "colwise_gather",  # tied to wte, no row-parallel sibling: logits are gathered
+        "transformer.h.0.attn.c_attn": "colwise_gather",  # fused q|k|v: a contiguous shard splits heads
+        "transformer.h.0.attn.c_proj": "rowwise_replicated",
+        "transformer.h.0.mlp.c_fc": "colwise",  # Conv1D weight [in, out]: S(1) is the output dim
+        "transformer.h.0.mlp.c_proj": "rowwise",
+    }
+    llama = resolve_model("llama-tiny").build("meta")
+    pl = {k: v[1] for k, v in tp_placements("llama-tiny", ["model.layers.0"]).items()}
+    roles = torch_tp.module_roles(llama, pl)
+    assert roles["model.layers.0.self_attn.q_proj"] == "colwise" and roles["model.layers.0.mlp.down_proj"] == "rowwise"
+    assert torch_tp.tp_collectives(roles) == {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 2}}
+    assert torch_tp.module_roles(llama, {"model.norm.weight": "S(0)"}) == {"model.norm": "generic"}
+
+
 def test_program_shows_layout() -> None:
     src = emit_torch(layout("gpt2-tiny", "hetero"), "gpt2-tiny")
     assert "'transformer.h.0.attn.c_attn.weight': 'S(1)'" in src
     assert "P2PPipeline" in src and "setup_stage_1" in src and "'ranks': [0, 1]" in src
+    assert "'transformer.h.0.mlp.c_fc': 'colwise'" in src and "roles={" in src
     src = emit_torch(layout("gpt2-tiny", "zero3"), "gpt2-tiny")
     assert "reshard_after_forward=True" in src and "apply_recompute(module, 'full')" in src
+    src = emit_torch(layout("gpt2-tiny", "zero1"), "gpt2-tiny")
+    assert "reshard_after_forward=False" in src and 'rt.stage["zero_stage"]' in src
     assert "Schedule1F1B" in emit_torch(layout("gpt2-tiny", "pp_1f1b"), "gpt2-tiny")
     assert "ScheduleGPipe" in emit_torch(layout("gpt2-tiny", "pp_gpipe"), "gpt2-tiny")
 
