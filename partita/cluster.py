@@ -19,6 +19,13 @@ Three ways to name a cluster (:func:`parse_cluster`):
     device_types:            # optional: types not in the presets
       - {name: MI250, peak_tflops: {bf16: 362}, memory_GB: 64, hbm_GBps: 3277}
 
+A node group or device type may name a calibration profile (``profile: PATH``, written by
+``partita profile``): :func:`apply_profile` validates it and applies its absolute
+``device_overrides`` (peaks, bandwidths, latency) to the device type, so every consumer of the
+cluster sees the calibrated device; the cost model reads the profile's ``efficiency`` block
+(``search/cost_model.CostModel.for_device``). ``DeviceType.profile_hash`` is the profile's
+planning-relevant content hash: the cluster fingerprint (recorded in every plan) changes with it.
+
 Ranks are numbered group by group, node by node, device by device (the torchrun order).
 """
 
@@ -34,6 +41,17 @@ from pathlib import Path
 from typing import Any
 
 from partita.errors import ClusterSpecError
+
+# Calibration profile format (``partita profile``); ``search/cost_model.py`` re-exports these.
+PROFILE_FORMAT = "partita.efficiency"
+PROFILE_VERSION = 1
+PROFILE_OVERRIDES = ("peak_flops", "hbm_bandwidth", "intra_node_bandwidth", "intra_node_latency")
+_PROFILE_PLANNING_KEYS = ("format", "version", "device", "efficiency", "device_overrides", "profiler_version")
+
+
+class ProfileError(ClusterSpecError):
+    """A calibration profile is missing, malformed, from another version, or for another device type."""
+
 
 GB = 1e9
 GiB = 2**30
@@ -51,6 +69,7 @@ class DeviceType:
     intra_node_latency: float = 2e-6  # seconds
     kind: str = "gpu"  # "gpu" or "cpu"; decides the runtime backend (nccl / gloo)
     profile: str = ""  # path of a calibration profile (``partita profile``), "" for defaults
+    profile_hash: str = ""  # content hash of that profile's planning numbers (apply_profile)
 
     def flops(self, dtype: str) -> float:
         if dtype in self.peak_flops:
@@ -86,6 +105,7 @@ DEVICE_PRESETS: dict[str, DeviceType] = {
     )
 }
 ALIASES = {"H100": "H100-80G", "A100": "A100-80G", "V100": "V100-32G"}
+DEVICE_KINDS = ("gpu", "cpu")  # gpu -> nccl, cpu -> gloo
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,6 +270,12 @@ def cluster_from_dict(d: Any, source: str = "cluster spec") -> Cluster:
         if not isinstance(peaks, Mapping) or not peaks:
             raise ClusterSpecError(f"{where}: 'peak_tflops' must map dtypes to TFLOP/s.", "e.g. {bf16: 312}.")
         pk = {str(k): _num(peaks, k, where + ".peak_tflops") * 1e12 for k in peaks}
+        kind = str(t.get("kind", "gpu"))
+        if kind not in DEVICE_KINDS:
+            raise ClusterSpecError(
+                f"{where}: kind {t.get('kind')!r} is unknown (it decides the runtime backend).",
+                f"set kind to one of {', '.join(DEVICE_KINDS)}.",
+            )
         custom[str(t["name"])] = DeviceType(
             str(t["name"]),
             pk,
@@ -257,9 +283,10 @@ def cluster_from_dict(d: Any, source: str = "cluster spec") -> Cluster:
             _num(t, "hbm_GBps", where) * GB,
             _num(t, "intra_node_GBps", where, 32.0) * GB,
             _num(t, "intra_node_latency_us", where, 2.0) * 1e-6,
-            str(t.get("kind", "gpu")),
-            str(t.get("profile", "")),
+            kind,
         )
+        if t.get("profile"):
+            custom[str(t["name"])] = apply_profile(custom[str(t["name"])], str(t["profile"]))
     nodes = d.get("nodes")
     if not isinstance(nodes, list) or not nodes:
         raise ClusterSpecError(f"{source} has no 'nodes' list.", "add nodes: [{device: A100-80G, num_nodes: 1}].")
@@ -272,10 +299,10 @@ def cluster_from_dict(d: Any, source: str = "cluster spec") -> Cluster:
         overrides: dict[str, Any] = {}
         if "intra_node_GBps" in n:
             overrides["intra_node_bandwidth"] = _num(n, "intra_node_GBps", where) * GB
-        if "profile" in n:
-            overrides["profile"] = str(n["profile"])
         if overrides:
             dev = dataclasses.replace(dev, **overrides)
+        if n.get("profile"):
+            dev = apply_profile(dev, str(n["profile"]))
         num_nodes = _num(n, "num_nodes", where, 1.0)
         per = _num(n, "gpus_per_node", where, 8.0 if dev.kind == "gpu" else 1.0)
         if num_nodes != int(num_nodes) or per != int(per):
@@ -299,7 +326,13 @@ def parse_cluster(spec: str, gpus_per_node: int | None = None) -> Cluster:
     if path.suffix.lower() in (".yaml", ".yml", ".json"):
         if not path.exists():
             raise ClusterSpecError(f"cluster file {spec!r} does not exist.", "check the path.")
-        text = path.read_text()
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            why = "is not UTF-8 text" if isinstance(e, UnicodeDecodeError) else f"cannot be read ({e.strerror})"
+            raise ClusterSpecError(
+                f"cluster file {spec!r} {why}.", "pass a readable YAML or JSON text file (see the README's format)."
+            ) from None
         try:
             if path.suffix.lower() == ".json":
                 data = json.loads(text)
@@ -318,3 +351,75 @@ def parse_cluster(spec: str, gpus_per_node: int | None = None) -> Cluster:
             ) from None
         return cluster_from_dict(data, spec)
     return parse_shorthand(spec, gpus_per_node)
+
+
+# ---- calibration profiles ------------------------------------------------------------------
+def read_profile(profile: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+    """A profile as a dict, checked for JSON, format and version (:class:`ProfileError` otherwise)."""
+    src = "profile"
+    if not isinstance(profile, Mapping):
+        src = str(profile)
+        try:
+            profile = json.loads(Path(profile).read_text())
+        except (FileNotFoundError, IsADirectoryError):
+            raise ProfileError(f"profile {src!r} does not exist.", "run `partita profile` or fix the path.") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            why = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+            raise ProfileError(f"profile {src!r} is not valid JSON ({why}).", "re-run the profiler.") from None
+    if not isinstance(profile, Mapping) or profile.get("format") != PROFILE_FORMAT:
+        raise ProfileError(f"{src} is not a Partita efficiency profile.", f"it needs format={PROFILE_FORMAT!r}.")
+    if profile.get("version") != PROFILE_VERSION:
+        raise ProfileError(
+            f"{src} has version {profile.get('version')!r}; this Partita reads {PROFILE_VERSION}.",
+            "re-run `partita profile` with this version.",
+        )
+    return dict(profile)
+
+
+def profile_content_hash(profile: Mapping[str, Any]) -> str:
+    """Hash of what a profile changes in planning (efficiency + overrides), not its raw tables or path."""
+    payload = {k: profile.get(k) for k in _PROFILE_PLANNING_KEYS}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def apply_profile(dev: DeviceType, profile: str | Path) -> DeviceType:
+    """``dev`` with the profile's absolute ``device_overrides`` applied, ``profile`` and
+    ``profile_hash`` set. Refuses a profile measured on another device type or kind."""
+    d = read_profile(profile)
+    fields = profile_overrides(dev, d, str(profile))
+    return dataclasses.replace(dev, **fields, profile=str(profile), profile_hash=profile_content_hash(d))
+
+
+def profile_overrides(dev: DeviceType, d: Mapping[str, Any], src: str = "profile") -> dict[str, Any]:
+    """The ``DeviceType`` fields a read profile ``d`` sets on ``dev``, after checking that it was
+    measured on that device type and kind and that its overrides are known positive numbers."""
+    measured = str(d.get("device", ""))
+    if measured and measured != dev.name:
+        raise ProfileError(
+            f"{src} was measured on {measured}, not {dev.name}.", f"use a profile measured on {dev.name}."
+        )
+    kind = d.get("host", {}).get("device_kind") if isinstance(d.get("host"), Mapping) else None
+    if kind and kind != dev.kind:
+        raise ProfileError(f"{src} was measured on a {kind} device, not a {dev.kind} one.", "use a matching profile.")
+    ov = d.get("device_overrides", {})
+    if not isinstance(ov, Mapping) or set(ov) - set(PROFILE_OVERRIDES):
+        bad = sorted(ov) if isinstance(ov, Mapping) else ov
+        raise ProfileError(f"{src} has unknown device_overrides {bad}.", f"allowed: {list(PROFILE_OVERRIDES)}.")
+    fields: dict[str, Any] = {}
+    for key, val in ov.items():
+        vals = val if key == "peak_flops" and isinstance(val, Mapping) else {"": val}
+        ok = bool(vals) and all(
+            not isinstance(v, bool)
+            and isinstance(v, (int, float))
+            and math.isfinite(v)
+            and (v > 0 or (v == 0 and key == "intra_node_latency"))
+            for v in vals.values()
+        )
+        if not ok or (key == "peak_flops" and not isinstance(val, Mapping)):
+            raise ProfileError(
+                f"{src}: device_overrides.{key}={val!r} is not a positive number.", "re-run the profiler."
+            )
+        fields[key] = (
+            {**dev.peak_flops, **{str(k): float(v) for k, v in vals.items()}} if key == "peak_flops" else float(val)
+        )
+    return fields

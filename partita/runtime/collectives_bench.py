@@ -7,8 +7,11 @@ same time, so a CPU rank is timed while its siblings load the shared cores, as i
 
 Collectives are timed with the cost model's size convention (``search/cost_model.py``): ``bytes``
 is the per-rank size of the larger buffer (all-gather output, reduce-scatter input, all-reduce
-buffer, all-to-all send buffer). A sample is the slowest rank's time of one call after a barrier;
-the table keeps the median. Rank 0 and the budget decide how far each grid goes: all ranks agree
+buffer, all-to-all send buffer). A sample is the slowest rank's time of one call after a barrier
+and, on CPU, ~2 ms of compute (``_burst``: as a training step issues it); the table keeps the
+median. After the grid, :func:`bench_overlap` measures how much of an all-reduce hides behind
+compute. Between compute and collectives every rank also runs the training-step probes
+(``runtime/step_probe.py``). Rank 0 and the budget decide how far each grid goes: all ranks agree
 through one MAX all-reduce per item, so a tight ``time_budget_s`` shortens the grids, never hangs.
 """
 
@@ -25,18 +28,21 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from partita.runtime import step_probe
 from partita.runtime.profiler import measure
 from partita.search.cost_model import ProfileError
 
 Report = Callable[[str, int], None]
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+MIN_PROBE_S = 8.0  # the step probes build Hugging Face models in every rank: skipped below this budget
 
 
 def grids(devices: str) -> dict[str, Any]:
     """Shapes and sizes per device kind (CPU grids stay small: a rank may own half a core)."""
     if devices == "cpu":
         return {
+            "kind": "cpu",
             "dtypes": ("f32", "bf16"),
             "gemm": [(n, n, n) for n in (32, 64, 128, 256, 512, 1024)]
             + [(512, 64, 256), (2048, 256, 1024), (2048, 1024, 256), (256, 768, 3072)],
@@ -45,9 +51,11 @@ def grids(devices: str) -> dict[str, Any]:
             # a sample spans several scheduler slices: ranks sharing cores are timed at their
             # sustained share, not at the full-core burst rate a short kernel sees
             "min_sample_s": 0.03,
+            "burst_s": 2e-3,  # compute before each timed collective (``_burst``)
             "sizes": [4 << (2 * i) << 10 for i in range(7)],  # 4 KiB .. 16 MiB
         }
     return {
+        "kind": "gpu",
         "dtypes": ("bf16", "f16", "f32"),
         "gemm": [(n, n, n) for n in (256, 512, 1024, 2048, 4096, 8192)]
         + [(8192, 1024, 4096), (8192, 4096, 1024), (16384, 8192, 8192), (4096, 8192, 28672)],
@@ -144,7 +152,8 @@ def _bench_memory(
 
 
 def num_compute_items(g: dict[str, Any]) -> int:
-    return 2 + len(g["gemm"]) * len(g["dtypes"]) + len(g["attention"]) * len(g["dtypes"][:2]) + 2
+    compute = 2 + len(g["gemm"]) * len(g["dtypes"]) + len(g["attention"]) * len(g["dtypes"][:2]) + 2
+    return compute + step_probe.num_items(g["kind"])
 
 
 # ---- collectives --------------------------------------------------------------------------
@@ -195,7 +204,9 @@ def bench_collectives(rank: int, world: int, dev: torch.device, g: dict[str, Any
         if world > 2:
             items.append(("all_reduce", 2, s))
         items.append(("p2p", 2, s))
-    report("collectives: total", -len(items))
+    report("collectives: total", -len(items) - 1)  # + the overlap probe
+    burst_s = float(g.get("burst_s", 0.0))
+    burst = _burst(dev, burst_s, sync)
     rows: list[dict[str, Any]] = []
     p2p: list[dict[str, Any]] = []
     for idx, (kind, p, nbytes) in enumerate(items):
@@ -214,10 +225,11 @@ def bench_collectives(rank: int, world: int, dev: torch.device, g: dict[str, Any
         if stop:
             report(f"{kind} (budget spent)", 1)
             continue
-        reps = int(max(2, min(20, per_item / max(warm, 1e-6))))
+        reps = int(max(2, min(20, per_item / max(warm + burst_s, 1e-6))))
         times = []
         for _ in range(reps):
             dist.barrier()
+            burst()
             t0 = time.perf_counter()
             fn()
             sync()
@@ -232,10 +244,74 @@ def bench_collectives(rank: int, world: int, dev: torch.device, g: dict[str, Any
             "min_s": times[0] * one_way,
             "max_s": times[-1] * one_way,
             "reps": reps,
+            "after_compute_s": burst_s,
         }
         (p2p if kind == "p2p" else rows).append(row)
         report(f"{kind} p={p} {nbytes >> 10} KiB", 1)
-    return {"collectives": sorted(rows, key=lambda r: (r["kind"], r["group_size"], r["bytes"])), "p2p": p2p}
+    out = {"collectives": sorted(rows, key=lambda r: (r["kind"], r["group_size"], r["bytes"])), "p2p": p2p}
+    if time.perf_counter() < end:
+        out["overlap"] = bench_overlap(dev, sync)
+        report("overlap", 1)
+    return out
+
+
+def _burst(dev: torch.device, seconds: float, sync: Callable[[], None]) -> Callable[[], None]:
+    """About ``seconds`` of GEMMs, the same count on every rank: a collective is then timed as a
+    training step issues it, right after compute (on a shared CPU that costs more than back to
+    back: caches, sleeping gloo threads, ranks arriving apart), not after an idle barrier."""
+    if seconds <= 0:
+        return lambda: None
+    a, b = torch.randn(128, 128, device=dev), torch.randn(128, 128, device=dev)
+    one = measure(lambda: torch.mm(a, b), sync, 0.1, 0.0)["median_s"]
+    n = int(_agree(dev, [float(max(1, round(seconds / max(one, 1e-9))))])[0])
+
+    def run() -> None:
+        for _ in range(n):
+            torch.mm(a, b)
+        sync()
+
+    return run
+
+
+def bench_overlap(dev: torch.device, sync: Callable[[], None], nbytes: int = 4 << 20, reps: int = 7) -> dict:
+    """How much of an all-reduce hides behind compute on this machine: the same all-reduce alone
+    (``comm_s``), GEMMs of about its length alone (``compute_s``) and both at once, the all-reduce
+    issued async first (``both_s``); ``overlap = (compute + comm - both) / min(compute, comm)``
+    clipped to [0, 1] (1: fully hidden, 0: the two serialize, as when ranks own every core)."""
+    buf = torch.ones(nbytes // 4, device=dev)
+    a, b = torch.randn(256, 256, device=dev), torch.randn(256, 256, device=dev)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(3):  # a fixed count: every rank must issue the same collectives
+        dist.all_reduce(buf)
+    sync()
+    comm_once = (time.perf_counter() - t0) / 3
+    gemm = measure(lambda: torch.mm(a, b), sync, 0.2, 0.0)["median_s"]  # local only
+    n = int(_agree(dev, [float(max(1, round(comm_once / max(gemm, 1e-9))))])[0])
+
+    def compute() -> None:
+        for _ in range(n):
+            torch.mm(a, b)
+        sync()
+
+    def both() -> None:
+        work = dist.all_reduce(buf, async_op=True)
+        compute()
+        work.wait()
+        sync()
+
+    fns = {"compute_s": compute, "comm_s": lambda: (dist.all_reduce(buf), sync()), "both_s": both}
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for key, fn in fns.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - t0)
+    med = {k: sorted(_agree(dev, v))[reps // 2] for k, v in times.items()}
+    hidden = med["compute_s"] + med["comm_s"] - med["both_s"]
+    overlap = min(1.0, max(0.0, hidden / max(min(med["compute_s"], med["comm_s"]), 1e-9)))
+    return {"bytes": float(nbytes), "num_gemms": n, **med, "overlap": overlap}
 
 
 # ---- ranks --------------------------------------------------------------------------------
@@ -257,15 +333,23 @@ def _worker(rank: int, devices: str, world: int, port: int, end_wall: float, thr
     def agree(stop: bool) -> bool:
         return bool(_agree(dev, [float(stop)])[0]) if world > 1 else stop
 
-    tables = bench_compute(dev, g, max(left * (0.45 if world > 1 else 0.95), 0.1), report, agree)
+    tables = bench_compute(dev, g, max(left * (0.35 if world > 1 else 0.6), 0.1), report, agree)
+    probe_s = left * (0.25 if world > 1 else 0.35)
+    if agree(probe_s < MIN_PROBE_S):
+        report("step probes (budget too short)", step_probe.num_items(g["kind"]))
+    else:
+        slowest = (lambda v: _agree(dev, v)) if world > 1 else list
+        tables |= step_probe.bench_probes(dev, g["kind"], probe_s, agree, report, slowest)
     if world > 1:
         dist.barrier()
         tables |= bench_collectives(rank, world, dev, g, time.perf_counter() + max(end_wall - time.time(), 0.5), report)
+    if rank == 0:  # before the teardown: gloo has aborted in destroy_process_group here (rarely)
+        with open(out + ".tmp", "w") as f:
+            json.dump(tables, f)
+        os.replace(out + ".tmp", out)
+    if world > 1:
         dist.barrier()
         dist.destroy_process_group()
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(tables, f)
 
 
 def _free_port() -> int:
@@ -306,7 +390,7 @@ def run_ranks(devices: str, nproc: int, time_budget_s: float, threads: int, prog
                     nprocs=nproc, join=False, start_method="spawn",
                 )  # fmt: skip
                 hard = start + time_budget_s + max(30.0, 0.25 * time_budget_s)
-                while not ctx.join(timeout=0.2):
+                while not _joined(ctx, out):
                     while not q.empty():
                         what, n = q.get()
                         if n < 0:
@@ -328,6 +412,16 @@ def run_ranks(devices: str, nproc: int, time_budget_s: float, threads: int, prog
                 os.environ["OMP_NUM_THREADS"] = old
         with open(out) as f:
             return dict(json.load(f))
+
+
+def _joined(ctx: Any, out: str) -> bool:
+    """``ctx.join`` that forgives a rank dying in the teardown once rank 0 wrote the tables."""
+    try:
+        return bool(ctx.join(timeout=0.2))
+    except mp.ProcessExitedException as err:
+        if os.path.exists(out):
+            return all(p.join(timeout=5) or True for p in ctx.processes)
+        raise ProfileError(f"a profiler rank failed: {err}.", "re-run `partita profile`; see the log above.") from None
 
 
 class _Local:

@@ -2,34 +2,38 @@
 
 Sits beside the runtime: ``partita profile`` calls :func:`profile`, which measures the local
 devices and writes a JSON profile; a cluster spec names it (``nodes: [{device: CPU, profile:
-PATH}]``) and ``search/cost_model.CostModel.for_device`` loads its ``efficiency`` block through
-``Efficiency.from_profile``. Micro-benchmarks (GEMM grid, attention, memory copy/add, tiny-op
-overhead) run in every one of ``nproc`` ranks at once, so a CPU "device" (one gloo rank) is
-measured while its siblings share the cores, as in a real run; collectives run across the same
+PATH}]``): ``cluster.apply_profile`` applies its absolute ``device_overrides`` to the device type
+and ``search/cost_model.CostModel.for_device`` loads its ``efficiency`` block. Micro-benchmarks
+(GEMM grid, attention, memory copy/add, tiny-op overhead) run in every one of ``nproc`` ranks at
+once, so a CPU "device" (one gloo rank) is measured while its siblings share the cores, as in a
+real run; then training-step probes (``runtime/step_probe.py``); collectives run across the same
 ranks (``runtime/collectives_bench.py``).
 
-Fits, against the cost model's formulas (``search/cost_model.py``):
+Fits, against the cost model's formulas (``search/cost_model.py``, :func:`micro_profile`):
 
 * GEMM ``t = (F + h) / P + k`` (log-space least squares): ``P`` the saturated FLOP/s, ``h`` =
-  ``matmul_half_flops``; ``kernel_overhead_s`` is the per-kernel time of an autograd chain of tiny
-  ops (forward + backward), ``k`` in the GEMM fit the eager per-call time;
+  ``matmul_half_flops``, ``k`` the eager per-call time;
 * ``attention`` = counted FLOPs (full score matrix, the IR's convention) / time / peak;
 * ``memory`` = best streaming bandwidth (copy, add) / HBM bandwidth;
 * per link class, ``t = m(p) * S / B + h(p) * alpha + c`` over all collectives and sizes
   (non-negative least squares); ``collective_bandwidth = B / intra_node_bandwidth``.
 
+Then (:func:`apply_step_fits`) the step probes, priced by the cost model under those numbers,
+fit ``fb = A / share + N * k``: ``k`` becomes ``kernel_overhead_s`` (the per-kernel cost inside a
+real model step, several times the tiny-op chain's) and ``share`` scales the matmul, attention
+and memory factors (the sustained in-step rate); Adam over grids of tensors fits
+``optimizer_tensor_s`` and ``optimizer_memory``; an overlap probe gives ``comm_overlap``.
+
 Efficiency factors are fractions of the *preset* device's peaks (``cluster.DEVICE_PRESETS``) and
 must lie in (0, 1]. Where a measurement exceeds the preset (a CPU rank often beats the preset's
-20 GFLOP/s) the factor is capped at 1 and the profile's additive ``device_overrides`` block holds
-absolute numbers that reproduce every measurement; :func:`calibrated_device` applies them (the
-format of ``Efficiency.from_profile`` has no field for them). The profile is otherwise the format
-that loader reads, plus ``host``, ``setup``, ``links``, ``fit`` and raw ``tables``.
+20 GFLOP/s) the factor is capped at 1 and the profile's ``device_overrides`` block holds absolute
+numbers that reproduce every measurement. The profile is otherwise the format
+``Efficiency.from_profile`` reads, plus ``host``, ``setup``, ``links``, ``fit`` and raw ``tables``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -39,12 +43,21 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from partita.cluster import DEVICE_PRESETS, Cluster, DeviceType, NodeGroup
+from partita.cluster import (
+    DEVICE_PRESETS,
+    PROFILE_OVERRIDES,
+    Cluster,
+    DeviceType,
+    NodeGroup,
+    apply_profile,
+    profile_content_hash,
+    profile_overrides,
+    read_profile,
+)
 from partita.search.cost_model import PROFILE_FORMAT, PROFILE_VERSION, Efficiency, ProfileError
 
-PROFILER_VERSION = 1
-OVERRIDE_FIELDS = ("peak_flops", "hbm_bandwidth", "intra_node_bandwidth", "intra_node_latency")
-_FIT_KEYS = ("format", "version", "device", "efficiency", "device_overrides", "profiler_version")
+PROFILER_VERSION = 2  # 2: training-step probes, Adam grid, overlap probe
+OVERRIDE_FIELDS = PROFILE_OVERRIDES
 
 
 # ---- timing -------------------------------------------------------------------------------
@@ -227,7 +240,14 @@ def _capped(measured: float, preset: float) -> tuple[float, float]:
 
 
 def build_profile(meas: Mapping[str, Any], host: Mapping[str, Any], setup: Mapping[str, Any]) -> dict[str, Any]:
-    """Turn raw tables into the versioned profile (efficiency + overrides + fits + tables)."""
+    """Turn raw tables into the versioned profile (efficiency + overrides + fits + tables): the
+    micro-benchmark fits (:func:`micro_profile`), then the training-step fits (:func:`apply_step_fits`)."""
+    return apply_step_fits(micro_profile(meas, host, setup))
+
+
+def micro_profile(meas: Mapping[str, Any], host: Mapping[str, Any], setup: Mapping[str, Any]) -> dict[str, Any]:
+    """The profile from the micro-benchmarks alone (GEMM, attention, memory, tiny ops, collectives):
+    what the step probes are priced with (``step_probe.probe_terms``)."""
     dev_name = str(host["device_type"])
     preset = DEVICE_PRESETS.get(dev_name) or DeviceType(dev_name, {"bf16": 1.0, "f32": 1.0}, 1.0, 1.0, 1.0)
     base = Efficiency()
@@ -294,6 +314,49 @@ def build_profile(meas: Mapping[str, Any], host: Mapping[str, Any], setup: Mappi
     }
 
 
+def apply_step_fits(prof: dict[str, Any]) -> dict[str, Any]:
+    """Fold the step probes, Adam grid and overlap probe (``runtime/step_probe.py``) into ``prof``.
+
+    ``fb = A / share + N * k``: ``k`` replaces the tiny-op ``kernel_overhead_s``, ``share`` scales the
+    matmul, attention and memory efficiencies (raising the absolute peaks instead where a factor
+    would pass 1); Adam's ``t = n * c + bytes * d`` sets ``optimizer_tensor_s`` and
+    ``optimizer_memory``; the overlap probe sets ``comm_overlap``."""
+    from partita.runtime.step_probe import fit_optimizer, fit_step
+    from partita.search.stage_cost import StageFactors
+
+    tables, eff, ov, fits = prof["tables"], prof["efficiency"], prof["device_overrides"], prof["fit"]
+    preset = DEVICE_PRESETS.get(prof["device"])
+    probes = tables.get("step_probe", [])
+    step = fit_step(probes)
+    scaled = [n for n in ("matmul", "attention", "memory") if n in eff]
+    if step and scaled:
+        eff["kernel_overhead_s"] = step["kernel_overhead_s"]
+        vals = {n: eff[n] * step["sustained_share"] for n in scaled}
+        top = max(vals.values())
+        if top > 1:  # the probes ran faster than the micro-benchmarks predict
+            vals = {n: v / top for n, v in vals.items()}
+            if "peak_flops" in ov:
+                ov["peak_flops"] = {dt: v * top for dt, v in ov["peak_flops"].items()}
+            if "hbm_bandwidth" in ov:
+                ov["hbm_bandwidth"] *= top
+        eff.update(vals)
+        fits["step"] = step
+    rows = list(tables.get("optimizer", []))
+    rows += [{"num_tensors": r["num_tensors"], "numel": r["numel"], "median_s": r["opt_s"]} for r in probes]
+    hbm = ov.get("hbm_bandwidth", preset.hbm_bandwidth if preset else 0.0)
+    opt = fit_optimizer(rows, hbm, StageFactors().optimizer_passes)
+    if opt:
+        eff["optimizer_tensor_s"] = opt["optimizer_tensor_s"]
+        if "optimizer_memory" in opt:
+            eff["optimizer_memory"] = opt["optimizer_memory"]
+        fits["optimizer"] = opt
+    if "overlap" in tables:
+        eff["comm_overlap"] = float(tables["overlap"]["overlap"])
+        fits["overlap"] = dict(tables["overlap"])
+    prof["efficiency"] = {name: float(v) for name, v in sorted(eff.items())}
+    return prof
+
+
 # ---- entry point --------------------------------------------------------------------------
 def profile(
     devices: str = "cpu", nproc: int = 4, out: str = "profile.json", time_budget_s: float = 240, progress: bool = True
@@ -311,9 +374,16 @@ def profile(
             f"--nproc {nproc} exceeds the {host['num_devices']} visible CUDA devices.",
             f"use --nproc {host['num_devices']} or fewer.",
         )
-    threads = max(1, (os.cpu_count() or 1) // nproc) if devices == "cpu" else 1
+    # threads per rank as runtime/torch_launch starts the training ranks: OMP_NUM_THREADS, default 1
+    threads = max(1, int(os.environ.get("OMP_NUM_THREADS", "1") or 1)) if devices == "cpu" else 1
     t0 = time.perf_counter()
     tables = run_ranks(devices, nproc, time_budget_s, threads, progress)
+    if tables.get("step_probe") and host["device_type"] in DEVICE_PRESETS:  # price them as the planner does
+        from partita.runtime.step_probe import probe_terms
+
+        prelim = micro_profile(tables, host, {})
+        for row, terms in zip(tables["step_probe"], probe_terms(prelim, host["device_type"], tables["step_probe"])):
+            row["terms"] = terms
     setup = {
         "nproc": nproc,
         "threads_per_rank": threads,
@@ -333,51 +403,36 @@ def profile(
 
 
 # ---- loading, fingerprint, calibrated devices ---------------------------------------------
-def _read(profile: str | Path | Mapping[str, Any]) -> tuple[dict[str, Any], str]:
-    if isinstance(profile, Mapping):
-        return dict(profile), "profile"
-    Efficiency.from_profile(profile)  # file / JSON / format / version errors, worded once
-    return json.loads(Path(profile).read_text()), str(profile)
-
-
 def load_profile(profile: str | Path | Mapping[str, Any], device: str | DeviceType | None = None) -> dict[str, Any]:
-    """Read and validate a profile (format, versions, device type, overrides); return it as a dict."""
-    d, src = _read(profile)
-    name = device.name if isinstance(device, DeviceType) else device
-    Efficiency.from_profile(d, name)
+    """Read and validate a profile (format, versions, device type and kind, efficiency, overrides)."""
+    d = read_profile(profile)
+    src = "profile" if isinstance(profile, Mapping) else str(profile)
     pv = d.get("profiler_version", PROFILER_VERSION)
     if pv != PROFILER_VERSION:
         raise ProfileError(
             f"{src} was written by profiler version {pv!r}; this Partita reads {PROFILER_VERSION}.",
             "re-run `partita profile` with this version.",
         )
-    kind = d.get("host", {}).get("device_kind")
-    want = ("cpu" if device.kind == "cpu" else "gpu") if isinstance(device, DeviceType) else None
-    if want and kind and kind != want:
-        raise ProfileError(f"{src} was measured on a {kind} device, not a {want} one.", "use a matching profile.")
-    ov = d.get("device_overrides", {})
-    if not isinstance(ov, Mapping) or set(ov) - set(OVERRIDE_FIELDS):
-        raise ProfileError(f"{src} has unknown device_overrides {sorted(ov)}.", f"allowed: {list(OVERRIDE_FIELDS)}.")
-    for key, val in ov.items():
-        vals = list(val.values()) if key == "peak_flops" and isinstance(val, Mapping) else [val]
-        if not vals or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 for v in vals):
-            raise ProfileError(f"{src}: device_overrides.{key}={val!r} is not a number >= 0.", "re-run the profiler.")
+    name = device.name if isinstance(device, DeviceType) else device
+    Efficiency.from_profile(d, name)
+    dev = device if isinstance(device, DeviceType) else DEVICE_PRESETS.get(str(d.get("device", "")))
+    if dev is None:  # a device type that is no preset: check the overrides against a stand-in
+        kind = "cpu" if d.get("host", {}).get("device_kind") == "cpu" else "gpu"
+        dev = DeviceType(str(d.get("device", "")), {"f32": 1.0}, 1.0, 1.0, 1.0, kind=kind)
+    profile_overrides(dev, d, src)
     return d
 
 
 def profile_fingerprint(path: str | Path | Mapping[str, Any]) -> str:
     """Content hash of what a profile changes in planning (efficiency + overrides), not its path."""
-    d = load_profile(path)
-    return hashlib.sha256(json.dumps({k: d.get(k) for k in _FIT_KEYS}, sort_keys=True).encode()).hexdigest()[:16]
+    return profile_content_hash(load_profile(path))
 
 
 def calibrated_device(device: DeviceType, profile: str | Path) -> DeviceType:
-    """``device`` with the profile's absolute ``device_overrides`` applied and ``profile`` set."""
-    d = load_profile(profile, device)
-    ov = dict(d.get("device_overrides", {}))
-    if "peak_flops" in ov:
-        ov["peak_flops"] = {**device.peak_flops, **{k: float(v) for k, v in ov["peak_flops"].items()}}
-    return dataclasses.replace(device, **ov, profile=str(profile))
+    """``device`` with the profile's absolute ``device_overrides`` applied, ``profile`` and its hash
+    set: what a cluster file's ``profile:`` gives (``cluster.apply_profile``), after full validation."""
+    load_profile(profile, device)
+    return apply_profile(device, profile)
 
 
 def calibrated_cluster(cluster: Cluster, profile: str | Path) -> Cluster:

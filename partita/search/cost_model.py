@@ -37,23 +37,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from partita.cluster import DeviceType
-from partita.errors import ConfigError, PartitaError
+from partita.cluster import PROFILE_FORMAT, PROFILE_VERSION, DeviceType, ProfileError, apply_profile, read_profile
+from partita.errors import ConfigError
 from partita.ir import DTYPE_BYTES, Prim
 from partita.search.mesh import AxisLink
 
-PROFILE_FORMAT = "partita.efficiency"
-PROFILE_VERSION = 1
+__all__ = ["PROFILE_FORMAT", "PROFILE_VERSION", "ProfileError", "Efficiency", "CostModel"]
 OPTIMIZERS = ("adam", "sgd")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 # Backward compute relative to forward: dX and dW for contractions, one pass otherwise.
 BACKWARD_MULTIPLIER: dict[Prim, float] = {Prim.MATMUL: 2.0, Prim.ATTENTION: 2.0, Prim.CONV: 2.0}
 _MATMUL_LIKE = (Prim.MATMUL, Prim.CONV)
-
-
-class ProfileError(PartitaError):
-    """A calibration profile is malformed, from another version, or for another device type."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +64,10 @@ class Efficiency:
     network_bandwidth: float = 0.85  # achieved / NIC line rate
     collective_latency_s: float = 10e-6  # fixed cost per collective call
     pointwise_fusion: float = 0.0  # share of fusable intermediate traffic removed (0 eager, 1 fused)
+    # training-step terms (``search/stage_cost.py``); the defaults leave GPU predictions as they were
+    optimizer_tensor_s: float = 0.0  # fixed optimizer-step cost per parameter tensor (eager for-loop Adam)
+    optimizer_memory: float = 0.8  # fraction of HBM bandwidth the optimizer step streams its states at
+    comm_overlap: float = 1.0  # fraction of the backward that can hide the gradient sync on this device
     device: str = ""  # device type the factors were measured on ("" = generic defaults)
 
     def __post_init__(self) -> None:
@@ -81,6 +80,12 @@ class Efficiency:
         for name in ("matmul", "attention", "memory", "collective_bandwidth", "network_bandwidth"):
             if not 0 < getattr(self, name) <= 1:
                 raise ProfileError(f"efficiency {name}={getattr(self, name)} must be in (0, 1].", "fix the profile.")
+        if self.comm_overlap > 1 or self.optimizer_memory <= 0:
+            raise ProfileError(
+                f"efficiency comm_overlap={self.comm_overlap} / optimizer_memory={self.optimizer_memory} is out of "
+                "range.",
+                "use comm_overlap in 0..1 and optimizer_memory > 0.",
+            )
 
     def matmul_efficiency(self, flops: float) -> float:
         """Saturating curve: ``matmul * F / (F + matmul_half_flops)``."""
@@ -89,24 +94,8 @@ class Efficiency:
     @staticmethod
     def from_profile(profile: str | Path | Mapping[str, Any], device: str | None = None) -> Efficiency:
         """Load ``{"format": "partita.efficiency", "version": 1, "device": NAME, "efficiency": {...}}``."""
-        src = "profile"
-        if not isinstance(profile, Mapping):
-            src = str(profile)
-            try:
-                profile = json.loads(Path(profile).read_text())
-            except FileNotFoundError:
-                raise ProfileError(
-                    f"profile {src!r} does not exist.", "run `partita profile` or fix the path."
-                ) from None
-            except json.JSONDecodeError as e:
-                raise ProfileError(f"profile {src!r} is not valid JSON ({e.msg}).", "re-run the profiler.") from None
-        if not isinstance(profile, Mapping) or profile.get("format") != PROFILE_FORMAT:
-            raise ProfileError(f"{src} is not a Partita efficiency profile.", f"it needs format={PROFILE_FORMAT!r}.")
-        if profile.get("version") != PROFILE_VERSION:
-            raise ProfileError(
-                f"{src} has version {profile.get('version')!r}; this Partita reads {PROFILE_VERSION}.",
-                "re-run `partita profile` with this version.",
-            )
+        src = "profile" if isinstance(profile, Mapping) else str(profile)
+        profile = read_profile(profile)  # JSON, format and version, worded in cluster.py
         dev = str(profile.get("device", ""))
         if device is not None and dev and dev != device:
             raise ProfileError(f"{src} was measured on {dev}, not {device}.", f"use a profile measured on {device}.")
@@ -157,8 +146,11 @@ class CostModel:
 
     @staticmethod
     def for_device(device: DeviceType) -> CostModel:
-        """Defaults, or the device's calibration profile when ``device.profile`` names one."""
+        """Defaults, or the device's calibration profile when ``device.profile`` names one (its
+        ``device_overrides`` too, when the device was not built by ``cluster.apply_profile``)."""
         if device.profile:
+            if not device.profile_hash:
+                device = apply_profile(device, device.profile)
             return CostModel(device, Efficiency.from_profile(device.profile, device.name))
         return CostModel(device, CPU_EFFICIENCY if device.kind == "cpu" else Efficiency())
 

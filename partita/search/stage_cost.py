@@ -19,8 +19,10 @@ transient). It must stay under ``memory_usable`` of the device memory.
 
 Tail after the pipeline drains (bucketed wait-free backprop): the dp gradient all-reduce (ZeRO-0)
 or reduce-scatter (ZeRO-1..3) overlaps the last backward, ``exposed = max(sync / n, sync -
-overlap * bwd)`` for a stage of ``n`` layers; ZeRO-1/2 then all-gather the updated parameters; the
-optimizer step streams its states through HBM.
+overlap * bwd)`` for a stage of ``n`` layers (``overlap`` = ``StageFactors.grad_overlap`` times the
+device's ``Efficiency.comm_overlap``); ZeRO-1/2 then all-gather the updated parameters; the
+optimizer step streams its states through HBM (at ``Efficiency.optimizer_memory`` of it) and pays
+``Efficiency.optimizer_tensor_s`` per parameter tensor (eager per-tensor Adam kernels; 0 on GPUs).
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ class LayerCost:
     tp_sync_s: float = 0.0  # gradient sync on the tp axis itself (partial grads), once per step
     selective_bytes: float = 0.0  # saved bytes selective recompute drops (attention core)
     selective_s: float = 0.0  # forward time it redoes
+    optimizer_fixed_s: float = 0.0  # per-tensor optimizer cost of the layer's parameter tensors
+    optimizer_stream_scale: float = 1.0  # 0.8 / Efficiency.optimizer_memory of the device
+    comm_overlap: float = 1.0  # Efficiency.comm_overlap of the device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +88,9 @@ class UnitTable:
     max_layer_params: np.ndarray
     boundary: np.ndarray  # bytes leaving the unit
     num_layers: np.ndarray
+    opt_fixed: np.ndarray | None = None  # per-tensor optimizer seconds per unit (None = 0)
+    opt_stream_scale: float = 1.0
+    comm_overlap: float = 1.0
 
     @staticmethod
     def build(costs: Sequence[LayerCost], units: Sequence[tuple[int, int]]) -> UnitTable:
@@ -105,6 +113,9 @@ class UnitTable:
             agg("param_bytes", max),
             np.array([costs[b - 1].boundary_bytes for a, b in units], dtype=np.float64),
             np.array([b - a for a, b in units], dtype=np.float64),
+            agg("optimizer_fixed_s") if any(c.optimizer_fixed_s for c in costs) else None,
+            max((c.optimizer_stream_scale for c in costs), default=1.0),
+            min((c.comm_overlap for c in costs), default=1.0),
         )
 
 
@@ -216,13 +227,15 @@ def stage_arrays(
         sync = allreduce[0] + allreduce[1] * grads if zero == 0 else rs
     else:
         sync = np.zeros_like(grads)
-    window = factors.grad_overlap * bwd
+    window = factors.grad_overlap * tab.comm_overlap * bwd
     exposed = np.where(sync > 0, np.maximum(sync / np.maximum(nlay, 1), sync - window), 0.0)
     if zero in (1, 2) and dp > 1:
         exposed = exposed + ag
     exposed = exposed + _range_sum(tab.tp_sync)
     touched = (params + grads + opt) / (shard if zero >= 1 else 1.0)
-    tail = exposed + factors.optimizer_passes * touched / (hbm_bandwidth * 0.8)
+    tail = exposed + factors.optimizer_passes * touched / (hbm_bandwidth * 0.8) * tab.opt_stream_scale
+    if tab.opt_fixed is not None:
+        tail = tail + _range_sum(tab.opt_fixed)
     inf = np.inf
     return StageArrays(
         np.where(valid, t_mb, inf),
@@ -266,7 +279,7 @@ class SolverCosts:
         """``(LayerCost, LayerSolution)`` for layer ``index`` or None if the layer cannot run on tp."""
         import time
 
-        from partita.errors import PartitaError
+        from partita.errors import InfeasibleError
 
         lay = self.graph.layers[index]
         b = 1 if self.linear_batch else micro_batch
@@ -291,12 +304,14 @@ class SolverCosts:
                         tp_style=self.tp_style,
                     )
                     break
-                except PartitaError:
+                except InfeasibleError:  # over the memory budget: retry unbounded; other errors surface
                     continue
             self.solve_time_s += time.perf_counter() - t0
             self.num_solves += 1
             self._solved_for[key] = index
-            self._cache[key] = None if sol is None else (self._from_solution(sol, index, b), sol)
+            self._cache[key] = (
+                None if sol is None else (self._step_terms(self._from_solution(sol, index, b), index, device), sol)
+            )
         hit = self._cache[key]
         if hit is None:
             return None
@@ -349,6 +364,16 @@ class SolverCosts:
         num_mm, num_nodes = self._nodes[index]
         per_mm = eff.matmul_half_flops / (device.flops(self.training.dtype) * eff.matmul)
         return num_mm * per_mm + num_nodes * eff.kernel_overhead_s
+
+    def _step_terms(self, cost: LayerCost, index: int, device: DeviceType) -> LayerCost:
+        """The device's optimizer and overlap terms (``Efficiency``; defaults leave ``cost`` as is)."""
+        eff = self.cost_model(device).efficiency
+        return dataclasses.replace(
+            cost,
+            optimizer_fixed_s=eff.optimizer_tensor_s * len(self.graph.layers[index].params),
+            optimizer_stream_scale=0.8 / eff.optimizer_memory,
+            comm_overlap=eff.comm_overlap,
+        )
 
     def _from_solution(self, sol, index: int, b: int) -> LayerCost:  # noqa: ANN001
         prev = self._cache_prev_boundary(index, sol)

@@ -1,6 +1,8 @@
-"""The profiler: fits recover known parameters, profiles round-trip and are validated on load,
-the content fingerprint tracks what changes planning, and real short runs (1 rank, then 2 gloo
-ranks) produce profiles the cost model loads."""
+"""The profiler: fits recover known parameters (micro-benchmarks, step probes, Adam grid), profiles
+round-trip and are validated on load (also through a cluster file's ``profile:``), a cluster file
+naming a profile prices exactly like the calibrated device, the plan's cluster fingerprint tracks
+the profile's content, and real short runs (1 rank, then 2 gloo ranks) produce profiles the cost
+model loads."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from partita.cluster import DEVICE_PRESETS, parse_shorthand
+from partita.cluster import DEVICE_PRESETS, parse_cluster, parse_shorthand
 from partita.ir import Prim
 from partita.runtime.profiler import (
     build_profile,
@@ -22,9 +24,11 @@ from partita.runtime.profiler import (
     fit_gemm,
     fit_link,
     load_profile,
+    micro_profile,
     profile,
     profile_fingerprint,
 )
+from partita.runtime.step_probe import ADAM_STATE_BYTES, fit_optimizer, fit_step
 from partita.search.cost_model import CostModel, Efficiency, ProfileError
 from partita.search.mesh import AxisLink
 
@@ -176,3 +180,89 @@ def test_two_gloo_ranks_fit_alpha_beta(tmp_path: Path) -> None:
     assert calibrated_device(CPU, out).intra_node_bandwidth * eff.collective_bandwidth == pytest.approx(
         link["bandwidth_Bps"]
     )
+
+
+def _with_probes(prof: dict, share: float, k: float, c: float, d: float, overlap: float) -> dict:
+    """``prof``'s tables plus synthetic step probes, Adam grid and overlap probe with known answers."""
+    tables = dict(prof["tables"])
+    terms = [(2e-4, 100.0, 16, 2e4), (4e-3, 150.0, 28, 2.5e5), (3e-2, 150.0, 28, 1e6)]
+    tables["step_probe"] = [
+        {"name": f"p{i}", "fb_s": a / share + n * k, "opt_s": nt * c + ADAM_STATE_BYTES * ne * d,
+         "num_tensors": nt, "numel": ne, "terms": {"roofline_s": a, "kernels": n}}
+        for i, (a, n, nt, ne) in enumerate(terms)
+    ]  # fmt: skip
+    tables["optimizer"] = [
+        {"num_tensors": nt, "numel": ne, "median_s": nt * c + ADAM_STATE_BYTES * ne * d}
+        for nt, ne in ((64, 65536), (4, 1 << 20))
+    ]
+    tables["overlap"] = {"compute_s": 1e-2, "comm_s": 1e-2, "both_s": 2e-2 - overlap * 1e-2, "overlap": overlap}
+    return build_profile(tables, prof["host"], prof["setup"])
+
+
+def test_step_and_optimizer_fits_recover_known_parameters(tmp_path: Path) -> None:
+    base = _synthetic_profile()
+    share, k, c, d = 0.5, 1.2e-5, 2e-5, 3e-10
+    prof = _with_probes(base, share, k, c, d, overlap=0.25)
+    eff, eff0 = prof["efficiency"], base["efficiency"]
+    assert prof["fit"]["step"]["sustained_share"] == pytest.approx(share, rel=1e-6)
+    assert eff["kernel_overhead_s"] == pytest.approx(k, rel=1e-6)
+    for name in ("matmul", "attention", "memory"):  # the in-step rate is half the micro-benchmarks'
+        assert eff[name] == pytest.approx(eff0[name] * share, rel=1e-6)
+    assert eff["optimizer_tensor_s"] == pytest.approx(c, rel=1e-6)
+    hbm = prof["device_overrides"]["hbm_bandwidth"]
+    assert eff["optimizer_memory"] == pytest.approx(2.0 / (hbm * d), rel=1e-6)
+    assert eff["comm_overlap"] == pytest.approx(0.25)
+    assert micro_profile(prof["tables"], prof["host"], {})["efficiency"] == eff0  # the probes' pricing basis
+    # faster than the micro-benchmarks: factors stay <= 1, the absolute peaks rise instead
+    fast = _with_probes(base, 3.0, k, c, d, overlap=1.0)
+    assert max(fast["efficiency"][n] for n in ("matmul", "attention", "memory")) == pytest.approx(1.0)
+    p0, p1 = base["device_overrides"]["peak_flops"]["f32"], fast["device_overrides"]["peak_flops"]["f32"]
+    assert p1 * fast["efficiency"]["matmul"] == pytest.approx(p0 * eff0["matmul"] * 3.0, rel=1e-6)
+    assert Efficiency.from_profile(fast, "CPU").comm_overlap == 1.0
+    assert fit_step(prof["tables"]["step_probe"][:1]) is None and fit_optimizer([], 1e9, 2.0) is None
+
+
+def test_cluster_file_profile_prices_like_the_calibrated_device(tmp_path: Path) -> None:
+    """``profile:`` in a cluster file applies the overrides too (the old path applied only the
+    efficiency block), the plan's cluster fingerprint follows the profile's content, and a profile
+    of another device type, kind or format version is refused with a clear error."""
+    from partita.search.stage_cost import SolverCosts
+
+    prof = _with_probes(_synthetic_profile(), 0.5, 1.2e-5, 2e-5, 3e-10, overlap=0.0)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(prof))
+    yaml_path = tmp_path / "c.yaml"
+    yaml_path.write_text(f"nodes: [{{device: CPU, gpus_per_node: 2, profile: {path}}}]\n")
+    dev = parse_cluster(str(yaml_path)).device_types()[0]
+    assert dev == calibrated_device(CPU, path)
+    assert dev.peak_flops["f32"] == prof["device_overrides"]["peak_flops"]["f32"] != CPU.peak_flops["f32"]
+    assert dev.profile_hash == profile_fingerprint(path)
+    cm = CostModel.for_device(dev)
+    assert cm == CostModel.for_device(dataclasses.replace(CPU, profile=str(path)))  # hand-built device too
+    assert cm.efficiency.optimizer_tensor_s == pytest.approx(2e-5) and cm.efficiency.comm_overlap == 0.0
+    fp0 = parse_cluster(str(yaml_path)).fingerprint()
+    path.write_text(json.dumps(prof | {"efficiency": prof["efficiency"] | {"kernel_overhead_s": 1e-4}}))
+    assert parse_cluster(str(yaml_path)).fingerprint() != fp0  # efficiency only: same overrides, new hash
+    for change, words in (
+        ({"device": "H100-80G"}, "measured on H100-80G"),
+        ({"version": 99}, "version 99"),
+        ({"host": {"device_kind": "gpu"}}, "gpu device"),
+        ({"device_overrides": {"peak_flops": {"f32": 0}}}, "positive"),
+    ):
+        path.write_text(json.dumps(prof | change))
+        with pytest.raises(ProfileError, match=words):
+            parse_cluster(str(yaml_path))
+    # the stage formulas see the profile's optimizer and overlap terms; defaults leave GPUs unchanged
+    from partita.compiler.driver import trace_handle
+    from partita.models import resolve_model
+    from partita.search.config import TrainingConfig
+
+    path.write_text(json.dumps(prof))
+    graph = trace_handle(resolve_model("gpt2-tiny"), batch=2, seq=16)
+    training = TrainingConfig(global_batch=2, seq_len=16, dtype="f32")
+    costs = SolverCosts(graph, parse_cluster(str(yaml_path)), training)
+    cost, _ = costs.layer(1, dev, 1, 2)
+    assert cost.optimizer_fixed_s == pytest.approx(2e-5 * len(graph.layers[1].params))
+    assert cost.comm_overlap == 0.0
+    gpu = SolverCosts(graph, parse_shorthand("8xA100-80G"), training).layer(1, DEVICE_PRESETS["A100-80G"], 1, 2)[0]
+    assert (gpu.optimizer_fixed_s, gpu.optimizer_stream_scale, gpu.comm_overlap) == (0.0, 1.0, 1.0)
