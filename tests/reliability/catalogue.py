@@ -423,7 +423,7 @@ CASES: list[Case] = [
         "cluster",
         "model does not fit the devices (1.1 GB of state, 0.5 GB devices)",
         _compile("{t}/c.yaml", "tests.reliability.models:wide")[:-2] + ("--dtype", "bf16", "--out", "{t}/out"),
-        ("no plan fits in memory", "has 0.5 GB", "add devices"),
+        ("no plan fits in memory", "has 500.0 MB", "add devices"),
         _write("c.yaml", _LARGE),
     ),
     # ---- training config ------------------------------------------------------------------------

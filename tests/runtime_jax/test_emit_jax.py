@@ -76,7 +76,7 @@ def test_searched_tp_plan_pins_its_activation_layouts() -> None:
         assert tuple(pins[m][0][0]) == (None, None, "tp"), (m, pins[m])
     for m in row:
         assert tuple(pins[m][0][-1]) == (), (m, pins[m])
-    assert "stage 0 blocks_1: placements and op strategies copied from blocks_0 (same kind)" in ns["NOTES"]
+    assert not any("copied from" in n for n in ns["NOTES"])  # the plan names every block (SolverCosts.solution)
     assert ns["PREDICTED_COLLECTIVES"]["stage0"]  # the plan's tp collectives, carried into the program
 
 
