@@ -15,7 +15,6 @@ the whole group restarts and ``torch_train`` resumes from the run's latest publi
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import shlex
@@ -39,10 +38,11 @@ def load_program(plan_dir: str | Path) -> ModuleType:
     path = Path(plan_dir) / PROGRAM_FILE
     if not path.exists():
         raise PlanError(f"no PyTorch program at {path}.", "run `partita compile MODEL --out DIR` first, then pass DIR.")
-    spec = importlib.util.spec_from_file_location("partita_program", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    # compiled from source, not imported: an import would leave DIR/__pycache__ behind, and a
+    # refused launch must not write into the plan directory
+    mod = ModuleType("partita_program")
+    mod.__file__ = str(path)
+    exec(compile(path.read_text(), str(path), "exec"), mod.__dict__)  # noqa: S102 - our generated program
     return mod
 
 
