@@ -378,8 +378,6 @@ PROGRAM_FILES = ("program_torch.py", "program_jax.py")
 
 def _cached_outputs(entry: Path, model: str, out: Path, key: str, t0: float) -> Compiled | None:
     """A cache hit served from the entry's plan and program files (no trace, no emit, no torch)."""
-    from partita.report import plan_text
-
     try:
         plan = Plan.from_json((entry / PLAN_FILE).read_text(), str(entry / PLAN_FILE))
     except (OSError, PlanError):
@@ -387,13 +385,8 @@ def _cached_outputs(entry: Path, model: str, out: Path, key: str, t0: float) -> 
     name = "program_jax.py" if plan.model.get("framework") == "jax" else "program_torch.py"
     if not (entry / name).exists():
         return None
-    out.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out / PLAN_FILE, plan.to_json())
-    _atomic_write(out / "report.txt", plan_text(plan) + "\n")
-    _atomic_write(out / name, (entry / name).read_text())
-    _atomic_write(out / CACHE_FILE, json.dumps({"key": key, "model": model}, indent=1) + "\n")
-    files = {"plan": str(out / PLAN_FILE), "report": str(out / "report.txt"), "program": str(out / name)}
-    return Compiled(out, plan, True, files, time.perf_counter() - t0)
+    program = (name, (entry / name).read_text())
+    return _write_outputs(plan, model, out, cache_hit=True, key=key, program=program, t0=t0)
 
 
 def _check_training(training: Any) -> None:
@@ -419,7 +412,11 @@ def _write_outputs(
     elapsed_s: float = 0.0,
     key: str = "",
     search_time_s: float = 0.0,
+    program: tuple[str, str] | None = None,
+    t0: float | None = None,
 ) -> Compiled:
+    """Write plan, report, generated program and cache key into ``out``. ``program`` is a
+    ``(file name, source)`` already generated (a cache hit); otherwise the emitter runs."""
     from partita.report import plan_text
 
     out.mkdir(parents=True, exist_ok=True)
@@ -427,7 +424,10 @@ def _write_outputs(
     _atomic_write(out / PLAN_FILE, plan.to_json())
     _atomic_write(out / "report.txt", plan_text(plan) + "\n")
     framework = plan.model.get("framework", "torch")
-    if framework == "torch":
+    if program is not None:
+        _atomic_write(out / program[0], program[1])
+        files["program"] = str(out / program[0])
+    elif framework == "torch":
         from partita.compiler.emit_torch import emit_torch
 
         _atomic_write(out / "program_torch.py", emit_torch(plan, model_spec))
@@ -441,7 +441,7 @@ def _write_outputs(
             _atomic_write(out / "program_jax.py", emit_jax(plan, model_spec))
             files["program"] = str(out / "program_jax.py")
     _atomic_write(out / CACHE_FILE, json.dumps({"key": key, "model": model_spec}, indent=1) + "\n")
-    return Compiled(out, plan, cache_hit, files, elapsed_s)
+    return Compiled(out, plan, cache_hit, files, elapsed_s if t0 is None else time.perf_counter() - t0)
 
 
 def load_plan(plan_dir: str | Path) -> Plan:

@@ -195,25 +195,14 @@ class ParallelModel(nn.Module):
         m, mb = self.plan.num_micro_batches, sum(me["shares"])
         xs = [inputs[k * mb + lo : k * mb + hi].to(rt.device) for k in range(m)]
         ys = [labels[k * mb + lo : k * mb + hi].to(rt.device) for k in range(m)]
-        tied, tied_group, tied_n = self._tied
         t0 = time.perf_counter()
         counter = fidelity.CollectiveCounter(enabled=self._count)
-        with counter:  # the loop body of torch_train._train, step for step
-            local = self.runner.step(xs, ys)
-            if me["tp"] > 1 and not rt.fsdp_modules:
-                tpar.align_grads(rt.module)
-            if rt.fsdp_modules:
-                tpar.scale_grads(rt.module, float(me["dp"]))
-            if me["zero_stage"] == 0 and me["dp"] > 1:
-                tpar.all_reduce_grads(rt.module, rt.mesh.get_group("dp"))
-            tpar.sync_tied_grads(rt.module, tied, tied_group, tied_n)
+        with counter:
+            local = torch_train.forward_backward(self.runner, rt, me, xs, ys, self._tied)
         self.step_times.append(time.perf_counter() - t0)
         if self._count:
             self.collectives.append(counter.summary())
-        mine = sum(float(v) for v in local) if (local and j == 0) else 0.0
-        total = torch.tensor([mine], dtype=torch.float64, device=rt.device)
-        dist.all_reduce(total)
-        return total[0].to(torch.float32).cpu()
+        return torch_train.step_loss(local, j == 0, rt.device).to(torch.float32).cpu()
 
 
 def build(

@@ -326,14 +326,7 @@ def _train(
             enabled=not args.no_count and fidelity.counted_step(step, start, args.steps)
         )
         with counter:
-            local = runner.step(xs, ys)
-            if me["tp"] > 1 and not rt.fsdp_modules:
-                tpar.align_grads(rt.module)
-            if rt.fsdp_modules:  # FSDP2 averaged over dp; losses are pre-weighted, so undo the mean
-                tpar.scale_grads(rt.module, float(me["dp"]))
-            if me["zero_stage"] == 0 and me["dp"] > 1:
-                tpar.all_reduce_grads(rt.module, rt.mesh.get_group("dp"))
-            tpar.sync_tied_grads(rt.module, tied, tied_group, tied_n)
+            local = forward_backward(runner, rt, me, xs, ys, (tied, tied_group, tied_n))
         if fault is not None:
             fault.fire("step", step + 1, rank)
         if step + 1 in dump_steps:  # full gradients are gathered outside the counted window
@@ -343,15 +336,35 @@ def _train(
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
         counts.append(counter.summary() if counter.enabled else None)
-        mine = sum(float(v) for v in local) if (local and j == 0) else 0.0
-        t = torch.tensor([mine], dtype=torch.float64)
-        dist.all_reduce(t)
-        losses.append(float(t))
+        losses.append(float(step_loss(local, j == 0, torch.device("cpu"))))
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
             hook = (lambda k=step + 1: fault.fire("save", k, rank)) if fault is not None else None
             checkpoint.save(ckpt_dir, step + 1, rt.module, opt, {**meta, "losses": prior + losses}, hook)
     extra = {"losses_all": prior + losses, "restart_count": restart, "resumed_from": str(found[1]) if found else None}
     return _report(program, args, losses, times, counts, start, extra)
+
+
+def forward_backward(runner: Any, rt: StageRuntime, me: Mapping[str, Any], xs: list, ys: list, tied: tuple) -> list:
+    """One step's schedule (forward + backward over the micro-batches), then the gradient syncs the
+    plan asks for: tp alignment, FSDP's dp mean undone (losses are pre-weighted), the dp
+    all-reduce at ZeRO-0, tied weights. Shared by this loop and ``parallelize_torch.ParallelModel``."""
+    local = runner.step(xs, ys)
+    if me["tp"] > 1 and not rt.fsdp_modules:
+        tpar.align_grads(rt.module)
+    if rt.fsdp_modules:
+        tpar.scale_grads(rt.module, float(me["dp"]))
+    if me["zero_stage"] == 0 and me["dp"] > 1:
+        tpar.all_reduce_grads(rt.module, rt.mesh.get_group("dp"))
+    tpar.sync_tied_grads(rt.module, *tied)
+    return local
+
+
+def step_loss(local: list, first_tp_rank: bool, device: torch.device) -> torch.Tensor:
+    """The step's global loss: each replica's last stage holds its pre-weighted share."""
+    mine = sum(float(v) for v in local) if (local and first_tp_rank) else 0.0
+    t = torch.tensor([mine], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t[0]
 
 
 def tpar_ranges(shares: Sequence[int]) -> list[tuple[int, int]]:

@@ -283,7 +283,7 @@ class SolverCosts:
 
         lay = self.graph.layers[index]
         b = 1 if self.linear_batch else micro_batch
-        key = (lay.kind, index == 0, device.name, tp, b)
+        key = self._key(index, device, tp, micro_batch)
         if key not in self._cache:
             mesh = LogicalMesh(
                 (1, tp), ("dp", "tp"), device, max(tp, self.cluster.gpus_per_node(device.name)), self.cluster.network
@@ -336,6 +336,11 @@ class SolverCosts:
             )
         return cost, sol
 
+    def _key(self, index: int, device: DeviceType, tp: int, micro_batch: int) -> tuple:
+        """Layers of one kind share a solve (the first layer apart: it may read graph inputs)."""
+        b = 1 if self.linear_batch else micro_batch
+        return (self.graph.layers[index].kind, index == 0, device.name, tp, b)
+
     def solution(self, index: int, device: DeviceType, tp: int, micro_batch: int):  # noqa: ANN201
         """The layer's ``LayerSolution`` in layer ``index``'s own names (parameter FQNs, nodes).
 
@@ -346,8 +351,7 @@ class SolverCosts:
         hit = self.layer(index, device, tp, micro_batch)
         if hit is None:
             return None
-        b = 1 if self.linear_batch else micro_batch
-        src = self._solved_for[(self.graph.layers[index].kind, index == 0, device.name, tp, b)]
+        src = self._solved_for[self._key(index, device, tp, micro_batch)]
         if src == index:
             return hit[1]
         g = self.graph
