@@ -129,6 +129,54 @@ CANDIDATES: dict[str, list[float]] = {
 STAGE_FIELDS = ("grad_overlap",)
 
 
+def matched_pairs(rows: list[dict]) -> list[dict]:
+    """Pairs of rows of one model that differ only in how tp splits the same per-GPU work.
+
+    Same pp, same number of micro-batches (so the same pipeline bubble) and the same micro-batch
+    per tp rank (``micro_batch / tp``), so both run the same per-GPU GEMM FLOPs per slot. The
+    larger-tp row can only add cost (more and larger tp collectives, narrower GEMMs) minus a
+    smaller DP gradient per GPU, so any cost model built from compute and communication ranks it
+    at or above the smaller-tp row. ``ratio`` = larger-tp time / smaller-tp time; a ratio well
+    below 1 is an inversion no such model reproduces.
+    """
+    out = []
+    for i, a in enumerate(rows):
+        for b in rows[i + 1 :]:
+            if a["params_b"] != b["params_b"] or a["pp"] != b["pp"] or a["tp"] == b["tp"]:
+                continue
+            lo, hi = (a, b) if a["tp"] < b["tp"] else (b, a)
+            m_lo = lo["global_batch"] // (lo["dp"] * lo["micro_batch"])
+            m_hi = hi["global_batch"] // (hi["dp"] * hi["micro_batch"])
+            if m_lo != m_hi or lo["micro_batch"] * hi["tp"] != hi["micro_batch"] * lo["tp"]:
+                continue
+            out.append(
+                {
+                    "params_b": lo["params_b"],
+                    "pp": lo["pp"],
+                    "micro_batches": m_lo,
+                    "small_tp": (lo["tp"], lo["micro_batch"], lo["measured_s"]),
+                    "large_tp": (hi["tp"], hi["micro_batch"], hi["measured_s"]),
+                    "ratio": hi["measured_s"] / lo["measured_s"],
+                }
+            )
+    return out
+
+
+INVERSION = 0.9  # the larger-tp row measures >10% faster than the smaller-tp one (noise is ~3%)
+
+
+def consistency(rows: list[dict]) -> dict[str, dict]:
+    """Per model size: matched pairs, inversions, and the worst one (``matched_pairs``)."""
+    res = {}
+    pairs = matched_pairs(rows)
+    for size in sorted({r["params_b"] for r in rows}):
+        mine = [p for p in pairs if p["params_b"] == size]
+        inv = [p for p in mine if p["ratio"] < INVERSION]
+        worst = min(mine, key=lambda p: p["ratio"]) if mine else None
+        res[f"{size}B"] = {"pairs": len(mine), "inversions": len(inv), "worst": worst}
+    return res
+
+
 def objective(rows: list[dict], pred: list[float]) -> float:
     """Mean over model sizes of the median abs error (the per-model target), on the given rows."""
     sizes = sorted({r["params_b"] for r in rows})
@@ -190,6 +238,7 @@ def main() -> dict:
         for size in sorted({rows[i]["params_b"] for i in idx}):
             j = [i for i in idx if rows[i]["params_b"] == size]
             res["fitted"][split]["per_model"][f"{size}B"] = metrics([rows[i] for i in j], [pred[i] for i in j])
+    res["consistency"] = consistency(rows)
     res["rows"] = [{**r, "predicted_s": p} for r, p in zip(rows, pred)]
     res["time_s"] = time.perf_counter() - t0
     OUT.parent.mkdir(parents=True, exist_ok=True)
@@ -202,6 +251,16 @@ def main() -> dict:
                 f"{split:<6} {name:<8} {m['n']:>3} {m['median_abs_err']:>10.1%} {m['mean_abs_err']:>9.1%} "
                 f"{m['spearman']:>8.3f}"
             )
+    print("matched pairs (same pp, micro-batches and per-GPU work; larger tp / smaller tp, <0.9 = inversion):")
+    for name, c in res["consistency"].items():
+        w = c["worst"]
+        worst = (
+            f"worst tp{w['large_tp'][0]} mb{w['large_tp'][1]} {w['large_tp'][2]:.2f} s vs tp{w['small_tp'][0]} "
+            f"mb{w['small_tp'][1]} {w['small_tp'][2]:.2f} s (pp{w['pp']}, ratio {w['ratio']:.2f})"
+            if w
+            else ""
+        )
+        print(f"  {name:<7} {c['pairs']:>3} pairs {c['inversions']:>3} inversions  {worst}")
     d = res["default"]
     print(f"defaults (no fit), all rows: median {d['median_abs_err']:.1%}, spearman {d['spearman']:.3f}")
     return res
