@@ -14,7 +14,9 @@ Vocabulary (Megatron's, so hand-made configurations read the same):
   weights;
 * ``global_batch = num_micro_batches * sum(batch_shares)`` for every stage;
 * placements are per mesh axis, DTensor-style strings: ``"R"``, ``"S(d)"`` (shard tensor dim d),
-  ``"P"`` (partial sum).
+  ``"SS(d,g)"`` (parameters only: dim d is g equal chunks, each sharded on its own, e.g. GPT-2's
+  q|k|v weight split by heads; DTensor's ``_StridedShard(d, split_factor=g)``), ``"P"`` (partial
+  sum).
 """
 
 from __future__ import annotations

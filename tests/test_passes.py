@@ -172,3 +172,45 @@ def test_pointwise_fusion_drops_only_private_intermediates() -> None:
     by = {n.outputs[0]: n for n in kept.nodes}
     assert "fused_io" not in by["sm"].attrs  # b is a graph output: it is written
     assert by["b"].attrs["fused_io"] == ["a"]
+
+
+def test_fused_split_factors_gpt2_qkv() -> None:
+    """c_attn's [h, 3h] weight becomes [h, 3, h] in the IR, the split keeps the head label, and
+    nothing the search counts (FLOPs, bytes, parameters) changes."""
+    raw = _zoo_graph("gpt2-tiny")
+    g = run_passes(raw, PassOptions(check=True))
+    plain = run_passes(raw, PassOptions(skip=("split_fused_projections",)))
+    w = "transformer.h.0.attn.c_attn.weight"
+    assert g.tensors[w].shape == (64, 3, 64) and plain.tensors[w].shape == (64, 192)
+    assert g.meta["strided_params"][w] == [1, 3]
+    assert g.meta["strided_params"]["transformer.h.1.attn.c_attn.bias"] == [0, 3]
+    assert len(g.meta["strided_params"]) == 4  # weight and bias of both blocks, nothing else
+    split = next(n for n in g.nodes if n.prim is Prim.SPLIT and n.module.endswith("h.0.attn"))
+    n_label = split.sig.inputs[0][-1]
+    assert all(out[-1] == n_label for out in split.sig.outputs) and n_label not in split.sig.fixed
+    assert sympy.expand(g.forward_flops() - plain.forward_flops()) == 0
+    assert g.num_params() == plain.num_params()
+    assert sum(n.bytes_moved for n in g.nodes) - sum(n.bytes_moved for n in plain.nodes) == 0
+    assert len({lay.kind for lay in g.layers if lay.name.startswith("transformer.h.")}) == 1
+
+
+def test_fused_split_leaves_other_splits_alone() -> None:
+    """Unequal chunks, a split of an activation, and a JAX graph are not rewritten."""
+    from partita.passes.fused_split import split_fused_projections
+
+    def build(sizes: tuple[int, ...], from_param: bool, framework: str = "torch") -> Graph:
+        gb = GraphBuilder("s")
+        x = gb.tensor("x", (B, 64), "f32", Role.INPUT)
+        w = gb.tensor("w", (192, 64), "f32", Role.PARAMETER, "w")
+        (y,) = gb.add(Prim.MATMUL, [x, w], [("y", (B, 192), "f32")], prims.linear(2)) if from_param else (x,)
+        src_dim = 192 if from_param else 64
+        outs = [(f"o{i}", (B, s), "f32") for i, s in enumerate(sizes)]
+        assert sum(sizes) == src_dim
+        got = gb.add(Prim.SPLIT, [y], outs, prims.along([2], [2] * len(sizes), 1))
+        gb.outputs.extend(got)
+        return gb.build({"framework": framework})
+
+    assert "strided_params" in split_fused_projections(build((64, 64, 64), True)).meta  # the positive case
+    for g in (build((128, 32, 32), True), build((32, 32), False), build((64, 64, 64), True, "jax")):
+        out = split_fused_projections(g)
+        assert "strided_params" not in out.meta and out.tensors["w"].shape == g.tensors["w"].shape

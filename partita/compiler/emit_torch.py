@@ -22,10 +22,11 @@ What torch cannot express, and what the program does instead (also written into 
   memory; between steps only the shard is kept (less memory than ZeRO-1, never more).
   ``ZeroRedundancyOptimizer`` keeps replicas, but all-reduces the gradients and then broadcasts
   every parameter from its owner: not the reduce-scatter the plan prices.
-* a column shard of a fused weight the model splits after the matmul (GPT-2's q|k|v ``c_attn``):
-  a contiguous ``S(d)`` does not hold whole heads, and a plan placement cannot say "interleaved"
-  (DTensor's strided shard is private), so the output is all-gathered and attention runs on all
-  heads (``torch_tp`` role ``colwise_gather``).
+* a fused weight the model splits after the matmul (GPT-2's q|k|v ``c_attn``): the search places
+  it ``"SS(d,g)"`` (``passes/fused_split.py``), applied as DTensor's private ``_StridedShard``
+  through ``compiler/torch_shim.py``, so each rank holds whole heads and attention runs on them;
+  a contiguous ``S(d)`` (a hand-made plan) does not hold whole heads, so that output is
+  all-gathered and attention runs on all heads (``torch_tp`` role ``colwise_gather``).
 * ZeRO with ``torch.distributed.pipelining`` (equal-shape stages): the schedule drives FSDP2's
   gradient sync itself (reduce-scatter after the last micro-batch) for every ZeRO level.
 * stages of different shapes: ``torch.distributed.pipelining`` needs one equal-shape stage per pp

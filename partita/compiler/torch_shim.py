@@ -11,6 +11,11 @@ A torch upgrade that moves one of these names should only need an edit here.
   (its op set has no p2p, so pipeline transfers would go unseen), it tracks modules on every op,
   and FACTS.md records it crashing in FSDP2 hooks (a plain FSDP2 forward/backward under it
   counted fine when re-checked here); so Partita keeps its own small mode.
+* ``_StridedShard`` (``torch.distributed.tensor.placement_types``) is the placement of a plan's
+  ``"SS(d,g)"`` (``runtime/torch_tp.py``): each of ``g`` equal chunks of dim ``d`` sharded on its
+  own, GPT-2's q|k|v weight split by heads. DTensor propagates it through ``addmm`` / ``view``
+  (checked in torch 2.13: no collective forward, one all-reduce of the input gradient) and
+  ``full_tensor()`` returns the canonical layout, so gradients and checkpoints stay the model's.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ __all__ = [
     "make_dim",
     "op_name",
     "schema_arg_names",
+    "strided_shard",
     "sym_expr",
 ]
 
@@ -82,3 +88,10 @@ def schema_arg_names(target: Any) -> list[str]:
     """Positional argument names from an OpOverload's schema (``[]`` for python callables)."""
     schema = getattr(target, "_schema", None)
     return [a.name for a in schema.arguments] if schema is not None else []
+
+
+def strided_shard(dim: int, groups: int) -> Any:
+    """DTensor placement: ``groups`` equal chunks of ``dim``, each sharded over the mesh axis."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=groups)

@@ -15,6 +15,7 @@ from pathlib import Path
 from partita.errors import IRError
 from partita.ir import Graph
 from partita.passes.annotate import annotate
+from partita.passes.fused_split import split_fused_projections
 from partita.passes.fusion import fuse_pointwise
 from partita.passes.layers import group_layers
 
@@ -39,6 +40,7 @@ def dce(graph: Graph) -> Graph:
 
 PASSES: list[tuple[str, Pass]] = [
     ("dce", dce),  # remove dead nodes before costing them
+    ("split_fused_projections", split_fused_projections),  # q|k|v in one weight: shardable per chunk
     ("annotate", annotate),  # node.flops / node.bytes_moved
     ("group_layers", group_layers),  # node.layer, graph.layers with structural kinds
     ("fuse_pointwise", fuse_pointwise),  # drop bytes of intermediates a fusing backend keeps on chip

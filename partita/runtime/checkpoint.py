@@ -12,6 +12,14 @@ world size and torchrun's run id: a restart resumes only its own run's checkpoin
 under a different plan (another world size or cluster: DCP reshards on load) is refused when the
 model or training config differ. State dicts come from ``torch.distributed.checkpoint.state_dict``
 with flattened optimizer state, so stages that hold different parameters save disjoint keys.
+
+Strided shards (a plan's ``"SS(d,g)"``, GPT-2's q|k|v weight split per chunk) are not boxes of
+the tensor, which is all DCP can store. They are saved as the exact view that makes them one: dim
+``d`` factored into ``(g, n)``, sharded on ``n`` (no communication; the file holds the canonical
+values). On load, a tensor whose stored shape is that factored view reads through the same view
+when its own layout allows it (strided, or not sharded on ``d``); otherwise (a contiguous shard of
+``d``, or a strided tensor meeting an unfactored file) it reads into a replicated buffer that is
+then resliced to its layout.
 """
 
 from __future__ import annotations
@@ -24,10 +32,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim import Optimizer
 
 from partita.errors import PlanError
@@ -58,7 +68,8 @@ def save(
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
     model_sd, optim_sd = get_state_dict(module, optimizer, options=OPTIONS)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    state = {k: {n: _storage_view(v) for n, v in sd.items()} for k, sd in (("model", model_sd), ("optim", optim_sd))}
+    dcp.save(state, checkpoint_id=str(tmp))
     dist.barrier()
     if before_publish is not None:
         before_publish()
@@ -170,7 +181,13 @@ def load(path: str | Path, module: nn.Module, optimizer: Optimizer) -> int:
     model_sd, optim_sd = get_state_dict(module, optimizer, options=OPTIONS)
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        reads = {top: {n: _reader(v, stored.get(f"{top}.{n}")) for n, v in sd.items()} for top, sd in state.items()}
+        dcp.load({top: {n: r[0] for n, r in sd.items()} for top, sd in reads.items()}, checkpoint_id=str(path))
+        for sd in reads.values():
+            for buf, finish in sd.values():
+                if finish is not None:
+                    finish(buf)
     except Exception as e:  # noqa: BLE001 - DCP raises many types (CheckpointException, KeyError, OSError)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         raise PlanError(
@@ -179,3 +196,91 @@ def load(path: str | Path, module: nn.Module, optimizer: Optimizer) -> int:
         ) from None
     set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=OPTIONS)
     return step
+
+
+# ---- strided shards (module docstring) ------------------------------------------------------
+def _strided(v: Any) -> tuple[int, int, int] | None:
+    """(mesh dim, tensor dim, groups) of a DTensor's strided-shard placement, else None."""
+    if not isinstance(v, DTensor):
+        return None
+    for i, p in enumerate(v.placements):
+        if type(p).__name__ == "_StridedShard":
+            return i, int(p.dim), int(p.split_factor)  # type: ignore[attr-defined]
+    return None
+
+
+def _factored(shape: tuple[int, ...], d: int, g: int) -> tuple[int, ...]:
+    return (*shape[:d], g, shape[d] // g, *shape[d + 1 :])
+
+
+def _shifted(v: DTensor, d: int, mesh_dim: int | None) -> list[Any]:
+    """``v``'s placements on the view that factors dim ``d`` (the strided one becomes Shard(d+1))."""
+    out: list[Any] = []
+    for i, p in enumerate(v.placements):
+        k = getattr(p, "dim", None)
+        out.append(Shard(d + 1) if i == mesh_dim else Shard(k + 1) if k is not None and k > d else p)
+    return out
+
+
+def _view(v: DTensor, d: int, g: int, mesh_dim: int | None) -> DTensor:
+    """The factored view of ``v`` sharing its local storage (dim ``d`` strided on ``mesh_dim``, or unsharded)."""
+    local = v.to_local()
+    shape = _factored(tuple(v.shape), d, g)
+    return DTensor.from_local(
+        local.view(_factored(tuple(local.shape), d, g)),
+        v.device_mesh,
+        _shifted(v, d, mesh_dim),
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=torch.empty(shape, device="meta").stride(),
+    )
+
+
+def _storage_view(v: Any) -> Any:
+    """What DCP saves for ``v``: a strided shard as its factored view, anything else as is."""
+    st = _strided(v)
+    if st is None:
+        return v
+    mesh_dim, d, g = st
+    return _view(v, d, g, mesh_dim)
+
+
+def _reader(v: Any, meta: Any) -> tuple[Any, Callable[[Any], None] | None]:
+    """(what DCP loads into, how its content then reaches ``v``) for one state-dict value."""
+    size = tuple(getattr(meta, "size", ()) or ())
+    if not isinstance(v, torch.Tensor) or not size:
+        return v, None
+    shape, st = tuple(v.shape), _strided(v)
+    if size == shape and st is None:
+        return v, None
+    fac = next(
+        ((d, size[d]) for d in range(len(shape)) if len(size) == len(shape) + 1 and size[d] and
+         _factored(shape, d, size[d]) == size),
+        None,
+    )  # fmt: skip
+    if fac is not None:
+        d, g = fac
+        if not isinstance(v, DTensor):
+            return v.view(size), None
+        sharded_d = [i for i, p in enumerate(v.placements) if getattr(p, "dim", None) == d]
+        if st is not None and st[1] == d and st[2] == g and sharded_d == [st[0]]:
+            return _view(v, d, g, st[0]), None
+        if not sharded_d:
+            return _view(v, d, g, None), None
+    if not isinstance(v, DTensor):
+        return v, None  # a shape DCP itself reports
+    # replicated buffer of the stored shape, then resliced to v's layout
+    buf = DTensor.from_local(
+        torch.zeros(size, dtype=v.dtype, device=v.to_local().device),
+        v.device_mesh,
+        [Replicate()] * v.device_mesh.ndim,
+        run_check=False,
+    )
+
+    def finish(b: Any) -> None:
+        full = b.to_local().reshape(shape)
+        rep = DTensor.from_local(full, v.device_mesh, [Replicate()] * v.device_mesh.ndim, run_check=False)
+        with torch.no_grad():
+            v.to_local().copy_(rep.redistribute(v.device_mesh, v.placements).to_local())
+
+    return buf, finish

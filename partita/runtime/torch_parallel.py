@@ -20,7 +20,7 @@ modules stay plain local tensors, so attention runs the model's own kernel on th
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -69,6 +69,7 @@ class Adapter:
     run_block: Callable[[nn.Module, nn.Module, Any, StageContext], Any]
     run_head: Callable[[nn.Module, Any, StageContext], Any]
     fused: tuple[str, ...] = ()  # modules whose output the model splits on the feature dim (torch_tp)
+    strided_attrs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # parent attrs sizing that split
 
 
 def _gpt2_embed(root: nn.Module, ids: Any, ctx: StageContext) -> Any:
@@ -91,6 +92,7 @@ ADAPTERS: dict[str, Adapter] = {
         lambda root, block, x, ctx: block(x),
         lambda root, x, ctx: root.lm_head(root.transformer.ln_f(x)),
         fused=("attn.c_attn",),  # q|k|v in one [h, 3h] weight, split after the matmul
+        strided_attrs={"attn.c_attn": ("split_size",)},  # GPT2Attention: c_attn(x).split(split_size, dim=2)
     ),
     "LlamaForCausalLM": Adapter(
         ("model.embed_tokens",),
@@ -228,7 +230,8 @@ def distribute_params(
     listed); other parameters stay plain. Names in ``placements`` that are not parameters of this
     stage raise PlanError (plan and model disagree). Returns ``{module path: role}``.
     """
-    return torch_tp.tensor_parallel(module, tp_mesh, placements, adapter_for_arch(module.arch).fused, roles)
+    ad = adapter_for_arch(module.arch)
+    return torch_tp.tensor_parallel(module, tp_mesh, placements, ad.fused, roles, ad.strided_attrs)
 
 
 def tp_roles(model: nn.Module, placements: Mapping[str, str]) -> dict[str, str]:

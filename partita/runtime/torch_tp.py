@@ -26,9 +26,12 @@ tensor and share one Replicate DTensor, so their input gradients meet in one all
 
 A column module keeps its output sharded only when its parent also holds a row module (the
 Megatron pair: attention ``q/k/v`` + ``o``, MLP ``fc`` + ``proj``) and the model does not split
-its output along the sharded dim (the adapter's ``fused`` list: GPT-2's ``c_attn`` is q|k|v in one
-weight, so a contiguous column shard does not hold whole heads; it is gathered and attention runs
-on all heads, replicated). A row module whose parent has no sharded-output column gets its input
+its output along a contiguously sharded dim (the adapter's ``fused`` list: GPT-2's ``c_attn`` is
+q|k|v in one weight). A fused module placed ``"SS(d,g)"`` (``passes/fused_split.py``: each of the
+``g`` chunks sharded on its own, DTensor's ``_StridedShard``) holds ``[q_r | k_r | v_r]``, whole
+heads, so it stays ``colwise``; the adapter's ``strided_attrs`` names the parent's attributes
+that size the local split (GPT-2's ``split_size``), divided by tp on the rank. A contiguous
+``"S(d)"`` on a fused module is gathered and attention runs on all heads, replicated. A row module whose parent has no sharded-output column gets its input
 replicated and slices it. Parameters of unsharded modules stay plain tensors: their inputs and
 output gradients are replicated over ``tp``, so their gradients agree without communication. Any
 other sharded layout (e.g. a sharded norm weight) runs as ``generic``: DTensor propagation inside
@@ -46,6 +49,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
+from partita.compiler.torch_shim import strided_shard
 from partita.errors import PlanError
 
 COLUMN, COLUMN_GATHER, ROW, ROW_REPLICATED = "colwise", "colwise_gather", "rowwise", "rowwise_replicated"
@@ -59,10 +63,18 @@ def parse_placement(text: str) -> Placement:
     m = re.fullmatch(r"S\((-?\d+)\)", text)
     if m:
         return Shard(int(m.group(1)))
+    m = re.fullmatch(r"SS\((\d+),(\d+)\)", text)
+    if m and int(m.group(2)) > 1:
+        return strided_shard(int(m.group(1)), int(m.group(2)))
     raise PlanError(
         f"parameter placement {text!r} cannot be applied to a parameter.",
-        "parameters take 'R' or 'S(d)' per mesh axis; 'P' (partial) is only for activations.",
+        "parameters take 'R', 'S(d)' or 'SS(d,g)' per mesh axis; 'P' (partial) is only for activations.",
     )
+
+
+def _strided(text: str, dim: int) -> bool:
+    """Is ``text`` a strided shard (``"SS(d,g)"``) of tensor dim ``dim``?"""
+    return re.fullmatch(rf"SS\({dim},\d+\)", text) is not None
 
 
 def _weight_dims(mod: nn.Module) -> tuple[int, int] | None:
@@ -88,6 +100,9 @@ def _own_role(mod: nn.Module, pl: Mapping[str, str]) -> str | None:
     out_dim, in_dim = dims
     if w == f"S({out_dim})" and b in ("S(0)", "R") and (b == "S(0)" or getattr(mod, "bias", None) is None):
         return COLUMN
+    strided_b = _strided(b, 0) and b.split(",")[1] == w.split(",")[1]
+    if _strided(w, out_dim) and (strided_b or (b == "R" and getattr(mod, "bias", None) is None)):
+        return COLUMN  # each chunk (q, k, v) column-split: rank r holds whole heads
     if w == f"S({in_dim})" and b == "R":
         return ROW
     return GENERIC
@@ -117,6 +132,7 @@ def module_roles(model: nn.Module, placements: Mapping[str, str], fused: Sequenc
     for fqn, pl in with_aliases(model, placements).items():
         path, _, attr = fqn.rpartition(".")
         per_module.setdefault(path, {})[attr] = pl
+    strided = {p for p, mine in per_module.items() if mine.get("weight", "").startswith("SS(")}
     own = {}
     for path, mine in sorted(per_module.items()):
         role = _own_role(model.get_submodule(path), mine)
@@ -127,7 +143,8 @@ def module_roles(model: nn.Module, placements: Mapping[str, str], fused: Sequenc
     roles = {}
     for p, r in own.items():
         if r == COLUMN:
-            keep = parent[p] in has_row and not any(p == f or p.endswith("." + f) for f in fused)
+            contiguous_fused = p not in strided and any(p == f or p.endswith("." + f) for f in fused)
+            keep = parent[p] in has_row and not contiguous_fused
             roles[p] = COLUMN if keep else COLUMN_GATHER
         else:
             roles[p] = r
@@ -220,17 +237,45 @@ def _in_features(mod: nn.Module) -> int:
     return int(w.shape[dims[1]]) if dims is not None and isinstance(w, torch.Tensor) else -1
 
 
+def _localize_attrs(
+    module: nn.Module,
+    placements: Mapping[str, str],
+    roles: Mapping[str, str],
+    strided_attrs: Mapping[str, Sequence[str]],
+    tp: int,
+) -> None:
+    """Divide the parent attributes that size a strided column module's split by ``tp``."""
+    for path, role in roles.items():
+        if role != COLUMN or not placements.get(f"{path}.weight", "").startswith("SS("):
+            continue
+        for suffix, attrs in strided_attrs.items():
+            if path != suffix and not path.endswith("." + suffix):
+                continue
+            parent = module.get_submodule(path.rpartition(".")[0])
+            for a in attrs:
+                v = getattr(parent, a)
+                if not isinstance(v, int) or v % tp:
+                    raise PlanError(
+                        f"{path.rpartition('.')[0]}.{a} = {v!r} does not split over tp={tp}.",
+                        "choose a tp that divides the model's head count.",
+                    )
+                setattr(parent, a, v // tp)
+
+
 def tensor_parallel(
     module: nn.Module,
     mesh: DeviceMesh,
     placements: Mapping[str, str],
     fused: Sequence[str] = (),
     roles: Mapping[str, str] | None = None,
+    strided_attrs: Mapping[str, Sequence[str]] | None = None,
 ) -> dict[str, str]:
     """Shard ``module``'s parameters over ``mesh`` and install the role hooks; returns the roles.
 
     ``roles``, when given (the generated program writes them), must equal the ones derived from
     the module itself, else PlanError: the program was emitted for a different model.
+    ``strided_attrs``: ``{module suffix: parent attributes}`` divided by tp where that module is
+    column-parallel with an ``"SS(d,g)"`` weight (module docstring).
     """
     alias: dict[str, nn.Parameter] = dict(module.named_parameters(remove_duplicate=False))
     unknown = sorted(set(placements) - set(alias))
@@ -266,6 +311,7 @@ def tensor_parallel(
             for mod, a in owners[id(p)]:
                 setattr(mod, a, new)
             done.add(id(new))
+    _localize_attrs(module, placements, derived, strided_attrs or {}, mesh.size())
     hooks = _Hooks(mesh)
     for path, role in derived.items():
         mod, parent = module.get_submodule(path), path.rpartition(".")[0]

@@ -49,6 +49,7 @@ import sympy
 
 from partita.errors import ConfigError
 from partita.ir import Graph, Layer, Node, Prim, Role, dim_size, label_sizes
+from partita.passes.annotate import VIEW_PRIMS
 from partita.plan import Collective
 from partita.search import ilp
 from partita.search.cost_model import CostModel, state_bytes_per_param
@@ -58,7 +59,6 @@ from partita.search.reshard import Layout, grad_requirement, reshard_steps, shar
 from partita.search.strategies import Strategy, enumerate_strategies
 
 FOLLOWER_PRIMS = (Prim.ELEMENTWISE, Prim.RESHAPE, Prim.PERMUTE, Prim.DROPOUT, Prim.EXPAND, Prim.SPLIT, Prim.SLICE)
-VIEW_PRIMS = (Prim.RESHAPE, Prim.PERMUTE, Prim.EXPAND, Prim.SLICE, Prim.SPLIT, Prim.DROPOUT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,7 +230,7 @@ class _LayerProblem:
         fused = n.attrs.get("fused_io", ())  # fusable intermediates (passes/fusion.py)
         ios = [*zip(n.inputs, s.in_layouts), *zip(n.outputs, s.out_layouts)]
         nb = sum(self.nbytes(t) / shard_factor(lay, mesh) * (1.0 - self.fusion * (t in fused)) for t, lay in ios)
-        if n.prim in VIEW_PRIMS and n.prim is not Prim.DROPOUT:
+        if n.prim in VIEW_PRIMS:
             nb = 0.0  # views move no data
         c.fwd_compute = self.cm.compute_time(n.prim, flops, nb, self.dtype) if flops or nb else 0.0
         c.bwd_compute = self.cm.backward_compute_time(n.prim, flops, nb, self.dtype) if flops or nb else 0.0
@@ -272,8 +272,8 @@ class _LayerProblem:
 
     def _saves(self, n: Node) -> bool:
         """Does ``n``'s backward read its activation inputs? (views and binary elementwise do not)"""
-        if n.prim in VIEW_PRIMS:
-            return False
+        if n.prim in VIEW_PRIMS or n.prim is Prim.DROPOUT:
+            return False  # dropout keeps its mask, not its input
         if n.prim is Prim.ELEMENTWISE:
             acts = [t for t in n.inputs if self.g.tensors[t].role is Role.ACTIVATION]
             return len(acts) == 1
@@ -409,6 +409,30 @@ class _LayerProblem:
         return out
 
 
+def real_placement(layout: tuple[str, ...], strided: Sequence[int] | None) -> tuple[str, ...]:
+    """A parameter's IR layout in the real tensor's dims (``passes/fused_split.py``).
+
+    ``strided = (d, g)``: the IR split the real dim ``d`` into ``(g, n)``; a shard of ``n`` is the
+    real ``"SS(d,g)"`` (each of the ``g`` chunks sharded), dims after it move back by one. The
+    group dim itself is fixed, never sharded.
+    """
+    if not strided:
+        return layout
+    d, g = strided
+    out = []
+    for p in layout:
+        k = shard_dim(p)
+        if k is None or k < d:
+            out.append(p)
+        elif k == d + 1:
+            out.append(f"SS({d},{g})")
+        elif k > d + 1:
+            out.append(f"S({k - 1})")
+        else:
+            raise AssertionError(f"the group dim of a fused parameter was sharded ({layout})")
+    return tuple(out)
+
+
 def _collectives(raw: Sequence[tuple[str, int, float, str, str]], mesh: LogicalMesh) -> tuple[Collective, ...]:
     counts: dict[tuple[str, str, float, str, str], int] = {}
     for kind, axis, nbytes, phase, why in raw:
@@ -490,7 +514,7 @@ def solve_layer(
         for t, lay in zip(n.inputs, s.in_layouts):
             ten = graph.tensors[t]
             if ten.role is Role.PARAMETER:
-                placements.setdefault(ten.fqn or t, lay)
+                placements.setdefault(ten.fqn or t, real_placement(lay, graph.meta.get("strided_params", {}).get(t)))
     boundary_bytes = sum(
         lp.nbytes(t) / shard_factor(lp.boundary_layout(t), mesh) for t in layer.outputs if t in graph.tensors
     )

@@ -19,13 +19,18 @@ LAYERS = {
 }
 
 
-def tp_placements(model: str, layers: list[str]) -> dict[str, tuple[str, str]]:
-    """Megatron-style column/row placements on the tp axis for the stage's layers (dp axis R)."""
+def tp_placements(model: str, layers: list[str], contiguous_qkv: bool = False) -> dict[str, tuple[str, str]]:
+    """Megatron-style column/row placements on the tp axis for the stage's layers (dp axis R).
+
+    GPT-2's fused q|k|v weight is split per chunk (``SS(1,3)``, what the search picks since
+    ``passes/fused_split.py``), or contiguously (``S(1)``) with ``contiguous_qkv``.
+    """
     out: dict[str, str] = {}
+    qkv = ("S(1)", "S(0)") if contiguous_qkv else ("SS(1,3)", "SS(0,3)")
     for name in layers:
         if model == "gpt2-tiny" and name.startswith("transformer.h."):
             # transformers' Conv1D keeps weight as [in, out]: column-parallel = S(1), row-parallel = S(0)
-            out |= {f"{name}.attn.c_attn.weight": "S(1)", f"{name}.attn.c_attn.bias": "S(0)"}
+            out |= {f"{name}.attn.c_attn.weight": qkv[0], f"{name}.attn.c_attn.bias": qkv[1]}
             out |= {f"{name}.attn.c_proj.weight": "S(0)", f"{name}.mlp.c_fc.weight": "S(1)"}
             out |= {f"{name}.mlp.c_fc.bias": "S(0)", f"{name}.mlp.c_proj.weight": "S(0)"}
         elif model == "gpt2-tiny" and name == "embed":
@@ -59,7 +64,7 @@ def make_plan(
     cluster = parse_shorthand(f"{world}xCPU")
     out = []
     for i, s in enumerate(stages):
-        placements = tp_placements(model, s["layers"]) if s["tp"] > 1 else {}
+        placements = tp_placements(model, s["layers"], s.get("contiguous_qkv", False)) if s["tp"] > 1 else {}
         colls, z = [], s.get("zero_stage", 0)
         if s["dp"] > 1:  # as plan_build records it: one bucketed gradient sync (per micro-batch for ZeRO-2/3)
             kind = "all_reduce" if z == 0 else "reduce_scatter"
@@ -102,6 +107,7 @@ def layout(model: str, name: str) -> Plan:
     table = {
         "dp": lambda: make_plan(model, one(ranks=[0, 1], dp=2, tp=1)),
         "tp": lambda: make_plan(model, one(ranks=[0, 1], dp=1, tp=2), micro_batch_size=4),
+        "tp_gather": lambda: make_plan(model, one(ranks=[0, 1], dp=1, tp=2, contiguous_qkv=True), micro_batch_size=4),
         "dp_tp": lambda: make_plan(model, one(ranks=[0, 1, 2, 3], dp=2, tp=2)),
         "zero1": lambda: make_plan(model, one(ranks=[0, 1], dp=2, tp=1, zero_stage=1)),
         "zero2": lambda: make_plan(model, one(ranks=[0, 1], dp=2, tp=1, zero_stage=2)),
@@ -133,17 +139,19 @@ def layout(model: str, name: str) -> Plan:
 
 # ---- what the torch runtime must issue, from first principles --------------------------------------
 # Per micro-batch, per plan layer, with the placements of tp_placements() (torch_tp's Megatron hooks):
-# (forward, backward) counts. GPT-2 block: c_attn holds q|k|v in one weight, so its column shard is
+# (forward, backward) counts. GPT-2 block, q|k|v split per chunk (SS): c_attn + c_proj and c_fc +
+# c_proj are two column/row pairs, as Llama's: 2 AR forward (row outputs), 2 AR backward (column
+# input gradients). With a contiguous q|k|v shard ("block, contiguous qkv") c_attn's output is
 # gathered (AG) and attention runs on all heads; c_proj then slices its replicated input (its
-# backward all-gathers) and all-reduces its output; the MLP is a column/row pair (AR out, AR of the
-# input gradient); c_attn's input gradient is one more AR. Llama block: q/k/v + o and gate/up +
-# down are two column/row pairs: 2 AR forward, 2 AR backward (column siblings share one input).
+# backward all-gathers) and all-reduces its output. Llama block: q/k/v + o and gate/up + down are
+# two column/row pairs: 2 AR forward, 2 AR backward (column siblings share one input).
 # The tied GPT-2 LM head is vocab-column-parallel only where wte is sharded (the stage holding
 # "embed"): AG of the logits forward, AR of its input gradient backward. Embedding: AR forward.
 TP_LAYER = {
     "gpt2-tiny": {
         "embed": ({"all_reduce": 1}, {}),
-        "block": ({"all_gather": 1, "all_reduce": 2}, {"all_gather": 1, "all_reduce": 2}),
+        "block": ({"all_reduce": 2}, {"all_reduce": 2}),
+        "block, contiguous qkv": ({"all_gather": 1, "all_reduce": 2}, {"all_gather": 1, "all_reduce": 2}),
         "head+embed": ({"all_gather": 1}, {"all_reduce": 1}),
     },
     "llama-tiny": {"block": ({"all_reduce": 2}, {"all_reduce": 2}), "head": ({"all_gather": 1}, {"all_reduce": 1})},
@@ -157,19 +165,25 @@ TP_LAYER = {
 }
 # Full recompute re-runs a block's forward, except the last all-reduce (checkpoint early stop: the
 # output of the block's last row-parallel module feeds only the residual add, which saves nothing).
-TP_RECOMPUTED = {"gpt2-tiny": {"all_gather": 1, "all_reduce": 1}, "llama-tiny": {"all_reduce": 1}}
+TP_RECOMPUTED = {
+    "gpt2-tiny": {"block": {"all_reduce": 1}, "block, contiguous qkv": {"all_gather": 1, "all_reduce": 1}},
+    "llama-tiny": {"block": {"all_reduce": 1}},
+}
 
 
 def _tp_counts(model: str, s: Stage, m: int) -> dict[str, int]:
     table, out = TP_LAYER[model], {}
     for name in s.layers:
         key = "block" if name not in ("embed", "head") and "block" in table else name
+        contiguous = any(v[1] == "S(1)" for k, v in s.param_placements.items() if k.endswith("c_attn.weight"))
+        if key == "block" and contiguous:
+            key = "block, contiguous qkv"
         if name == "head" and "head+embed" in table:
             key = "head+embed" if "embed" in s.layers else ""
         if model == "mlp" and name in ("fc1", "fc2") and not {"fc1", "fc2"} <= set(s.layers):
             key = f"{name} alone"
         fwd, bwd = table.get(key, ({}, {}))
-        again = TP_RECOMPUTED.get(model, {}) if key == "block" and s.recompute == "full" else {}
+        again = TP_RECOMPUTED.get(model, {}).get(key, {}) if s.recompute == "full" else {}
         for kind in set(fwd) | set(bwd) | set(again):
             out[kind] = out.get(kind, 0) + m * (fwd.get(kind, 0) + bwd.get(kind, 0) + again.get(kind, 0))
     return out

@@ -57,11 +57,15 @@ def test_tp_roles() -> None:
     assert roles == {
         "transformer.wte": "vocab",
         "lm_head": "colwise_gather",  # tied to wte, no row-parallel sibling: logits are gathered
-        "transformer.h.0.attn.c_attn": "colwise_gather",  # fused q|k|v: a contiguous shard splits heads
-        "transformer.h.0.attn.c_proj": "rowwise_replicated",
+        "transformer.h.0.attn.c_attn": "colwise",  # fused q|k|v split per chunk (SS): whole heads per rank
+        "transformer.h.0.attn.c_proj": "rowwise",
         "transformer.h.0.mlp.c_fc": "colwise",  # Conv1D weight [in, out]: S(1) is the output dim
         "transformer.h.0.mlp.c_proj": "rowwise",
     }
+    pl = {k: v[1] for k, v in tp_placements("gpt2-tiny", ["transformer.h.0"], contiguous_qkv=True).items()}
+    roles = torch_tp.module_roles(gpt2, pl, fused=("attn.c_attn",))
+    assert roles["transformer.h.0.attn.c_attn"] == "colwise_gather"  # a contiguous shard splits q|k|v
+    assert roles["transformer.h.0.attn.c_proj"] == "rowwise_replicated"
     llama = resolve_model("llama-tiny").build("meta")
     pl = {k: v[1] for k, v in tp_placements("llama-tiny", ["model.layers.0"]).items()}
     roles = torch_tp.module_roles(llama, pl)
@@ -72,7 +76,7 @@ def test_tp_roles() -> None:
 
 def test_program_shows_layout() -> None:
     src = emit_torch(layout("gpt2-tiny", "hetero"), "gpt2-tiny")
-    assert "'transformer.h.0.attn.c_attn.weight': 'S(1)'" in src
+    assert "'transformer.h.0.attn.c_attn.weight': 'SS(1,3)'" in src
     assert "P2PPipeline" in src and "setup_stage_1" in src and "'ranks': [0, 1]" in src
     assert "'transformer.h.0.mlp.c_fc': 'colwise'" in src and "roles={" in src
     src = emit_torch(layout("gpt2-tiny", "zero3"), "gpt2-tiny")

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.multiprocess
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 MATRIX = [
     ("gpt2-tiny", n)
-    for n in ("dp", "tp", "dp_tp", "zero1", "zero3", "uneven", "pp_1f1b", "pp_gpipe", "pp_tp", "hetero")
+    for n in ("dp", "tp", "tp_gather", "dp_tp", "zero1", "zero3", "uneven", "pp_1f1b", "pp_gpipe", "pp_tp", "hetero")
 ]
 MATRIX += [("llama-tiny", "tp_full"), ("llama-tiny", "tp_selective"), ("llama-tiny", "hetero")]
 MATRIX += [("mlp", "dp_tp"), ("mlp", "pp_1f1b")]

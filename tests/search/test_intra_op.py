@@ -191,3 +191,36 @@ def test_pointwise_fusion_share_prices_marked_traffic() -> None:
     eager, fused, half = fwd(0.0), fwd(1.0), fwd(0.5)
     assert fused < 0.35 * eager  # 6 tensor passes -> 2 (read x, write c); b is then FLOP-bound
     assert fused < half < eager
+
+
+def test_gpt2_fused_qkv_is_split_per_head() -> None:
+    """GPT-2's q|k|v in one weight (passes/fused_split.py): the Megatron layout has no all-gather.
+
+    On 2 CPU ranks a tiny block picks c_attn strided (``SS(1,3)``: rank r holds q_r|k_r|v_r) +
+    c_proj row-parallel and c_fc + c_proj: two all-reduces forward, as for separate q/k/v.
+    """
+    from partita.cluster import parse_shorthand
+    from partita.compiler.driver import trace_model
+    from partita.search.config import TrainingConfig
+    from partita.search.stage_cost import SolverCosts
+
+    g = trace_model("gpt2-tiny").graph
+    cl = parse_shorthand("2xCPU")
+    sol = SolverCosts(g, cl, TrainingConfig(global_batch=8, seq_len=16), tp_style="megatron").solution(
+        1, cl.device_types()[0], 2, 4
+    )
+    pl = {k: v[1] for k, v in sol.param_placements.items()}
+    h = "transformer.h.0"
+    assert pl[f"{h}.attn.c_attn.weight"] == "SS(1,3)" and pl[f"{h}.attn.c_attn.bias"] == "SS(0,3)"
+    assert pl[f"{h}.attn.c_proj.weight"] == "S(0)" and pl[f"{h}.mlp.c_fc.weight"] == "S(1)"
+    assert [c.kind for c in sol.collectives if c.phase == "forward"] == ["all_reduce"] * 2
+
+
+def test_real_placement_maps_the_factored_dim() -> None:
+    from partita.search.intra_op import real_placement
+
+    assert real_placement(("R", "S(1)"), None) == ("R", "S(1)")
+    assert real_placement(("S(0)", "S(2)"), (1, 3)) == ("S(0)", "SS(1,3)")
+    assert real_placement(("S(3)", "R"), (1, 3)) == ("S(2)", "R")
+    with pytest.raises(AssertionError, match="group dim"):
+        real_placement(("S(1)",), (1, 3))
