@@ -129,7 +129,7 @@ def heterogeneity_unaware(
         got = real.arrays(devs, st.dp, st.tp, in_flight, sched.p2p_multiplier(plan.schedule, v))
         if got is None:
             return plan, math.inf
-        per_combo, best, pick, combos = got
+        per_combo, best, pick, combos, _ = got
         opt = Option(0, st.tp, st.tp, devs, (), per_combo, combos, best, pick)
         picks.append(StagePick(index[st.layers[0]], index[st.layers[-1]] + 1, opt, 0))
     cand = Candidate(plan.stages[0].dp, plan.micro_batch_size, m, plan.schedule, v, tuple(picks), real)
@@ -143,7 +143,8 @@ def heterogeneity_unaware(
 def brute_force(
     graph: Graph, cluster: Cluster, training: TrainingConfig, options: SearchOptions = DEFAULT_OPTIONS
 ) -> float:
-    """Fastest full step time over every stage sequence of every outer configuration (tiny cases)."""
+    """Fastest full step time over every stage sequence, ZeRO / recompute combo per stage and outer
+    configuration (tiny cases)."""
     search = Search(graph, cluster, training, options)
     best = math.inf
     for dp in powers_of_two(cluster.num_devices):
@@ -164,14 +165,24 @@ def _enumerate(search: Search, fam: list[Option], caps: list[int], dp: int, b: i
 
     def rec(k: int, seg: int, left: list[int], acc: list[tuple[int, int, Option]]) -> None:
         if k == num_units:
+            # Every ZeRO / recompute combo per stage, exactly: for a cap on the largest tail, each
+            # stage's fastest combo under the cap minimizes both sum and max of the stage times;
+            # the step's minimum is over the caps the stages' own tails offer.
             n = len(acc)
-            picks = []
-            for i, (a, j, o) in enumerate(acc):
-                if not math.isfinite(o.best[a, j, n - i]):
-                    return
-                picks.append(StagePick(a, j, o, int(o.pick[a, j, n - i])))
-            cand = Candidate(dp, b, m, "1f1b", 1, tuple(picks), search)
-            best[0] = min(best[0], cand.step_time)
+            times = [np.asarray(o.stack)[:, a, j, n - i] for i, (a, j, o) in enumerate(acc)]  # per combo
+            fits = [[c for c in range(len(t)) if math.isfinite(t[c])] for t in times]
+            if not all(fits):
+                return
+            tails = {float(o.arrays[c].tail[a, j]) for (a, j, o), cs in zip(acc, fits) for c in cs}
+            for cap in sorted(tails):
+                picks = []
+                for (a, j, o), cs, t in zip(acc, fits, times):
+                    ok = [c for c in cs if o.arrays[c].tail[a, j] <= cap]
+                    if not ok:
+                        break
+                    picks.append(StagePick(a, j, o, min(ok, key=t.__getitem__)))
+                else:
+                    best[0] = min(best[0], Candidate(dp, b, m, "1f1b", 1, tuple(picks), search).step_time)
             return
         for o in fam:
             if o.segment < seg or o.width > left[o.segment] or len(acc) + 1 >= o.best.shape[2]:

@@ -49,7 +49,8 @@ class SearchOptions:
     * ``max_micro_batch``: largest per-replica micro-batch tried.
     * ``max_layer_units``: stage boundaries fall between groups of consecutive layers so that the model
       has at most this many units (rule R2); 0 = every layer boundary.
-    * ``t_max_epsilon``: relative thinning of the t_max enumeration (rule R3); 0 = exact.
+    * ``t_max_epsilon``: relative thinning of the t_max enumeration (rule R2, ``inter_op``); 0 = exact.
+    * ``tail_epsilon``: relative step of the tail caps (rule R7, ``planner``); 0 = exact.
     * ``uneven_shares``: allow stages whose replicas run on different device types (Cephalo).
     * ``num_alternatives``: how many runner-up plans to report.
     """
@@ -61,6 +62,7 @@ class SearchOptions:
     max_micro_batch: int = 32
     max_layer_units: int = 32
     t_max_epsilon: float = 0.002
+    tail_epsilon: float = 0.01
     uneven_shares: bool = True
     virtual_stages: tuple[int, ...] = (2, 4)
     num_alternatives: int = 5
@@ -74,5 +76,8 @@ class SearchOptions:
             raise ConfigError(f"zero_stages {self.zero_stages} must be a non-empty subset of 0..3.", "e.g. (0, 1).")
         if any(r not in RECOMPUTE for r in self.recompute) or not self.recompute:
             raise ConfigError(f"recompute {self.recompute} must be a non-empty subset of {RECOMPUTE}.", "")
-        if self.max_tp < 1 or self.max_micro_batch < 1 or self.t_max_epsilon < 0:
-            raise ConfigError("max_tp and max_micro_batch must be >= 1 and t_max_epsilon >= 0.", "fix the option.")
+        if self.max_tp < 1 or self.max_micro_batch < 1 or self.t_max_epsilon < 0 or not 0 <= self.tail_epsilon < 1:
+            raise ConfigError(
+                "max_tp and max_micro_batch must be >= 1, t_max_epsilon >= 0 and 0 <= tail_epsilon < 1.",
+                "fix the option.",
+            )

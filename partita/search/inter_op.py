@@ -36,6 +36,9 @@ Pruning rules (each documented, none silent; the counts are returned):
   activations in the first stages); tensor parallelism stays within a node.
 * R6 (``planner``): outer configurations whose throughput lower bound is not better than the best
   plan found are skipped.
+* R7 (``planner``): the step's tail (largest per-stage exposed gradient sync + optimizer step)
+  is outside this objective; the planner re-solves with the ZeRO / recompute combos capped below
+  the last solution's tail until the pipeline part alone cannot win (``Search.solve_config``).
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ class DPStats:
     t_max_thinned: int = 0  # R2
     t_max_cut: int = 0  # R1
     stage_candidates: int = 0  # finite (option, k, j, s) entries priced
+    tail_caps: int = 0  # R7: re-solves with the ZeRO / recompute combos capped by tail
 
     def add(self, other: DPStats) -> None:
         for f in dataclasses.fields(self):
@@ -168,8 +172,11 @@ def _thin(values: np.ndarray, epsilon: float) -> list[float]:
     return kept
 
 
-def solve_stages(p: StageProblem, *, epsilon: float = 0.0, stats: DPStats | None = None) -> StageSolution | None:
-    """Best stage sequence for ``p`` (None when nothing fits). See the module docstring."""
+def solve_stages(
+    p: StageProblem, *, epsilon: float = 0.0, stats: DPStats | None = None, upper: float = INF
+) -> StageSolution | None:
+    """Best stage sequence for ``p`` (None when nothing fits, or nothing has an objective below
+    ``upper``, which R1 then uses as its first cut). See the module docstring."""
     st = stats if stats is not None else DPStats()
     finite = p.times[np.isfinite(p.times)]
     st.stage_candidates += int(finite.size)
@@ -187,7 +194,7 @@ def solve_stages(p: StageProblem, *, epsilon: float = 0.0, stats: DPStats | None
         return val, s, g
 
     sum_inf, _, _ = run(INF)
-    if not math.isfinite(sum_inf):
+    if not math.isfinite(sum_inf) or p.alpha * sum_inf + p.beta * thinned[0] >= upper:
         return None
     lo, hi = 0, len(thinned) - 1  # smallest feasible candidate by bisection
     while lo < hi:
@@ -199,7 +206,7 @@ def solve_stages(p: StageProblem, *, epsilon: float = 0.0, stats: DPStats | None
     best: StageSolution | None = None
     for idx in range(lo, len(thinned)):
         t = thinned[idx]
-        if best is not None and p.alpha * sum_inf + p.beta * t >= best.objective:
+        if p.alpha * sum_inf + p.beta * t >= (best.objective if best is not None else upper):
             st.t_max_cut += len(thinned) - idx
             break
         st.t_max_tried += 1
@@ -209,7 +216,7 @@ def solve_stages(p: StageProblem, *, epsilon: float = 0.0, stats: DPStats | None
         stages = _reconstruct(p, g, t, s)
         times = tuple(float(p.times[o, k, j, len(stages) - n]) for n, (k, j, o) in enumerate(stages))
         obj = p.alpha * sum(times) + p.beta * max(times)
-        if best is None or obj < best.objective - 1e-12 * abs(obj):
+        if obj < upper and (best is None or obj < best.objective - 1e-12 * abs(obj)):
             best = StageSolution(tuple(stages), times, obj)
     return best
 

@@ -213,6 +213,7 @@ def build_plan(search: Any, cands: list[Candidate], elapsed_s: float) -> Plan:
         "t_max_candidates": sst.t_max_candidates,
         "t_max_thinned_R2": sst.t_max_thinned,
         "t_max_cut_R1": sst.t_max_cut,
+        "tail_caps_R7": sst.tail_caps,
         "num_configs": search.num_configs,
         "num_plans_compared": len(cands),
         "layer_units": len(search.units),

@@ -60,6 +60,19 @@ def layer_units(num_layers: int, max_units: int) -> list[tuple[int, int]]:
     return [(a, min(a + g, num_layers)) for a in range(0, num_layers, g)]
 
 
+def _tail_bound(fam: list[Option]) -> float:
+    """A lower bound on any pipeline's largest stage tail: its first stage starts at unit 0 and its
+    last one ends at unit U, on some option and combo that fits (rule R7)."""
+    first, last = math.inf, math.inf
+    for o in fam:
+        for c, a in enumerate(o.arrays):
+            fit = np.isfinite(o.stack[c]).any(axis=2) if o.stack is not None else np.ones(a.tail.shape, bool)
+            first = min(first, float(np.min(a.tail[0][fit[0]], initial=math.inf)))
+            last = min(last, float(np.min(a.tail[:, -1][fit[:, -1]], initial=math.inf)))
+    bound = max(first, last)
+    return bound if math.isfinite(bound) else 0.0
+
+
 def powers_of_two(limit: int) -> list[int]:
     out, x = [], 1
     while x <= limit:
@@ -81,6 +94,15 @@ class Option:
     combos: list[tuple[int, str]]
     best: np.ndarray  # [U, U+1, S+1] min time over combos that fit
     pick: np.ndarray  # [U, U+1, S+1] combo index
+    stack: np.ndarray | None = None  # [C, U, U+1, S+1] time per combo, inf where it does not fit
+
+    def capped(self, cap: float) -> tuple[np.ndarray, np.ndarray]:
+        """``best`` / ``pick`` over the combos whose step tail is below ``cap`` (rule R7)."""
+        if not math.isfinite(cap) or self.stack is None:
+            return self.best, self.pick
+        tails = np.stack([a.tail for a in self.arrays])[:, :, :, None]
+        masked = np.where(tails < cap, self.stack, np.inf)
+        return masked.min(axis=0), masked.argmin(axis=0)
 
 
 class Search:
@@ -121,7 +143,7 @@ class Search:
     # ---- stage options -----------------------------------------------------------------
     def arrays(
         self, devs: tuple[tuple[DeviceType, int, int], ...], dp: int, tp: int, in_flight: np.ndarray, p2p_mult: int
-    ) -> tuple[list, np.ndarray, np.ndarray, list[tuple[int, str]]] | None:
+    ) -> tuple[list, np.ndarray, np.ndarray, list[tuple[int, str]], np.ndarray] | None:
         """Per combo arrays for a device class; ``best``/``pick`` over combos that fit everywhere."""
         per_combo: list[Any] = []
         times: list[np.ndarray] = []
@@ -174,7 +196,7 @@ class Search:
             per_combo.append(worst)
             times.append(np.where(ok, worst.time[:, :, None], np.inf))
         stack = np.stack(times)
-        return per_combo, stack.min(axis=0), stack.argmin(axis=0), combos
+        return per_combo, stack.min(axis=0), stack.argmin(axis=0), combos, stack
 
     def mixes(self, dp: int, b: int) -> list[tuple[tuple[DeviceType, int, int], ...]]:
         """Device classes: each type alone, and the Cephalo mix (replicas proportional to counts)."""
@@ -231,13 +253,24 @@ class Search:
                 got = self.arrays(cls, dp, tp, in_flight, sched.p2p_multiplier(schedule, v))
                 if got is None:
                     continue
-                per_combo, best, pick, combos = got
+                per_combo, best, pick, combos, stack = got
                 shares = tuple(s for _, a, s in cls for _ in range(a))
-                opts.append(Option(seg, tp, tp, cls, shares, per_combo, combos, best, pick))
+                opts.append(Option(seg, tp, tp, cls, shares, per_combo, combos, best, pick, stack))
         return opts, segments, [len(c) > 1 for c in self.mixes(dp, b)]
 
-    def solve_config(self, dp: int, b: int, schedule: str, v: int = 1) -> list[Candidate]:
-        """Best plan of each family (pure / mixed) for one outer configuration."""
+    def solve_config(self, dp: int, b: int, schedule: str, v: int = 1, incumbent: float = math.inf) -> list[Candidate]:
+        """Best plan of each family (pure / mixed) for one outer configuration.
+
+        A step is the DP's pipeline objective plus the largest stage *tail* (exposed gradient sync
+        and optimizer step, once per step), and the tail depends on each stage's ZeRO / recompute
+        combo. Rule R7: solve with every combo allowed, then again with only the combos whose tail
+        is below ``(1 - tail_epsilon)`` times the last solution's largest tail, and so on; keep the
+        best total; stop when nothing fits or the pipeline part plus a lower bound on the tail (the
+        first and the last stage must exist) is no better than that total, or than
+        ``incumbent`` (the best step of the configurations searched before), since a tighter cap
+        can only raise the pipeline part. ``tail_epsilon=0`` is exact; otherwise the result is
+        within that fraction of the optimum's tail.
+        """
         m = self.training.global_batch // (b * dp)
         opts, caps, _ = self.options_for(dp, b, m, schedule, v)
         if not opts:
@@ -253,20 +286,37 @@ class Search:
                 continue
             segs = sorted({o.segment for o in fam})
             remap = {s: i for i, s in enumerate(segs)}
-            times = np.stack([o.best for o in fam])
-            p = stage_problem(
-                times, [remap[o.segment] for o in fam], [o.width for o in fam], [caps[s] for s in segs], alpha, beta
-            )
-            sol = solve_stages(p, epsilon=self.options.t_max_epsilon, stats=self.stats)
-            if sol is None:
-                continue
-            picks = []
-            n = len(sol.stages)
-            for idx, (k, j, o) in enumerate(sol.stages):
-                opt = fam[o]
-                c = int(opt.pick[k, j, n - idx])
-                picks.append(StagePick(k, j, opt, c))
-            out.append(Candidate(dp, b, m, schedule, v, tuple(picks), self))
+            best: Candidate | None = None
+            cap = math.inf
+            lb = _tail_bound(fam)
+            while True:
+                capped = [o.capped(cap) for o in fam]
+                p = stage_problem(
+                    np.stack([c[0] for c in capped]),
+                    [remap[o.segment] for o in fam],
+                    [o.width for o in fam],
+                    [caps[s] for s in segs],
+                    alpha,
+                    beta,
+                )
+                upper = math.inf if best is None else min(best.step_time, incumbent) - lb
+                sol = solve_stages(p, epsilon=self.options.t_max_epsilon, stats=self.stats, upper=upper)
+                if sol is None:  # nothing fits under the cap, or nothing can beat the best total
+                    break
+                n = len(sol.stages)
+                picks = [
+                    StagePick(k, j, fam[o], int(capped[o][1][k, j, n - i])) for i, (k, j, o) in enumerate(sol.stages)
+                ]
+                cand = Candidate(dp, b, m, schedule, v, tuple(picks), self)
+                if best is None or cand.step_time < best.step_time:
+                    best = cand
+                tail = max(cand.tails)
+                if tail <= 0:
+                    break
+                self.stats.tail_caps += 1
+                cap = tail * (1.0 - self.options.tail_epsilon)
+            if best is not None:
+                out.append(best)
         return out
 
 
@@ -293,7 +343,9 @@ def plan_graph(
                 continue
             for schedule in schedules:
                 search.num_configs += 1
-                found = search.solve_config(dp, b, schedule)
+                found = search.solve_config(
+                    dp, b, schedule, incumbent=min((c.step_time for c in cands), default=math.inf)
+                )
                 cands.extend(found)
                 if found:
                     say(f"dp={dp} b={b} {schedule}: {min(c.step_time for c in found):.4f} s")
