@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -9,29 +10,55 @@ from pathlib import Path
 from partita.ir import Graph
 
 CACHE = Path(os.environ.get("PARTITA_BENCH_CACHE", Path(__file__).parent / ".cache"))
+_SRC = Path(__file__).resolve().parents[1] / "partita"
+TRACE_SOURCES = ("ir.py", "prims.py", "passes", "compiler/trace_torch.py", "compiler/torch_ops.py", "models")
+
+
+def trace_fingerprint() -> str:
+    """Hash of the sources a traced graph depends on: a cached graph from older code is not reused."""
+    h = hashlib.sha256()
+    for sub in TRACE_SOURCES:
+        root = _SRC / sub
+        for p in sorted(root.rglob("*.py") if root.is_dir() else [root]):
+            h.update(str(p.relative_to(_SRC)).encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()[:10]
 
 
 def gpt_graph(
-    hidden: int, heads: int, layers: int, seq: int, vocab: int = 51200, *, megatron_2021: bool = False
+    hidden: int,
+    heads: int,
+    layers: int,
+    seq: int,
+    vocab: int = 51200,
+    *,
+    megatron_2021: bool = False,
+    skip_passes: tuple[str, ...] = (),
 ) -> Graph:
     """GPT-2-architecture model of these dims (the zoo's gpt3 entries), traced at batch 2 (symbolic B).
 
     ``megatron_2021`` traces ``bench/megatron_gpt.py`` instead: the model Megatron-LM ran when the
     measured rows of ``a100_megatron_measured.csv`` were taken (per-head fused QKV, unfused
-    attention, dropout 0.1).
+    attention, dropout 0.1). ``skip_passes``: pass names left out (ablations).
     """
     from partita.compiler.driver import trace_handle
     from partita.models import resolve_model
+    from partita.passes.pipeline import PassOptions
 
     CACHE.mkdir(parents=True, exist_ok=True)
-    name = f"gpt_h{hidden}_a{heads}_l{layers}_s{seq}" + ("_meg21" if megatron_2021 else "")
+    name = (
+        f"gpt_h{hidden}_a{heads}_l{layers}_s{seq}"
+        + ("_meg21" if megatron_2021 else "")
+        + "".join(f"_no-{p}" for p in skip_passes)
+    )
+    name += f"_{trace_fingerprint()}"
+    opts = PassOptions(skip=skip_passes)
     out = CACHE / f"{name}.graph.json"
     if out.exists():
         return Graph.from_json(out.read_text())
     if megatron_2021:
         from megatron_gpt import handle
 
-        g = trace_handle(handle(hidden, heads, layers, seq, vocab), batch=2, seq=seq)
+        g = trace_handle(handle(hidden, heads, layers, seq, vocab), batch=2, seq=seq, passes=opts)
         out.write_text(g.to_json())
         return g
     cfg = CACHE / f"{name}.json"
@@ -47,6 +74,6 @@ def gpt_graph(
             }
         )
     )
-    g = trace_handle(resolve_model(str(cfg)), batch=2, seq=seq)
+    g = trace_handle(resolve_model(str(cfg)), batch=2, seq=seq, passes=opts)
     out.write_text(g.to_json())
     return g

@@ -23,13 +23,16 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from partita import __version__
 from partita.cluster import Cluster, parse_cluster
 from partita.errors import ConfigError, PlanError
 from partita.ir import Graph
 from partita.plan import Plan
+
+if TYPE_CHECKING:
+    from partita.passes.pipeline import PassOptions
 
 PLAN_FILE = "plan.json"
 CACHE_FILE = "cache_key.json"
@@ -130,8 +133,11 @@ def _seq_default(handle: Any) -> int:
     return int(cfg.get("seq_len", 128)) if isinstance(cfg, Mapping) else 128
 
 
-def trace_handle(handle: Any, *, batch: int = TRACE_BATCH, seq: int | None = None) -> Graph:
-    """Trace a zoo/user model handle on abstract values and run the standard passes."""
+def trace_handle(
+    handle: Any, *, batch: int = TRACE_BATCH, seq: int | None = None, passes: PassOptions | None = None
+) -> Graph:
+    """Trace a zoo/user model handle on abstract values and run the standard passes (``passes``:
+    which to skip, for ablations)."""
     from partita.passes.pipeline import run_passes
 
     seq = seq or _seq_default(handle)
@@ -152,7 +158,7 @@ def trace_handle(handle: Any, *, batch: int = TRACE_BATCH, seq: int | None = Non
         graph = trace_module(module, handle.example_inputs(batch, seq, device="meta"), name=handle.name)
     graph.meta.setdefault("framework", handle.framework)
     graph.meta.setdefault("model", handle.name)
-    return run_passes(graph)
+    return run_passes(graph, passes)
 
 
 # ---- planning and compiling --------------------------------------------------------------
