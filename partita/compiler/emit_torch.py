@@ -114,6 +114,7 @@ class StageFacts:
     roles: dict[str, str] | None  # tp module path -> torch_tp role (None when tp = 1 or no model)
     tied_sharded_axes: int | None  # holds a parameter tied to another stage: mesh axes it is sharded on
     recomputed: dict[str, str] | None = None  # tp modules whose forward runs again under full recompute
+    fsdp_units: int | None = None  # FSDP units holding parameters (blocks + root); None: model unknown
 
 
 def tp_placements(s: Stage) -> dict[str, str]:
@@ -155,8 +156,23 @@ def stage_facts(plan: Plan, model: Any) -> list[StageFacts]:
                 here = [n for n in names if inside(n, i)]
                 tp_sharded = s.tp > 1 and any(pls.get(n, "R") != "R" for n in here)
                 axes = int(tp_sharded) + int(s.dp > 1 and s.zero_stage > 0)
-        out.append(StageFacts(roles, axes, recomputed))
+        out.append(StageFacts(roles, axes, recomputed, _fsdp_units(model, s, inside_any=lambda n, i=i: inside(n, i))))
     return out
+
+
+def _fsdp_units(model: Any, s: Stage, inside_any: Any) -> int:
+    """FSDP units of the stage that own a parameter: FSDP2 issues no collective for the others
+    (a parameter-free block such as an activation layer, a root whose parameters all sit in blocks)."""
+    from partita.runtime import torch_parallel as tpar
+
+    names = [n for n, _ in model.named_parameters() if inside_any(n)]
+    blocks = [{p for p in tpar.layer_paths(model, b)} for b in s.layers if b not in ("embed", "head")]
+
+    def within(n: str, ps: set[str]) -> bool:
+        return any(n == p or n.startswith(p + ".") for p in ps)
+
+    owned = sum(1 for ps in blocks if any(within(n, ps) for n in names))
+    return owned + int(any(not any(within(n, ps) for ps in blocks) for n in names))
 
 
 def _recomputed(model: Any, s: Stage, roles: dict[str, str]) -> dict[str, str]:
@@ -191,7 +207,7 @@ def _predicted(plan: Plan, prog: dict[str, Any], facts: list[StageFacts]) -> dic
             num_micro_batches=plan.num_micro_batches,
             tp=torch_tp.tp_collectives(roles, fed) if roles is not None else None,
             tp_block=torch_tp.tp_collectives(facts[i].recomputed or {}, fed),
-            num_units=len(blocks) + 1,
+            num_units=facts[i].fsdp_units if facts[i].fsdp_units is not None else len(blocks) + 1,
             tied_sharded_axes=facts[i].tied_sharded_axes,
         )
     return out
@@ -322,7 +338,8 @@ def emit_torch(plan: Plan, model_spec: str) -> str:
             "recompile with `--schedule 1f1b` (or num_virtual_stages = 1).",
         )
     kind = _runner_kind(plan)
-    needs_model = plan.num_stages > 1 or any(s.tp > 1 for s in plan.stages)  # tied parameters, tp roles
+    # tied parameters, tp roles, FSDP units that own parameters
+    needs_model = plan.num_stages > 1 or any(s.tp > 1 or (s.dp > 1 and s.zero_stage > 0) for s in plan.stages)
     facts = stage_facts(plan, _meta_model(model_spec) if needs_model else None)
     prog = _program(plan, model_spec, facts)
     stage_lines = "\n".join(

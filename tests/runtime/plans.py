@@ -200,7 +200,10 @@ def expected(model: str, plan: Plan) -> dict[int, dict[str, int]]:
             if k:
                 e[kind] = e.get(kind, 0) + k
 
-        units = sum(1 for x in s.layers if x not in ("embed", "head")) + 1  # FSDP: one per block + the root
+        # FSDP: one unit per block + the root, counting only units that own parameters: the MLP's
+        # "act" block has none and its root none outside fc1 / fc2
+        blocks = [x for x in s.layers if x not in ("embed", "head")]
+        units = len(blocks) + 1 if model != "mlp" else sum(1 for x in blocks if x != "act")
         if s.dp > 1 and s.zero_stage == 0:
             add("all_reduce", 1)  # one flattened gradient all-reduce
         elif s.dp > 1:  # ZeRO-1: gather once, reduce once; ZeRO-2: reduce per micro-batch; ZeRO-3: both

@@ -27,7 +27,7 @@ MATRIX = [
     for n in ("dp", "tp", "tp_gather", "dp_tp", "zero1", "zero3", "uneven", "pp_1f1b", "pp_gpipe", "pp_tp", "hetero")
 ]
 MATRIX += [("llama-tiny", "tp_full"), ("llama-tiny", "tp_selective"), ("llama-tiny", "hetero")]
-MATRIX += [("mlp", "dp_tp"), ("mlp", "pp_1f1b")]
+MATRIX += [("mlp", "dp_tp"), ("mlp", "zero3"), ("mlp", "pp_1f1b")]
 _REF: dict = {}
 
 
