@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -10,18 +9,7 @@ from pathlib import Path
 from partita.ir import Graph
 
 CACHE = Path(os.environ.get("PARTITA_BENCH_CACHE", Path(__file__).parent / ".cache"))
-_SRC = Path(__file__).resolve().parents[1] / "partita"
 TRACE_SOURCES = ("ir.py", "prims.py", "passes", "compiler/trace_torch.py", "compiler/torch_ops.py", "models")
-
-
-def trace_fingerprint() -> str:
-    """Hash of the sources a traced graph depends on: a cached graph from older code is not reused."""
-    h = hashlib.sha256()
-    for sub in TRACE_SOURCES:
-        root = _SRC / sub
-        for p in sorted(root.rglob("*.py") if root.is_dir() else [root]):
-            h.update(str(p.relative_to(_SRC)).encode() + b"\0" + p.read_bytes())
-    return h.hexdigest()[:10]
 
 
 def gpt_graph(
@@ -40,7 +28,7 @@ def gpt_graph(
     measured rows of ``a100_megatron_measured.csv`` were taken (per-head fused QKV, unfused
     attention, dropout 0.1). ``skip_passes``: pass names left out (ablations).
     """
-    from partita.compiler.driver import trace_handle
+    from partita.compiler.driver import source_fingerprint, trace_handle
     from partita.models import resolve_model
     from partita.passes.pipeline import PassOptions
 
@@ -50,7 +38,7 @@ def gpt_graph(
         + ("_meg21" if megatron_2021 else "")
         + "".join(f"_no-{p}" for p in skip_passes)
     )
-    name += f"_{trace_fingerprint()}"
+    name += f"_{source_fingerprint(TRACE_SOURCES)[:10]}"  # a graph from older tracer / pass code is not reused
     opts = PassOptions(skip=skip_passes)
     out = CACHE / f"{name}.graph.json"
     if out.exists():

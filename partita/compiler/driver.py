@@ -255,9 +255,16 @@ def code_fingerprint() -> str:
 
     The version string alone misses edits between releases (an editable install, a patched
     pass); a stale cached plan would then disagree with a fresh trace (its ``graph_hash``)."""
+    return source_fingerprint(
+        ("ir.py", "prims.py", "plan.py", "cluster.py", "passes", "search", "compiler", "models", "data")
+    )
+
+
+def source_fingerprint(subs: Sequence[str]) -> str:
+    """Hash of the ``.py`` / ``.json`` files under these paths of the ``partita`` package."""
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for sub in ("ir.py", "prims.py", "plan.py", "cluster.py", "passes", "search", "compiler", "models", "data"):
+    for sub in subs:
         for p in sorted((root / sub).rglob("*") if (root / sub).is_dir() else [root / sub]):
             if p.is_file() and p.suffix in (".py", ".json"):
                 h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes())

@@ -139,7 +139,7 @@ def stage_facts(plan: Plan, model: Any) -> list[StageFacts]:
     paths = [{p for name in s.layers for p in tpar.layer_paths(model, name)} for s in plan.stages]
 
     def inside(fqn: str, i: int) -> bool:
-        return any(fqn == p or fqn.startswith(p + ".") for p in paths[i])
+        return _within(fqn, paths[i])
 
     tied = tpar.tied_groups(model)
     holders = [[i for i in range(plan.num_stages) if any(inside(n, i) for n in names)] for names in tied]
@@ -156,23 +156,24 @@ def stage_facts(plan: Plan, model: Any) -> list[StageFacts]:
                 here = [n for n in names if inside(n, i)]
                 tp_sharded = s.tp > 1 and any(pls.get(n, "R") != "R" for n in here)
                 axes = int(tp_sharded) + int(s.dp > 1 and s.zero_stage > 0)
-        out.append(StageFacts(roles, axes, recomputed, _fsdp_units(model, s, inside_any=lambda n, i=i: inside(n, i))))
+        out.append(StageFacts(roles, axes, recomputed, _fsdp_units(model, s, paths[i])))
     return out
 
 
-def _fsdp_units(model: Any, s: Stage, inside_any: Any) -> int:
+def _within(fqn: str, paths: Any) -> bool:
+    """Is ``fqn`` one of the module ``paths`` or inside one?"""
+    return any(fqn == p or fqn.startswith(p + ".") for p in paths)
+
+
+def _fsdp_units(model: Any, s: Stage, stage_paths: set[str]) -> int:
     """FSDP units of the stage that own a parameter: FSDP2 issues no collective for the others
     (a parameter-free block such as an activation layer, a root whose parameters all sit in blocks)."""
     from partita.runtime import torch_parallel as tpar
 
-    names = [n for n, _ in model.named_parameters() if inside_any(n)]
-    blocks = [{p for p in tpar.layer_paths(model, b)} for b in s.layers if b not in ("embed", "head")]
-
-    def within(n: str, ps: set[str]) -> bool:
-        return any(n == p or n.startswith(p + ".") for p in ps)
-
-    owned = sum(1 for ps in blocks if any(within(n, ps) for n in names))
-    return owned + int(any(not any(within(n, ps) for ps in blocks) for n in names))
+    names = [n for n, _ in model.named_parameters() if _within(n, stage_paths)]
+    blocks = [tpar.layer_paths(model, b) for b in s.layers if b not in ("embed", "head")]
+    owned = sum(1 for ps in blocks if any(_within(n, ps) for n in names))
+    return owned + int(any(not any(_within(n, ps) for ps in blocks) for n in names))
 
 
 def _recomputed(model: Any, s: Stage, roles: dict[str, str]) -> dict[str, str]:

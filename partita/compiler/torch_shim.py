@@ -36,6 +36,7 @@ __all__ = [
     "op_name",
     "schema_arg_names",
     "strided_shard",
+    "strided_shard_spec",
     "sym_expr",
 ]
 
@@ -95,3 +96,10 @@ def strided_shard(dim: int, groups: int) -> Any:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     return _StridedShard(dim, split_factor=groups)
+
+
+def strided_shard_spec(placement: Any) -> tuple[int, int] | None:
+    """``(dim, groups)`` of a ``_StridedShard`` placement, None for any other placement."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return (int(placement.dim), int(placement.split_factor)) if isinstance(placement, _StridedShard) else None

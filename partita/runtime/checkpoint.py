@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim import Optimizer
 
+from partita.compiler.torch_shim import strided_shard_spec
 from partita.errors import PlanError
 
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -204,8 +205,8 @@ def _strided(v: Any) -> tuple[int, int, int] | None:
     if not isinstance(v, DTensor):
         return None
     for i, p in enumerate(v.placements):
-        if type(p).__name__ == "_StridedShard":
-            return i, int(p.dim), int(p.split_factor)  # type: ignore[attr-defined]
+        if (spec := strided_shard_spec(p)) is not None:
+            return i, *spec
     return None
 
 

@@ -63,18 +63,19 @@ def parse_placement(text: str) -> Placement:
     m = re.fullmatch(r"S\((-?\d+)\)", text)
     if m:
         return Shard(int(m.group(1)))
-    m = re.fullmatch(r"SS\((\d+),(\d+)\)", text)
-    if m and int(m.group(2)) > 1:
-        return strided_shard(int(m.group(1)), int(m.group(2)))
+    ss = _strided(text)
+    if ss is not None and ss[1] > 1:
+        return strided_shard(*ss)
     raise PlanError(
         f"parameter placement {text!r} cannot be applied to a parameter.",
         "parameters take 'R', 'S(d)' or 'SS(d,g)' per mesh axis; 'P' (partial) is only for activations.",
     )
 
 
-def _strided(text: str, dim: int) -> bool:
-    """Is ``text`` a strided shard (``"SS(d,g)"``) of tensor dim ``dim``?"""
-    return re.fullmatch(rf"SS\({dim},\d+\)", text) is not None
+def _strided(text: str) -> tuple[int, int] | None:
+    """``(dim, groups)`` of a strided-shard placement ``"SS(d,g)"``, else None."""
+    m = re.fullmatch(r"SS\((\d+),(\d+)\)", text)
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def _weight_dims(mod: nn.Module) -> tuple[int, int] | None:
@@ -100,8 +101,9 @@ def _own_role(mod: nn.Module, pl: Mapping[str, str]) -> str | None:
     out_dim, in_dim = dims
     if w == f"S({out_dim})" and b in ("S(0)", "R") and (b == "S(0)" or getattr(mod, "bias", None) is None):
         return COLUMN
-    strided_b = _strided(b, 0) and b.split(",")[1] == w.split(",")[1]
-    if _strided(w, out_dim) and (strided_b or (b == "R" and getattr(mod, "bias", None) is None)):
+    ws, bs = _strided(w), _strided(b)
+    strided_b = ws is not None and bs == (0, ws[1])
+    if ws is not None and ws[0] == out_dim and (strided_b or (b == "R" and getattr(mod, "bias", None) is None)):
         return COLUMN  # each chunk (q, k, v) column-split: rank r holds whole heads
     if w == f"S({in_dim})" and b == "R":
         return ROW
@@ -132,7 +134,7 @@ def module_roles(model: nn.Module, placements: Mapping[str, str], fused: Sequenc
     for fqn, pl in with_aliases(model, placements).items():
         path, _, attr = fqn.rpartition(".")
         per_module.setdefault(path, {})[attr] = pl
-    strided = {p for p, mine in per_module.items() if mine.get("weight", "").startswith("SS(")}
+    strided = {p for p, mine in per_module.items() if _strided(mine.get("weight", "")) is not None}
     own = {}
     for path, mine in sorted(per_module.items()):
         role = _own_role(model.get_submodule(path), mine)
@@ -246,7 +248,7 @@ def _localize_attrs(
 ) -> None:
     """Divide the parent attributes that size a strided column module's split by ``tp``."""
     for path, role in roles.items():
-        if role != COLUMN or not placements.get(f"{path}.weight", "").startswith("SS("):
+        if role != COLUMN or _strided(placements.get(f"{path}.weight", "")) is None:
             continue
         for suffix, attrs in strided_attrs.items():
             if path != suffix and not path.endswith("." + suffix):

@@ -129,8 +129,8 @@ def heterogeneity_unaware(
         got = real.arrays(devs, st.dp, st.tp, in_flight, sched.p2p_multiplier(plan.schedule, v))
         if got is None:
             return plan, math.inf
-        per_combo, best, pick, combos, _ = got
-        opt = Option(0, st.tp, st.tp, devs, (), per_combo, combos, best, pick)
+        per_combo, combos, stack = got
+        opt = Option(0, st.tp, st.tp, devs, (), per_combo, combos, stack)
         picks.append(StagePick(index[st.layers[0]], index[st.layers[-1]] + 1, opt, 0))
     cand = Candidate(plan.stages[0].dp, plan.micro_batch_size, m, plan.schedule, v, tuple(picks), real)
     fits = all(
@@ -169,15 +169,15 @@ def _enumerate(search: Search, fam: list[Option], caps: list[int], dp: int, b: i
             # stage's fastest combo under the cap minimizes both sum and max of the stage times;
             # the step's minimum is over the caps the stages' own tails offer.
             n = len(acc)
-            times = [np.asarray(o.stack)[:, a, j, n - i] for i, (a, j, o) in enumerate(acc)]  # per combo
+            times = [o.stack[:, a, j, n - i] for i, (a, j, o) in enumerate(acc)]  # per combo
             fits = [[c for c in range(len(t)) if math.isfinite(t[c])] for t in times]
             if not all(fits):
                 return
-            tails = {float(o.arrays[c].tail[a, j]) for (a, j, o), cs in zip(acc, fits) for c in cs}
+            tails = {float(o.tails[c, a, j]) for (a, j, o), cs in zip(acc, fits) for c in cs}
             for cap in sorted(tails):
                 picks = []
                 for (a, j, o), cs, t in zip(acc, fits, times):
-                    ok = [c for c in cs if o.arrays[c].tail[a, j] <= cap]
+                    ok = [c for c in cs if o.tails[c, a, j] <= cap]
                     if not ok:
                         break
                     picks.append(StagePick(a, j, o, min(ok, key=t.__getitem__)))
@@ -185,7 +185,7 @@ def _enumerate(search: Search, fam: list[Option], caps: list[int], dp: int, b: i
                     best[0] = min(best[0], Candidate(dp, b, m, "1f1b", 1, tuple(picks), search).step_time)
             return
         for o in fam:
-            if o.segment < seg or o.width > left[o.segment] or len(acc) + 1 >= o.best.shape[2]:
+            if o.segment < seg or o.width > left[o.segment] or len(acc) + 1 >= o.stack.shape[3]:
                 continue
             for j in range(k + 1, num_units + 1):
                 left[o.segment] -= o.width

@@ -102,8 +102,8 @@ def evaluate_config(
     got = search.arrays(((dev, dp, micro_batch),), dp, tp, in_flight, sched.p2p_multiplier(schedule, v))
     if got is None:
         raise ConfigError(f"the model cannot run with tp={tp} on {dev.name}.", "use another tp.")
-    per_combo, best, pick, combos, _ = got
-    opt = Option(0, tp, tp, ((dev, dp, micro_batch),), (), per_combo, combos, best, pick)
+    per_combo, combos, stack = got
+    opt = Option(0, tp, tp, ((dev, dp, micro_batch),), (), per_combo, combos, stack)
     picks = tuple(StagePick(a, b, opt, 0) for a, b in megatron_split(graph, pp))
     cand = Candidate(dp, micro_batch, m, schedule, v, picks, search)
     mem = tuple(cand.memory(i) for i in range(pp))

@@ -22,6 +22,7 @@ and recompute are per stage.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -65,10 +66,9 @@ def _tail_bound(fam: list[Option]) -> float:
     last one ends at unit U, on some option and combo that fits (rule R7)."""
     first, last = math.inf, math.inf
     for o in fam:
-        for c, a in enumerate(o.arrays):
-            fit = np.isfinite(o.stack[c]).any(axis=2) if o.stack is not None else np.ones(a.tail.shape, bool)
-            first = min(first, float(np.min(a.tail[0][fit[0]], initial=math.inf)))
-            last = min(last, float(np.min(a.tail[:, -1][fit[:, -1]], initial=math.inf)))
+        fit = np.isfinite(o.stack).any(axis=3)  # [C, U, U+1]: fits with some number of stages after it
+        first = min(first, float(np.min(o.tails[:, 0][fit[:, 0]], initial=math.inf)))
+        last = min(last, float(np.min(o.tails[:, :, -1][fit[:, :, -1]], initial=math.inf)))
     bound = max(first, last)
     return bound if math.isfinite(bound) else 0.0
 
@@ -92,16 +92,28 @@ class Option:
     shares: tuple[int, ...]  # per replica
     arrays: list  # per combo: StageArrays (slowest device class)
     combos: list[tuple[int, str]]
-    best: np.ndarray  # [U, U+1, S+1] min time over combos that fit
-    pick: np.ndarray  # [U, U+1, S+1] combo index
-    stack: np.ndarray | None = None  # [C, U, U+1, S+1] time per combo, inf where it does not fit
+    stack: np.ndarray  # [C, U, U+1, S+1] time per combo, inf where it does not fit
+
+    @functools.cached_property
+    def best(self) -> np.ndarray:
+        """[U, U+1, S+1] min time over the combos that fit."""
+        return self.stack.min(axis=0)
+
+    @functools.cached_property
+    def pick(self) -> np.ndarray:
+        """[U, U+1, S+1] the combo index of ``best``."""
+        return self.stack.argmin(axis=0)
+
+    @functools.cached_property
+    def tails(self) -> np.ndarray:
+        """[C, U, U+1] step tail per combo."""
+        return np.stack([a.tail for a in self.arrays])
 
     def capped(self, cap: float) -> tuple[np.ndarray, np.ndarray]:
         """``best`` / ``pick`` over the combos whose step tail is below ``cap`` (rule R7)."""
-        if not math.isfinite(cap) or self.stack is None:
+        if not math.isfinite(cap):
             return self.best, self.pick
-        tails = np.stack([a.tail for a in self.arrays])[:, :, :, None]
-        masked = np.where(tails < cap, self.stack, np.inf)
+        masked = np.where(self.tails[:, :, :, None] < cap, self.stack, np.inf)
         return masked.min(axis=0), masked.argmin(axis=0)
 
 
@@ -143,8 +155,9 @@ class Search:
     # ---- stage options -----------------------------------------------------------------
     def arrays(
         self, devs: tuple[tuple[DeviceType, int, int], ...], dp: int, tp: int, in_flight: np.ndarray, p2p_mult: int
-    ) -> tuple[list, np.ndarray, np.ndarray, list[tuple[int, str]], np.ndarray] | None:
-        """Per combo arrays for a device class; ``best``/``pick`` over combos that fit everywhere."""
+    ) -> tuple[list, list[tuple[int, str]], np.ndarray] | None:
+        """Per combo arrays for a device class, the combos, and their times (inf where a combo does
+        not fit on every device of the class) stacked ``[C, U, U+1, S+1]``."""
         per_combo: list[Any] = []
         times: list[np.ndarray] = []
         combos = [(z, r) for z, r in ZERO_RECOMPUTE if z in self.options.zero_stages and r in self.options.recompute]
@@ -195,8 +208,7 @@ class Search:
                 )
             per_combo.append(worst)
             times.append(np.where(ok, worst.time[:, :, None], np.inf))
-        stack = np.stack(times)
-        return per_combo, stack.min(axis=0), stack.argmin(axis=0), combos, stack
+        return per_combo, combos, np.stack(times)
 
     def mixes(self, dp: int, b: int) -> list[tuple[tuple[DeviceType, int, int], ...]]:
         """Device classes: each type alone, and the Cephalo mix (replicas proportional to counts)."""
@@ -253,9 +265,9 @@ class Search:
                 got = self.arrays(cls, dp, tp, in_flight, sched.p2p_multiplier(schedule, v))
                 if got is None:
                     continue
-                per_combo, best, pick, combos, stack = got
+                per_combo, combos, stack = got
                 shares = tuple(s for _, a, s in cls for _ in range(a))
-                opts.append(Option(seg, tp, tp, cls, shares, per_combo, combos, best, pick, stack))
+                opts.append(Option(seg, tp, tp, cls, shares, per_combo, combos, stack))
         return opts, segments, [len(c) > 1 for c in self.mixes(dp, b)]
 
     def solve_config(self, dp: int, b: int, schedule: str, v: int = 1, incumbent: float = math.inf) -> list[Candidate]:
@@ -335,6 +347,7 @@ def plan_graph(
     say = progress if callable(progress) else (print if progress else (lambda _s: None))
     search = Search(graph, cluster, training, options, costs, factors)
     cands: list[Candidate] = []
+    incumbent = math.inf  # best step so far: rule R7 stops re-solving a configuration that cannot beat it
     schedules = [s for s in options.schedules if s != "interleaved_1f1b"] or ["1f1b"]
     n = cluster.num_devices
     for dp in powers_of_two(n):
@@ -343,12 +356,12 @@ def plan_graph(
                 continue
             for schedule in schedules:
                 search.num_configs += 1
-                found = search.solve_config(
-                    dp, b, schedule, incumbent=min((c.step_time for c in cands), default=math.inf)
-                )
+                found = search.solve_config(dp, b, schedule, incumbent=incumbent)
                 cands.extend(found)
                 if found:
-                    say(f"dp={dp} b={b} {schedule}: {min(c.step_time for c in found):.4f} s")
+                    here = min(c.step_time for c in found)
+                    incumbent = min(incumbent, here)
+                    say(f"dp={dp} b={b} {schedule}: {here:.4f} s")
     if "interleaved_1f1b" in options.schedules:
         base = sorted(cands, key=lambda c: c.step_time)[:3]
         for c in base:

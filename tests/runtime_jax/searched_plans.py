@@ -51,8 +51,8 @@ def searched_plan(
     in_flight = np.array([0.0] + [sched.in_flight(schedule, 0, s, m, 1) for s in range(1, pp + 1)])
     got = search.arrays(((dev, dp, micro_batch),), dp, tp, in_flight, sched.p2p_multiplier(schedule, 1))
     assert got is not None, (model, dp, tp)
-    per_combo, best, pick, combos, _ = got
-    opt = Option(0, tp, tp, ((dev, dp, micro_batch),), (), per_combo, combos, best, pick)
+    per_combo, combos, stack = got
+    opt = Option(0, tp, tp, ((dev, dp, micro_batch),), (), per_combo, combos, stack)
     picks = tuple(StagePick(a, b, opt, 0) for a, b in _split(graph, pp))
     return build_plan(search, [Candidate(dp, micro_batch, m, schedule, 1, picks, search)], 0.0)
 
