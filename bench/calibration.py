@@ -5,12 +5,12 @@ For small GPT-2 and Llama models (the zoo's tiny ones, and "mini" variants writt
 planner's own choice (``Traced.plan``) or a fixed DP / TP / PP / DPxTP layout priced with the
 planner's cost path (the Candidate that ``search/evaluate.evaluate_config`` builds, turned into a
 Plan by ``search/plan_build.build_plan``). Each plan is compiled to a directory and trained with
-``runtime/torch_launch.run``; its predicted step time is taken three ways:
+``backends/torch/launch.run``; its predicted step time is taken three ways:
 
 * ``uncal``: the preset CPU device type (``cost_model.CPU_EFFICIENCY``, no profile);
 * ``plain``: a cluster YAML whose node names the profile (``profile: PATH``), parsed by
   ``cluster.parse_cluster`` (the user's path; it must equal ``cal``);
-* ``cal``: ``runtime/profiler.calibrated_cluster`` (efficiency + the profile's absolute overrides).
+* ``cal``: ``profile/profiler.calibrated_cluster`` (efficiency + the profile's absolute overrides).
 
 The profiles are the held-out side: ``--reprofile BUDGET`` re-measures them first with
 ``partita profile`` (micro-benchmarks and the profiler's own step probes, none of them a model
@@ -39,10 +39,10 @@ from typing import Any
 import numpy as np
 
 from partita.cluster import Cluster, parse_cluster, parse_shorthand
-from partita.compiler.driver import Traced, _write_outputs, trace_handle
+from partita.driver import Traced, _write_outputs, trace_handle
 from partita.models import resolve_model
 from partita.plan import Plan
-from partita.runtime.profiler import calibrated_cluster
+from partita.profile.profiler import calibrated_cluster
 from partita.search import schedule as sched
 from partita.search.config import SearchOptions, TrainingConfig
 from partita.search.evaluate import megatron_split
@@ -134,7 +134,7 @@ QUIET = {"min_idle": 0.0, "max_wait_s": 0.0}  # set from --min-idle / --max-wait
 
 def launch(plan_dir: Path, steps: int, count: bool) -> dict[str, Any]:
     """One ``partita run`` of the plan: per-step times (max over ranks) and, when counting, collectives."""
-    from partita.runtime.torch_launch import run
+    from partita.backends.torch.launch import run
 
     idle = wait_quiet(**QUIET) if QUIET["min_idle"] > 0 else None
     load = os.getloadavg()[0]
@@ -164,7 +164,7 @@ def extra_call_latency(plan: Plan, counts: dict[str, Any], link: dict[str, float
     """Diagnostic: latency of the collective calls the runtime issues beyond those the plan prices
     (e.g. one all-reduce per gradient tensor against one bucketed all-reduce), from the profile's
     alpha and fixed latency; the max over stages (they run concurrently)."""
-    from partita.runtime.profiler import collective_factors
+    from partita.profile.profiler import collective_factors
 
     worst = 0.0
     for st in plan.stages:
@@ -183,7 +183,7 @@ def extra_call_latency(plan: Plan, counts: dict[str, Any], link: dict[str, float
 
 def reprofile(worlds: set[int], budget_s: float) -> dict[str, Any]:
     """Fresh ``partita profile`` runs (one per rank count) into ``partita/data/profiles``."""
-    from partita.runtime.profiler import profile
+    from partita.profile.profiler import profile
 
     out = {}
     for n in sorted(worlds):

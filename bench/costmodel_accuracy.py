@@ -1,6 +1,6 @@
 """Cost-model accuracy on 109 measured Megatron iterations (A100-80G clusters, vTrain's ground truth).
 
-Every row of ``../shared/data/a100_megatron_measured.csv`` is priced with
+Every row of ``partita/data/a100_megatron_measured.csv`` is priced with
 ``partita.search.evaluate.evaluate_config`` (A100-80G, 8 per node, NVLink, 8 x 200 Gb/s IB per
 node = 1600 Gb/s, full activation recompute as Megatron ran these sizes). Rows are split in half by
 a fixed hash; efficiency factors are fitted on the *train* half only (grid search on median abs
@@ -31,7 +31,7 @@ from partita.search.evaluate import evaluate_config  # noqa: E402
 from partita.search.stage_cost import SolverCosts, StageFactors  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CSV = ROOT.parent / "shared" / "data" / "a100_megatron_measured.csv"
+CSV = ROOT / "partita" / "data" / "a100_megatron_measured.csv"
 PROFILE = ROOT / "partita" / "data" / "a100_megatron_calibration.json"
 OUT = ROOT / "bench" / "results" / "costmodel_accuracy.json"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from partita.ir import Graph
 
 CACHE = Path(os.environ.get("PARTITA_BENCH_CACHE", Path(__file__).parent / ".cache"))
-TRACE_SOURCES = ("ir.py", "prims.py", "passes", "compiler/trace_torch.py", "compiler/torch_ops.py", "models")
+TRACE_SOURCES = ("ir.py", "prims.py", "passes", "frontends/trace_torch.py", "frontends/torch_ops.py", "models")
 
 
 def gpt_graph(
@@ -28,7 +28,7 @@ def gpt_graph(
     measured rows of ``a100_megatron_measured.csv`` were taken (per-head fused QKV, unfused
     attention, dropout 0.1). ``skip_passes``: pass names left out (ablations).
     """
-    from partita.compiler.driver import source_fingerprint, trace_handle
+    from partita.driver import source_fingerprint, trace_handle
     from partita.models import resolve_model
     from partita.passes.pipeline import PassOptions
 

@@ -12,8 +12,8 @@ Four layouts on 4 CPU ranks (gloo) for a small Llama (HF ``LlamaForCausalLM`` fr
   ``PipelineStage`` + ``Schedule1F1B`` per pp group, then one flattened gradient all-reduce per
   dp group.
 
-Generated program ("A"): the plan is emitted by ``compiler/emit_torch.py`` and run in the worker
-through ``runtime/parallelize_torch.build`` (the program's ``setup_stage_<i>`` / ``make_runner`` and
+Generated program ("A"): the plan is emitted by ``backends/torch/emit.py`` and run in the worker
+through ``backends/torch/parallelize.build`` (the program's ``setup_stage_<i>`` / ``make_runner`` and
 the step body of ``torch_train``'s loop), with collective counting on, as ``partita run`` does;
 "A0" is the same with counting off. Hand-written ("B") uses public torch APIs only, not Partita;
 same config, same seed (same initial weights: step-1 losses are compared), same batches.
@@ -269,9 +269,10 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
+    from partita.backends.torch import parallelize as parallelize_torch
+    from partita.backends.torch import train as torch_train
     from partita.models.zoo import resolve_model
     from partita.plan import Plan
-    from partita.runtime import parallelize_torch, torch_train
 
     dist.init_process_group("gloo")
     cfg = json.loads(Path(args.config).read_text())
@@ -322,7 +323,7 @@ def worker(args: argparse.Namespace) -> None:
 
 # ---- driver -----------------------------------------------------------------------------------
 def run_layout(layout: str, cfg: dict[str, Any], args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    from partita.compiler.emit_torch import emit_torch
+    from partita.backends.torch.emit import emit_torch
 
     d = tmp / layout
     d.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,11 @@
-"""Partita: an auto-parallelization compiler for training on homogeneous and mixed GPU clusters."""
+"""Partita: an auto-parallelization compiler for training on homogeneous and mixed GPU clusters.
 
-__version__ = "0.1.0"
+The package root is the public entry point: ``partita.parallelize`` / ``partita.step``
+(``api.py``, top of the flow). The flow itself, top to bottom, is the folder list: ``frontends/``
+-> ``passes/`` -> ``search/`` -> ``plan.py`` -> ``backends/torch|jax`` (see README, Architecture).
+"""
 
-from partita.api import parallelize, step  # noqa: E402  (needs __version__ first: driver imports it)
+from partita.api import parallelize, step
+from partita.version import __version__
 
 __all__ = ["__version__", "parallelize", "step"]

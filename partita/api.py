@@ -1,8 +1,8 @@
 """The one-line annotation: ``partita.parallelize`` for a PyTorch module or a JAX loss function.
 
-Top of the flow, beside the CLI: both call ``compiler/driver.py`` (``plan_handle``: compile cache,
+Top of the flow, beside the CLI: both call ``driver.py`` (``plan_handle``: compile cache,
 else trace + search). This module imports neither torch nor jax itself; the framework halves live
-in ``runtime/parallelize_torch.py`` and ``runtime/parallelize_jax.py``.
+in ``backends/torch/parallelize.py`` and ``backends/jax/parallelize.py``.
 
 PyTorch::
 
@@ -11,7 +11,7 @@ PyTorch::
     loss = partita.step(model, x, y)   # forward + backward; the plan's schedule under torchrun
     opt.step(); opt.zero_grad()
 
-Under torchrun the call returns this rank's :class:`~partita.runtime.parallelize_torch.ParallelModel`
+Under torchrun the call returns this rank's :class:`~partita.backends.torch.parallelize.ParallelModel`
 (``.module``, ``.plan``, ``.step(inputs, labels)``); outside it prints the plan and the torchrun
 command and returns ``model`` unchanged, so the same script also runs on one device.
 
@@ -66,7 +66,7 @@ def _cluster(cluster: str | Cluster | None, gpus_per_node: int | None) -> Cluste
 def _given_plan(plan: Plan | str | Path | None) -> Plan | None:
     if plan is None or isinstance(plan, Plan):
         return plan
-    from partita.compiler.driver import load_plan
+    from partita.driver import load_plan
 
     return load_plan(plan)
 
@@ -90,7 +90,7 @@ def parallelize(
 
     ``model``: a ``torch.nn.Module`` (returns the rank's stage under torchrun, else ``model``), a
     JAX loss function ``f(params, *batch) -> scalar`` (returns a
-    :class:`~partita.runtime.parallelize_jax.ParallelFunction`), or nothing (returns a decorator).
+    :class:`~partita.backends.jax.parallelize.ParallelFunction`), or nothing (returns a decorator).
     ``training``: further ``TrainingConfig`` fields (``dtype``, ``optimizer``). ``plan``: use this
     Plan (or plan directory) instead of searching. ``example_inputs`` (torch): see
     :func:`partita.models.zoo.module_handle`.
@@ -124,10 +124,12 @@ def parallelize(
             verbose=verbose,
         )
     if callable(model):
-        from partita.runtime.parallelize_jax import ParallelFunction
+        from partita import driver
+        from partita.backends.jax.parallelize import ParallelFunction
 
         cl = _cluster(cluster, gpus_per_node) if given is None else None
-        return ParallelFunction(model, cl, training_config(global_batch, seq_len, given, **training), given, force)
+        tr = training_config(global_batch, seq_len, given, **training)
+        return ParallelFunction(model, cl, tr, given, force, planner=driver.plan_handle)
     raise ConfigError(
         f"partita.parallelize got a {type(model).__name__}.",
         "pass a torch.nn.Module, or decorate a JAX loss function f(params, *batch) -> scalar.",
@@ -138,7 +140,7 @@ def step(model: Any, inputs: Any, labels: Any, loss_fn: Callable[..., Any] | Non
     """One training step's forward + backward, parallel or not: ``ParallelModel.step`` under torchrun,
     else ``loss_fn(model(inputs), labels)`` (default: mean cross-entropy, next-token for (batch, seq)
     labels) and ``backward()``. Returns the loss (detached)."""
-    from partita.runtime import parallelize_torch as pt
+    from partita.backends.torch import parallelize as pt
 
     if isinstance(model, pt.ParallelModel):
         return model.step(inputs, labels, loss_fn)
@@ -158,9 +160,9 @@ def _parallelize_torch(
     sync_weights: bool,
     verbose: bool,
 ) -> Any:
-    from partita.compiler import driver
+    from partita import driver
+    from partita.backends.torch import parallelize as pt
     from partita.models.zoo import module_handle
-    from partita.runtime import parallelize_torch as pt
 
     handle = module_handle(model, example_inputs)
 

@@ -1,6 +1,6 @@
 """The ``partita`` command: trace, models, clusters, compile, evaluate, run, report.
 
-Top of the flow: parses arguments, calls ``compiler/driver.py`` and prints. Every
+Top of the flow: parses arguments, calls ``driver.py`` and prints. Every
 :class:`~partita.errors.PartitaError` becomes one paragraph on stderr and exit code 2; ``--json``
 output is a stable object on stdout (documented in the README). Framework imports are lazy so
 ``partita models`` and ``partita clusters`` start fast.
@@ -86,7 +86,7 @@ def cmd_clusters(args: argparse.Namespace) -> int:
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    from partita.compiler.driver import trace_model
+    from partita.driver import trace_model
 
     traced = trace_model(args.model, batch=args.batch, seq=args.seq)
     summary = traced.summary(batch=args.batch, seq=args.seq)
@@ -117,7 +117,7 @@ def _check_writable_target(path: str, flag: str, want_dir: bool) -> None:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
-    from partita.compiler.driver import compile_to_dir
+    from partita.driver import compile_to_dir
 
     model = args.model or DEFAULT_MODEL
     cluster = args.cluster or DEFAULT_CLUSTER
@@ -139,7 +139,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from partita.compiler.driver import evaluate_model
+    from partita.driver import evaluate_model
 
     ev = evaluate_model(
         args.model,
@@ -167,7 +167,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from partita.compiler.driver import run_plan
+    from partita.driver import run_plan
 
     res = run_plan(
         args.dir,
@@ -192,7 +192,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from partita.runtime.profiler import profile
+    from partita.profile.profiler import profile
 
     prof = profile(args.devices, args.nproc, args.out, args.time_budget, progress=not args.no_progress)
     print(f"wrote {args.out} ({prof.get('device', args.devices)})")
@@ -200,7 +200,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from partita.compiler.driver import report
+    from partita.driver import report
 
     if args.html:
         _check_writable_target(args.html, "--html", want_dir=False)

@@ -1,6 +1,6 @@
 """Partita's framework-neutral dataflow IR.
 
-Sits at the bottom of the flow: tracers (``compiler/trace_torch.py``, ``trace_jax.py``) build a
+Sits at the bottom of the flow: tracers (``frontends/trace_torch.py``, ``trace_jax.py``) build a
 :class:`Graph`, passes (``passes/``) rewrite and annotate it, the search reads it. No torch or jax
 import here.
 

@@ -1,6 +1,6 @@
 """The Plan: the frozen, versioned record that is the single contract between search and codegen.
 
-Written by ``search/`` (through ``compiler/driver.py``), read by the emitters and the runtime and by
+Written by ``search/`` (through ``driver.py``), read by the emitters and the runtime and by
 ``partita report``. Pure data, no framework imports. ``Plan.to_json()`` is deterministic (sorted
 keys, floats rounded to 9 significant digits) so the same inputs give a byte-identical file.
 

@@ -5,8 +5,8 @@ import math
 import torch
 from torch import nn
 
-from partita.compiler.driver import trace_handle
-from partita.compiler.trace_torch import trace_module
+from partita.frontends.trace import trace_handle
+from partita.frontends.trace_torch import trace_module
 from partita.ir import Prim, dim_size, label_sizes
 from partita.models import resolve_model
 from partita.passes.pipeline import run_passes

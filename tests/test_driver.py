@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from partita.compiler.driver import compile_to_dir, trace_model
+from partita.driver import compile_to_dir, trace_model
 from partita.plan import Plan
 from partita.search.config import TrainingConfig
 
@@ -56,7 +56,7 @@ def test_cache_hit_in_a_fresh_process_imports_no_torch(tmp_path) -> None:
     first = compile_to_dir("mlp", "4xCPU", tc, tmp_path / "a")
     code = (
         "import sys, json\n"
-        "from partita.compiler.driver import compile_to_dir\n"
+        "from partita.driver import compile_to_dir\n"
         "from partita.search.config import TrainingConfig\n"
         f"c = compile_to_dir('mlp', '4xCPU', TrainingConfig(global_batch=16, seq_len=32, dtype='f32'), {str(tmp_path / 'b')!r})\n"
         "print(json.dumps({'hit': c.cache_hit, 'torch': 'torch' in sys.modules, 's': c.elapsed_s}))\n"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from partita.runtime.jax_run import device_env
+from partita.backends.jax.run import device_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_jax.py"
@@ -29,8 +29,8 @@ sys.path.insert(0, "examples")
 import jax, jax.numpy as jnp, numpy as np
 import partita
 import train_jax as ex
-from partita.compiler.emit_jax import param_specs
-from partita.runtime import jax_parallel as jp
+from partita.backends.jax.emit import param_specs
+from partita.backends.jax import parallel as jp
 
 x = jax.random.normal(jax.random.PRNGKey(1), (64, 64)); y = jnp.tanh(x[:, :32])
 params = ex.MLP().init(jax.random.PRNGKey(2), x)

@@ -128,7 +128,7 @@ class Chain(torch.nn.Module):
 
 def test_module_handle_traces_a_weightless_copy_and_keys_the_cache() -> None:
     from partita.cluster import parse_cluster
-    from partita.compiler.driver import cache_key
+    from partita.driver import cache_key
     from partita.search.config import TrainingConfig
 
     m = Chain()
@@ -154,7 +154,7 @@ def test_refusals_name_the_fix(monkeypatch, tmp_path: Path) -> None:
 def test_only_chain_forwards_are_split() -> None:
     """The runtime runs a generic model as its plan layers in order; a forward that is not that chain
     (a functional relu between fc1 and fc2, a residual) would train a different model: refused."""
-    from partita.runtime.parallelize_torch import _check_chain
+    from partita.backends.torch.parallelize import _check_chain
 
     class Modules(Chain):
         def __init__(self) -> None:

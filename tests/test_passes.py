@@ -10,8 +10,8 @@ import pytest
 import sympy
 
 from partita import prims
-from partita.compiler.trace_torch import trace_module
 from partita.errors import IRError
+from partita.frontends.trace_torch import trace_module
 from partita.ir import Graph, GraphBuilder, Prim, Role
 from partita.models import resolve_model
 from partita.passes.annotate import annotate, layer_stats

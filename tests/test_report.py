@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from partita import run_log
-from partita.report import compare_text, plan_html, plan_text, run_log_text
+from partita.report import compare_text, plan_html, plan_text, run_log, run_log_text
 from tests.test_plan import make_plan
 
 GOLDEN = Path(__file__).parent / "golden" / "report_small_plan.txt"
@@ -117,7 +116,7 @@ def test_partita_run_writes_run_log_and_report_reads_it(tmp_path, monkeypatch) -
     """A real 2-rank run: run_log.json holds the launcher's numbers; `partita report DIR` shows them."""
     import json
 
-    from partita.compiler.driver import compile_to_dir, report, run_plan
+    from partita.driver import compile_to_dir, report, run_plan
     from partita.search.config import TrainingConfig
 
     monkeypatch.setenv("PARTITA_CACHE_DIR", str(tmp_path / "cache"))

@@ -11,9 +11,10 @@ import jax.numpy as jnp
 import pytest
 import sympy
 
-from partita.compiler.trace_jax import trace_jax
+from partita.frontends.trace_jax import trace_jax
 from partita.ir import Graph, Prim, Role, label_sizes
-from partita.models.jax_gpt import JaxGPTConfig, gpt_handle, mlp_handle, register_jax_models
+from partita.models.jax_gpt import JaxGPTConfig, gpt_handle, mlp_handle
+from partita.models.zoo import register_jax_models
 
 B, S = sympy.symbols("B S")
 CFG = JaxGPTConfig()

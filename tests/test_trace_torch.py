@@ -10,8 +10,8 @@ import warnings
 import pytest
 import torch
 
-from partita.compiler.trace_torch import trace_module
 from partita.errors import ModelError
+from partita.frontends.trace_torch import trace_module
 from partita.ir import Prim, Role
 from partita.models import resolve_model
 
@@ -123,7 +123,7 @@ def test_gpt3_175b_traces_fast_and_small() -> None:
     script = (
         "import time,resource,json,warnings\n"
         "from partita.models import resolve_model\n"
-        "from partita.compiler.trace_torch import trace_module\n"
+        "from partita.frontends.trace_torch import trace_module\n"
         "t=time.perf_counter(); h=resolve_model('gpt3-175b'); m=h.build()\n"
         "g=trace_module(m,h.example_inputs(2,16),name='gpt3-175b',dynamic=h.dynamic())\n"
         "dt=time.perf_counter()-t; g.verify()\n"

@@ -4,7 +4,7 @@ The model zoo's JAX entries: ``"jax-gpt-tiny"`` (this GPT) and ``"jax-mlp"`` (``
 Module names follow the torch GPT convention so ``passes/layers.py`` sees a repeated container:
 ``wte``, ``wpe``, ``blocks_<i>.{ln_1,attn.{qkv,proj},ln_2,mlp.{fc,proj}}``, ``ln_f``, ``lm_head``
 (untied). Attention is written with einsums, so its two matmuls appear as MATMUL nodes after
-``compiler/trace_jax.py``. Code is shape-polymorphic in batch and sequence (``S <= cfg.seq``).
+``frontends/trace_jax.py``. Code is shape-polymorphic in batch and sequence (``S <= cfg.seq``).
 """
 
 from __future__ import annotations
@@ -160,22 +160,9 @@ def mlp_handle(cfg: JaxMLPConfig | None = None, name: str = "jax-mlp") -> JaxMod
     )
 
 
-def register_jax_models() -> list[str]:
-    """Register ``jax-gpt-tiny`` and ``jax-mlp`` with ``partita.models.zoo.register_model`` (a factory
-    plus a ``ModelInfo``) if the zoo has it; returns the names registered."""
-    try:
-        from partita.models import zoo
-    except ImportError:
-        return []
-    register = getattr(zoo, "register_model", None)
-    if register is None:
-        return []
-    names = []
-    for factory, description in (
+def jax_entries() -> list[tuple[Callable[[], JaxModelHandle], str]]:
+    """The JAX zoo entries as (handle factory, description); ``models/zoo.py`` registers them."""
+    return [
         (gpt_handle, "JAX/flax GPT: 2 layers, h=64, 4 heads, vocab 128, seq 32"),
         (mlp_handle, "JAX/flax 2-layer MLP 64-256-64 with biases, MSE loss"),
-    ):
-        handle = factory()
-        register(handle.name, factory, zoo.ModelInfo(handle.name, "jax", handle.num_params(), description))
-        names.append(handle.name)
-    return names
+    ]

@@ -1,8 +1,8 @@
 """A 2-layer flax MLP with an MSE loss: the JAX twin of the torch zoo's ``"mlp"`` entry.
 
 ``fc1: Dense(d_in -> d_hidden) + gelu`` then ``fc2: Dense(d_hidden -> d_out)``, both with biases.
-Used by the tests of ``compiler/trace_jax.py`` and registered as ``"jax-mlp"`` by
-``models/jax_gpt.register_jax_models``.
+Used by the tests of ``frontends/trace_jax.py`` and registered as ``"jax-mlp"`` by
+``models/zoo.register_jax_models``.
 """
 
 from __future__ import annotations

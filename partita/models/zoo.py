@@ -3,7 +3,7 @@
 Sits beside the tracer: ``resolve_model(spec)`` turns a zoo name, a Hugging Face ``config.json``
 path or a ``"package.module:factory"`` string into a :class:`ModelHandle` whose ``build()`` gives an
 ``nn.Module`` (on the meta device by default, so a 175B model allocates nothing) and whose
-``example_inputs()`` gives the inputs ``compiler/trace_torch.py`` traces with. Hugging Face entries
+``example_inputs()`` gives the inputs ``frontends/trace_torch.py`` traces with. Hugging Face entries
 are built from config classes (``transformers``), dropout off, SDPA attention.
 """
 
@@ -334,11 +334,21 @@ def register_model(name: str, handle_factory: Callable[[], Any], info: ModelInfo
     _INFOS[name] = info
 
 
-def _register_jax_models() -> None:
-    """The JAX entries live in ``models/jax_gpt.py``; importing jax costs seconds, so register lazily."""
-    if "jax-gpt-tiny" not in _FACTORIES:
-        from partita.models.jax_gpt import register_jax_models
+def register_jax_models() -> list[str]:
+    """Register the JAX entries of ``models/jax_gpt.py`` (``jax-gpt-tiny``, ``jax-mlp``); importing jax
+    costs seconds, so the zoo calls this lazily. Returns the names registered."""
+    from partita.models.jax_gpt import jax_entries
 
+    names = []
+    for factory, description in jax_entries():
+        handle = factory()
+        register_model(handle.name, factory, ModelInfo(handle.name, "jax", handle.num_params(), description))
+        names.append(handle.name)
+    return names
+
+
+def _register_jax_models() -> None:
+    if "jax-gpt-tiny" not in _FACTORIES:
         register_jax_models()
 
 

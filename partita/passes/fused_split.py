@@ -17,7 +17,7 @@ ILP can then shard ``n``: the heads of each chunk, no collective before the spli
 
 ``graph.meta["strided_params"]`` maps each rewritten parameter tensor to ``[dim, g]`` (its real
 dim and group count); ``search/intra_op.py`` writes the placement of the IR's ``n`` dim as
-``"SS(dim,g)"`` in the plan, which ``runtime/torch_tp.py`` applies as ``_StridedShard(dim, g)``.
+``"SS(dim,g)"`` in the plan, which ``backends/torch/tp.py`` applies as ``_StridedShard(dim, g)``.
 FLOPs, bytes and parameter counts are unchanged (the dims multiply to the old one).
 
 Only PyTorch graphs: a JAX program keeps the user's global array layout, where a strided shard of

@@ -5,7 +5,7 @@ node per framework op, so a tanh-GELU is seven elementwise kernels and a masked 
 dropout five passes over the ``B x heads x S x S`` scores. Fusing engines do not run them that
 way: XLA and Inductor fuse chains of pointwise ops (and pointwise prologues into reductions such
 as softmax and layer norm), and Megatron-LM ships the same fusions by hand (bias-GeLU,
-scale-mask-softmax, bias-dropout-add). Eager PyTorch (what ``runtime/torch_parallel.py`` runs)
+scale-mask-softmax, bias-dropout-add). Eager PyTorch (what ``backends/torch/parallel.py`` runs)
 does not. So this pass only marks what *can* be fused; the pricing decides how much is:
 ``search/intra_op.py`` removes ``Efficiency.pointwise_fusion`` (0 = eager, 1 = fused) of the
 marked bytes, and all of them for JAX graphs (XLA always fuses).

@@ -15,10 +15,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import partita
 from partita.passes.annotate import layer_stats
 from partita.plan import Collective, Plan, Stage, validate
 from partita.search import schedule as sched
+from partita.version import __version__
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,7 +250,7 @@ def build_plan(search: Any, cands: list[Candidate], elapsed_s: float) -> Plan:
             "mfu": flops / step / peak if peak else 0.0,
         },
         search=search_d,
-        partita_version=partita.__version__,
+        partita_version=__version__,
     )
     validate(plan)
     return plan

@@ -1,6 +1,6 @@
 """The planner: ``plan_graph(graph, cluster, training) -> Plan``, the search's entry point.
 
-Called by ``compiler/driver.py``. For every outer configuration (data-parallel degree ``dp``,
+Called by ``driver.py``. For every outer configuration (data-parallel degree ``dp``,
 per-replica micro-batch ``b``, hence ``m = global_batch / (b * dp)`` micro-batches) it prices every
 stage option with ``stage_cost.py`` (per-layer LayerSolutions from the intra-op ILP, memoised by
 layer kind), runs the stage DP of ``inter_op.py`` and keeps the best plans; the winner is written

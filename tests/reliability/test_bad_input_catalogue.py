@@ -145,6 +145,6 @@ def test_op_without_rule_warns_and_replicates(fixtures: Fixtures, tmp_path: Path
     assert rc == 0 and "Traceback" not in text, text
     warning = next(ln for ln in text.splitlines() if "no IR rule" in ln)
     assert warning.startswith("partita: warning: no IR rule for torch op 'lgamma'"), warning
-    assert "run replicated" in warning and "RULES in partita/compiler/torch_ops.py" in warning
+    assert "run replicated" in warning and "RULES in partita/frontends/torch_ops.py" in warning
     plan = json.loads((tmp_path / "out" / "plan.json").read_text())
     assert all(s["op_strategies"]["lgamma"] == "R" for s in plan["stages"])

@@ -1,7 +1,7 @@
 """Faults under torchrun: a rank killed mid-training costs nothing beyond the last checkpoint.
 
 One 4-rank plan (mlp, 4xCPU, searched by ``partita compile``) trains 6 steps with a checkpoint every
-2 steps. The test hook in ``runtime/torch_train.py`` kills one rank on the first attempt only
+2 steps. The test hook in ``backends/torch/train.py`` kills one rank on the first attempt only
 (``PARTITA_FAULT_AT_STEP`` / ``_KIND`` / ``_RANK``); with ``partita run --max-restarts 1`` torchrun
 restarts the group, the program resumes from the newest checkpoint of this run, and the losses of
 every step equal the uninterrupted run's exactly (float ==: same ranks, same reduction order, the
@@ -95,9 +95,9 @@ def test_killed_rank_restarts_from_checkpoint(
 def test_kill_during_save_keeps_previous_checkpoint(compiled: Path, baseline: dict, tmp_path: Path) -> None:
     import torch
 
+    from partita.backends.torch import checkpoint
+    from partita.backends.torch.train import make_optimizer
     from partita.models.zoo import resolve_model
-    from partita.runtime import checkpoint
-    from partita.runtime.torch_train import make_optimizer
 
     plan = fresh(compiled, tmp_path)
     fault = {"PARTITA_FAULT_AT_STEP": "4", "PARTITA_FAULT_KIND": "sigkill_in_save", "PARTITA_FAULT_RANK": "0"}

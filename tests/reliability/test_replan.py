@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from partita.compiler.emit_torch import emit_torch
+from partita.backends.torch.emit import emit_torch
 from tests.reliability.test_faults import cli
 from tests.runtime.plans import layout
 

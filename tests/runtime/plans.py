@@ -2,7 +2,7 @@
 
 The plans are test inputs (the search is not involved); their ``Stage.collectives`` are what the
 planner records (``search/plan_build.py``: one bucketed gradient sync, one p2p entry per boundary).
-:func:`expected` derives, from first principles and independently of ``runtime/fidelity.py``, the
+:func:`expected` derives, from first principles and independently of ``backends/torch/fidelity.py``, the
 collectives the torch runtime must issue per step for each layout; the emitted program's
 prediction and the collectives counted under torchrun must both equal it.
 """

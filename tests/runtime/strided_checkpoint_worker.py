@@ -8,8 +8,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from partita.compiler.torch_shim import strided_shard
-from partita.runtime import checkpoint as ck
+from partita.backends.torch import checkpoint as ck
+from partita.frontends.torch_shim import strided_shard
 
 dist.init_process_group("gloo")
 r = dist.get_rank()

@@ -1,6 +1,6 @@
 """DCP checkpoints of strided shards (a plan's ``"SS(d,g)"``) load under every other layout.
 
-A ``_StridedShard`` is not a box of its tensor, so ``runtime/checkpoint.py`` saves it as the view
+A ``_StridedShard`` is not a box of its tensor, so ``backends/torch/checkpoint.py`` saves it as the view
 that makes it one. Two gloo ranks save a weight and its Adam state under each of five layouts
 (strided, contiguous column shard, row shard, replicated, plain tensor) and load every checkpoint
 under every layout: the full weight and ``exp_avg`` must come back exactly.

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from partita.compiler.emit_torch import emit_torch
+from partita.backends.torch import launch as torch_launch
+from partita.backends.torch import tp as torch_tp
+from partita.backends.torch.emit import emit_torch
+from partita.backends.torch.parallel import check_launch, parse_placement
 from partita.errors import PlanError
 from partita.models.zoo import resolve_model
-from partita.runtime import torch_launch, torch_tp
-from partita.runtime.torch_parallel import check_launch, parse_placement
 from tests.runtime.plans import expected, layout, tp_placements
 
 GOLDEN = Path(__file__).parent.parent / "golden" / "emit_torch"

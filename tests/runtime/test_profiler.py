@@ -15,7 +15,7 @@ import pytest
 
 from partita.cluster import DEVICE_PRESETS, parse_cluster, parse_shorthand
 from partita.ir import Prim
-from partita.runtime.profiler import (
+from partita.profile.profiler import (
     build_profile,
     calibrated_cluster,
     calibrated_device,
@@ -28,7 +28,7 @@ from partita.runtime.profiler import (
     profile,
     profile_fingerprint,
 )
-from partita.runtime.step_probe import ADAM_STATE_BYTES, fit_optimizer, fit_step
+from partita.profile.step_probe import ADAM_STATE_BYTES, fit_optimizer, fit_step
 from partita.search.cost_model import CostModel, Efficiency, ProfileError
 from partita.search.mesh import AxisLink
 
@@ -253,7 +253,7 @@ def test_cluster_file_profile_prices_like_the_calibrated_device(tmp_path: Path) 
         with pytest.raises(ProfileError, match=words):
             parse_cluster(str(yaml_path))
     # the stage formulas see the profile's optimizer and overlap terms; defaults leave GPUs unchanged
-    from partita.compiler.driver import trace_handle
+    from partita.frontends.trace import trace_handle
     from partita.models import resolve_model
     from partita.search.config import TrainingConfig
 

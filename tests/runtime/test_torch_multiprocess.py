@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from partita.compiler.emit_torch import emit_torch
-from partita.runtime import torch_launch
-from partita.runtime.torch_train import reference_run
+from partita.backends.torch import launch as torch_launch
+from partita.backends.torch.emit import emit_torch
+from partita.backends.torch.train import reference_run
 from tests.runtime.plans import expected, layout
 
 pytestmark = pytest.mark.multiprocess

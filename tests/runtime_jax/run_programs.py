@@ -1,7 +1,7 @@
 """Run several generated JAX programs in one process (tests only: saves a JAX start-up per plan).
 
 ``python run_programs.py STEPS OUT_DIR PLAN_DIR...`` imports each ``PLAN_DIR/program_jax.py``, trains its
-``PROGRAM`` (``runtime/jax_train.train``) and, once per (model, global batch, sequence), the
+``PROGRAM`` (``backends/jax/train.train``) and, once per (model, global batch, sequence), the
 single-device reference; writes ``OUT_DIR/<name>.json`` (losses, the fidelity report: measured and
 predicted collectives, mismatches) and ``OUT_DIR/<name>_{params,grads}.npz``, and the reference's as
 ``OUT_DIR/<name>_reference*``. The parent sets JAX_NUM_CPU_DEVICES.
@@ -18,8 +18,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from partita.runtime import jax_parallel as jp
-from partita.runtime import jax_train
+from partita.backends.jax import parallel as jp
+from partita.backends.jax import train as jax_train
 
 
 def main() -> None:

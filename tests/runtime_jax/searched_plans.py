@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from partita.cluster import parse_cluster
-from partita.compiler.driver import trace_model
+from partita.driver import trace_model
 from partita.ir import Graph
 from partita.plan import Plan
 from partita.search import schedule as sched

@@ -14,7 +14,7 @@ import pytest
 from jax_plan_cases import make_plan
 from searched_plans import CASES, searched_plan
 
-from partita.compiler.emit_jax import emit_jax
+from partita.backends.jax.emit import emit_jax
 from partita.errors import PlanError
 
 GOLDEN = Path(__file__).parent.parent / "golden" / "emit_jax"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from jax.sharding import PartitionSpec as P
 
+from partita.backends.jax import fidelity as fid
 from partita.plan import Collective, Stage
-from partita.runtime import jax_fidelity as fid
 
 HLO = """
   %all-reduce.10 = (f32[256]{0}, /*index=1*/f32[64,256]{1,0}, f32[]) all-reduce(%a, %b, %c), channel_id=2, replica_groups=mesh['axis_0'=4,'axis_1'=1] {'axis_0'}, use_global_device_ids=true, to_apply=%add, metadata={op_name="jit(step)/(transpose(jvp(MLP))/fc1/reduce_sum:transpose(jvp(MLP))/fc1/dot_general:jvp()/reduce_sum)"}

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from partita.backends.jax import parallel as jp
 from partita.errors import PlanError
 from partita.models.jax_gpt import gpt_handle, mlp_handle
-from partita.runtime import jax_parallel as jp
 
 GPT_LAYERS = ["wte", "wpe", "blocks_0", "blocks_1", "ln_f", "lm_head"]
 
@@ -119,8 +119,8 @@ def test_module_pins_reach_module_outputs() -> None:
 def test_replica_batch_uneven_shares_pad_and_weigh() -> None:
     from jax_plan_cases import make_plan
 
-    from partita.compiler.emit_jax import emit_jax
-    from partita.runtime import jax_train
+    from partita.backends.jax import train as jax_train
+    from partita.backends.jax.emit import emit_jax
 
     plan = make_plan("jax-mlp", "uneven")
     ns: dict = {}

@@ -23,9 +23,9 @@ import pytest
 from jax_plan_cases import make_plan
 from searched_plans import CASES, searched_plan
 
-from partita.compiler.emit_jax import emit_jax
+from partita.backends.jax.emit import emit_jax
+from partita.backends.jax.run import device_env, run
 from partita.plan import Plan
-from partita.runtime.jax_run import device_env, run
 
 HERE = Path(__file__).parent
 STEPS = 3

@@ -200,7 +200,7 @@ def test_gpt2_fused_qkv_is_split_per_head() -> None:
     c_proj row-parallel and c_fc + c_proj: two all-reduces forward, as for separate q/k/v.
     """
     from partita.cluster import parse_shorthand
-    from partita.compiler.driver import trace_model
+    from partita.driver import trace_model
     from partita.search.config import TrainingConfig
     from partita.search.stage_cost import SolverCosts
 

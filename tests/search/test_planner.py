@@ -19,7 +19,7 @@ TRAIN = TrainingConfig(global_batch=64, seq_len=32)
 
 @pytest.fixture(scope="module")
 def graph() -> Graph:
-    from partita.compiler.driver import trace_handle
+    from partita.frontends.trace import trace_handle
     from partita.models import resolve_model
 
     return trace_handle(resolve_model("gpt2-tiny"), batch=1, seq=32)

@@ -1,0 +1,330 @@
+"""Helpers the generated PyTorch program calls: meshes, stage split, placements, recompute, grad sync.
+
+Sits under ``backends/torch/emit.py`` (which writes calls to these functions with the plan's
+literal data) and beside ``torch_train.py`` (the loop); the schedules are in ``torch_schedule.py``.
+
+How a plan's layer names map to modules (``split_stage``):
+
+* a dotted module path (``"transformer.h.0"``, ``"model.layers.1"``) is that submodule;
+* ``"embed"`` is the token/position embedding group, ``"head"`` the final norm + LM head, per
+  architecture (see :data:`ADAPTERS`: GPT-2 ``transformer.{wte,wpe,drop}`` / ``transformer.ln_f,
+  lm_head``; Llama ``model.embed_tokens`` / ``model.norm, lm_head``). Models outside the table run
+  their layers as a chain of module paths, ``x = layer(x)``.
+
+Modules of other stages are replaced by ``nn.Identity`` so parameter FQNs stay those of the full
+model (checkpoints and gradient checks compare by FQN). Tensor parallelism is Megatron-style
+(``torch_tp``): the modules whose parameters the plan shards run on DTensors, activations between
+modules stay plain local tensors, so attention runs the model's own kernel on the local heads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from partita.backends.torch import tp as torch_tp
+from partita.backends.torch.tp import parse_placement  # noqa: F401 - the emitted program's API
+from partita.errors import PlanError
+from partita.frontends import torch_shim
+
+
+# ---- launch checks and meshes -------------------------------------------------------------
+def check_launch(world_size: int, device_kinds: Sequence[str], env_world_size: int, cuda: bool) -> str:
+    """Refuse a launch that disagrees with the plan before any work starts; return the backend."""
+    if env_world_size != world_size:
+        raise PlanError(
+            f"this plan needs {world_size} ranks but the launch has WORLD_SIZE={env_world_size}.",
+            f"launch with `torchrun --nproc-per-node {world_size}` (or `partita run DIR`), or recompile for "
+            f"{env_world_size} devices.",
+        )
+    kinds = set(device_kinds)
+    if "gpu" in kinds and not cuda:
+        raise PlanError(
+            "this plan was compiled for GPUs but torch.cuda is not available on this machine.",
+            "run it on the cluster it was compiled for, or recompile with a CPU cluster such as `4xCPU`.",
+        )
+    return "nccl" if "gpu" in kinds else "gloo"
+
+
+def build_mesh(device_type: str, ranks: Sequence[int], dp: int, tp: int) -> DeviceMesh:
+    """A ``("dp", "tp")`` mesh over one stage's ranks. Every rank builds every stage's mesh, in order."""
+    return DeviceMesh(device_type, torch.tensor(list(ranks)).reshape(dp, tp), mesh_dim_names=("dp", "tp"))
+
+
+# ---- architecture adapters ----------------------------------------------------------------
+@dataclass(frozen=True)
+class Adapter:
+    embed: tuple[str, ...]
+    head: tuple[str, ...]
+    run_embed: Callable[[nn.Module, Any, StageContext], Any]
+    run_block: Callable[[nn.Module, nn.Module, Any, StageContext], Any]
+    run_head: Callable[[nn.Module, Any, StageContext], Any]
+    fused: tuple[str, ...] = ()  # modules whose output the model splits on the feature dim (torch_tp)
+    strided_attrs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # parent attrs sizing that split
+
+
+def _gpt2_embed(root: nn.Module, ids: Any, ctx: StageContext) -> Any:
+    t = root.transformer
+    pos = torch.arange(ids.shape[1], device=ctx.device).unsqueeze(0)
+    return t.drop(t.wte(ids) + t.wpe(pos))
+
+
+def _llama_block(root: nn.Module, block: nn.Module, x: Any, ctx: StageContext) -> Any:
+    pos = torch.arange(x.shape[1], device=ctx.device).unsqueeze(0)
+    cos, sin = root.model.rotary_emb(torch.ones(1, device=ctx.device), pos)
+    return block(x, attention_mask=None, position_embeddings=(cos, sin), position_ids=pos)
+
+
+ADAPTERS: dict[str, Adapter] = {
+    "GPT2LMHeadModel": Adapter(
+        ("transformer.wte", "transformer.wpe", "transformer.drop"),
+        ("transformer.ln_f", "lm_head"),
+        _gpt2_embed,
+        lambda root, block, x, ctx: block(x),
+        lambda root, x, ctx: root.lm_head(root.transformer.ln_f(x)),
+        fused=("attn.c_attn",),  # q|k|v in one [h, 3h] weight, split after the matmul
+        strided_attrs={"attn.c_attn": ("split_size",)},  # GPT2Attention: c_attn(x).split(split_size, dim=2)
+    ),
+    "LlamaForCausalLM": Adapter(
+        ("model.embed_tokens",),
+        ("model.norm", "lm_head"),
+        lambda root, ids, ctx: root.model.embed_tokens(ids),
+        _llama_block,
+        lambda root, x, ctx: root.lm_head(root.model.norm(x)),
+    ),
+}
+GENERIC = Adapter(("embed",), ("head",), lambda r, x, c: r.embed(x), lambda r, b, x, c: b(x), lambda r, x, c: r.head(x))
+
+
+def adapter_for(model: nn.Module) -> Adapter:
+    return ADAPTERS.get(type(model).__name__, GENERIC)
+
+
+def adapter_for_arch(arch: str) -> Adapter:
+    return ADAPTERS.get(arch, GENERIC)
+
+
+def layer_paths(model: nn.Module, name: str) -> tuple[str, ...]:
+    """Module paths a plan layer name stands for (``"embed"``/``"head"`` are groups)."""
+    ad = adapter_for(model)
+    return ad.embed if name == "embed" else ad.head if name == "head" else (name,)
+
+
+@dataclass
+class StageContext:
+    device: torch.device
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: the full model's children (FQNs unchanged) running only ``layers``."""
+
+    def __init__(self, model: nn.Module, layers: Sequence[str], device: torch.device) -> None:
+        super().__init__()
+        for name, child in model.named_children():
+            self.add_module(name, child)
+        self.config = getattr(model, "config", None)
+        self.arch = type(model).__name__
+        self.layers = tuple(layers)
+        self.recompute = "none"
+        self.ctx = StageContext(device)
+
+    def blocks(self) -> list[nn.Module]:
+        return [self.get_submodule(n) for n in self.layers if n not in ("embed", "head")]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return run_layers(self, self.arch, self.layers, x, self.ctx, self.recompute)
+
+
+def run_layers(
+    root: nn.Module, arch: str, layers: Sequence[str], x: torch.Tensor, ctx: StageContext, recompute: str = "none"
+) -> torch.Tensor:
+    """Run plan layers in order on ``root`` (plain tensors in and out, also under tensor parallelism)."""
+    ad = ADAPTERS.get(arch, GENERIC)
+    h: Any = x
+    for name in layers:
+        if name == "embed":
+            h = ad.run_embed(root, h, ctx)
+        elif name == "head":
+            h = ad.run_head(root, h, ctx)
+        else:
+            h = _run_block(ad, root, root.get_submodule(name), h, ctx, recompute)
+    return h
+
+
+def boundary_shapes(
+    model: nn.Module, stage_layers: Sequence[Sequence[str]], x: torch.Tensor
+) -> list[tuple[torch.Size, torch.dtype]]:
+    """Per-sample shape and dtype of each stage's output, from one no-grad pass of the full model."""
+    out = []
+    ctx = StageContext(x.device)
+    with torch.no_grad():
+        h = x
+        for layers in stage_layers:
+            h = run_layers(model, type(model).__name__, layers, h, ctx)
+            out.append((h.shape[1:], h.dtype))
+    return out
+
+
+_SAVED_OPS = (
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    *torch_shim.functional_collective_ops(),  # tp collectives: recomputing them would communicate again
+)
+
+
+def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _run_block(ad: Adapter, root: nn.Module, block: nn.Module, h: Any, ctx: StageContext, recompute: str) -> Any:
+    if recompute == "none" or not torch.is_grad_enabled():
+        return ad.run_block(root, block, h, ctx)
+    kw: dict[str, Any] = {"use_reentrant": False}
+    if recompute == "selective":  # keep matmul outputs, recompute pointwise/norm/softmax
+        kw["context_fn"] = partial(create_selective_checkpoint_contexts, _save_matmuls)
+    return checkpoint(ad.run_block, root, block, h, ctx, **kw)
+
+
+def split_stage(
+    model: nn.Module, layers: Sequence[str], all_layers: Sequence[str], device: torch.device
+) -> StageModule:
+    """Keep ``layers`` of ``model``; modules of the other plan layers become ``nn.Identity``."""
+    keep = {p for name in layers for p in layer_paths(model, name)}
+    for name in all_layers:
+        for path in layer_paths(model, name):
+            try:
+                model.get_submodule(path)
+            except AttributeError:
+                raise PlanError(
+                    f"plan layer {name!r} names module {path!r}, which {type(model).__name__} does not have.",
+                    "recompile the plan for this model (`partita compile MODEL ...`).",
+                ) from None
+            if path not in keep:
+                parent, _, attr = path.rpartition(".")
+                setattr(model.get_submodule(parent) if parent else model, attr, nn.Identity())
+    return StageModule(model, layers, device).to(device)
+
+
+def apply_recompute(module: StageModule, mode: str) -> None:
+    """Activation checkpointing per block: ``full`` recomputes the block, ``selective`` keeps matmuls."""
+    module.recompute = mode
+
+
+# ---- tensor parallelism (backends/torch/tp.py) -------------------------------------------------
+def distribute_params(
+    module: StageModule, tp_mesh: DeviceMesh, placements: Mapping[str, str], roles: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """Megatron-style tensor parallelism of a stage from its plan placements (see ``torch_tp``).
+
+    Every parameter of a module the plan shards becomes a DTensor on ``tp_mesh`` ("R" when not
+    listed); other parameters stay plain. Names in ``placements`` that are not parameters of this
+    stage raise PlanError (plan and model disagree). Returns ``{module path: role}``.
+    """
+    ad = adapter_for_arch(module.arch)
+    return torch_tp.tensor_parallel(module, tp_mesh, placements, ad.fused, roles, ad.strided_attrs)
+
+
+def tp_roles(model: nn.Module, placements: Mapping[str, str]) -> dict[str, str]:
+    """The roles :func:`distribute_params` gives ``model``'s modules (``model`` may live on meta)."""
+    return torch_tp.module_roles(model, placements, adapter_for(model).fused)
+
+
+# ---- gradients -------------------------------------------------------------------------------
+def tied_groups(model: nn.Module) -> list[list[str]]:
+    """FQN groups that name one parameter object (GPT-2's ``wte.weight`` / ``lm_head.weight``)."""
+    by_id: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(n)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def local_grad(p: nn.Parameter) -> torch.Tensor | None:
+    g = p.grad
+    if g is None:
+        return None
+    if isinstance(g, DTensor):
+        with torch.no_grad():
+            return g.to_local()  # the local shard itself (no autograd), so in-place updates reach the grad
+    return g
+
+
+def align_grads(module: nn.Module) -> None:
+    """Give each DTensor gradient its parameter's placements (R -> S(d) is a local slice, no comm)."""
+    for p in module.parameters():
+        g = p.grad
+        if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
+            p.grad = g.redistribute(p.device_mesh, p.placements)
+
+
+def scale_grads(module: nn.Module, factor: float) -> None:
+    """Multiply every (local shard of a) gradient by ``factor``, in place, no communication."""
+    for p in module.parameters():
+        g = local_grad(p)
+        if g is not None:
+            g.mul_(factor)
+
+
+def all_reduce_grads(module: nn.Module, group: dist.ProcessGroup) -> None:
+    """Data-parallel gradient sync without ZeRO: the stage's gradients are flattened into one bucket
+    per dtype and summed by one all-reduce over ``dp`` (the plan prices exactly this: one bucketed
+    gradient all-reduce per stage).
+
+    A sum, not a mean: each replica's loss is already weighted by its batch share (see
+    ``torch_train.loss_scale``), which is how uneven shares weight the average.
+    """
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in module.parameters():
+        g = local_grad(p)
+        if g is not None:
+            by_dtype.setdefault(g.dtype, []).append(g)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def sync_tied_grads(module: nn.Module, tied: Sequence[Sequence[str]], group: dist.ProcessGroup | None, n: int) -> None:
+    """Sum a tied parameter's gradient over the stages that hold a copy of it.
+
+    Every rank of those stages holds the full gradient (after its own dp/tp sync), so each adds
+    ``grad / ranks_in_its_stage`` into one all-reduce over the union of the stages' ranks.
+    """
+    if group is None:
+        return
+    alias = dict(module.named_parameters(remove_duplicate=False))
+    for names in tied:
+        present = [alias[n] for n in names if n in alias]
+        if not present:
+            continue
+        p = present[0]
+        g = p.grad
+        full = g.full_tensor() if isinstance(g, DTensor) else g
+        full = full / n
+        dist.all_reduce(full, group=group)
+        if isinstance(g, DTensor):
+            p.grad = distribute_tensor(full, g.device_mesh, g.placements, src_data_rank=None)
+        else:
+            p.grad.copy_(full)
+
+
+def full_grads(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded gradients by FQN (a collective over each DTensor's mesh: call on all stage ranks)."""
+    out = {}
+    for n, p in module.named_parameters():
+        g = p.grad
+        if g is not None:
+            out[n] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone().cpu()
+    return out

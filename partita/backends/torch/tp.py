@@ -1,0 +1,326 @@
+"""Megatron-style tensor parallelism for one pipeline stage, from the plan's parameter placements.
+
+Called through ``torch_parallel.distribute_params`` by the generated program
+(``backends/torch/emit.py`` writes the placements and the module roles this file derives), and by
+the emitter itself (:func:`module_roles` on the model built on the meta device, and
+:func:`tp_collectives` for the program's predicted collectives).
+
+Activations between modules stay plain local tensors, as in Megatron-LM and torchtitan; DTensor
+runs only inside the modules whose parameters the plan shards over ``tp``. Each such module gets
+a *role* from its weight's sharded dim (``nn.Linear`` keeps weight ``[out, in]``, transformers'
+``Conv1D`` ``[in, out]``) and its siblings (modules with the same parent):
+
+========================  =================================================  ===============  =============
+role                      what the hooks do                                  forward           backward
+========================  =================================================  ===============  =============
+``colwise``               input -> Replicate DTensor, output stays sharded   -                 all_reduce [1]
+``colwise_gather``        same, then all-gather the output                   all_gather        all_reduce [1]
+``rowwise``               local sharded input -> Shard(-1), Partial -> R     all_reduce        -
+``rowwise_replicated``    replicated input sliced to Shard(-1), Partial -> R all_reduce        all_gather
+``vocab``                 nn.Embedding sharded on the vocabulary             all_reduce        -
+``embed_dim``             nn.Embedding sharded on the hidden dim             all_gather        -
+========================  =================================================  ===============  =============
+
+[1] one per parent module: column siblings (``q/k/v_proj``, ``gate/up_proj``) read the same input
+tensor and share one Replicate DTensor, so their input gradients meet in one all-reduce.
+
+A column module keeps its output sharded only when its parent also holds a row module (the
+Megatron pair: attention ``q/k/v`` + ``o``, MLP ``fc`` + ``proj``) and the model does not split
+its output along a contiguously sharded dim (the adapter's ``fused`` list: GPT-2's ``c_attn`` is
+q|k|v in one weight). A fused module placed ``"SS(d,g)"`` (``passes/fused_split.py``: each of the
+``g`` chunks sharded on its own, DTensor's ``_StridedShard``) holds ``[q_r | k_r | v_r]``, whole
+heads, so it stays ``colwise``; the adapter's ``strided_attrs`` names the parent's attributes
+that size the local split (GPT-2's ``split_size``), divided by tp on the rank. A contiguous
+``"S(d)"`` on a fused module is gathered and attention runs on all heads, replicated. A row module whose parent has no sharded-output column gets its input
+replicated and slices it. Parameters of unsharded modules stay plain tensors: their inputs and
+output gradients are replicated over ``tp``, so their gradients agree without communication. Any
+other sharded layout (e.g. a sharded norm weight) runs as ``generic``: DTensor propagation inside
+the module with a replicated input and output; correct, but its collectives are not predicted.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+
+from partita.errors import PlanError
+from partita.frontends.torch_shim import strided_shard
+
+COLUMN, COLUMN_GATHER, ROW, ROW_REPLICATED = "colwise", "colwise_gather", "rowwise", "rowwise_replicated"
+VOCAB, EMBED_DIM, GENERIC = "vocab", "embed_dim", "generic"
+ROLES = (COLUMN, COLUMN_GATHER, ROW, ROW_REPLICATED, VOCAB, EMBED_DIM, GENERIC)
+
+
+def parse_placement(text: str) -> Placement:
+    if text == "R":
+        return Replicate()
+    m = re.fullmatch(r"S\((-?\d+)\)", text)
+    if m:
+        return Shard(int(m.group(1)))
+    ss = _strided(text)
+    if ss is not None and ss[1] > 1:
+        return strided_shard(*ss)
+    raise PlanError(
+        f"parameter placement {text!r} cannot be applied to a parameter.",
+        "parameters take 'R', 'S(d)' or 'SS(d,g)' per mesh axis; 'P' (partial) is only for activations.",
+    )
+
+
+def _strided(text: str) -> tuple[int, int] | None:
+    """``(dim, groups)`` of a strided-shard placement ``"SS(d,g)"``, else None."""
+    m = re.fullmatch(r"SS\((\d+),(\d+)\)", text)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _weight_dims(mod: nn.Module) -> tuple[int, int] | None:
+    """(out dim, in dim) of a linear-like module's 2-D weight, or None for other modules."""
+    if isinstance(mod, nn.Linear):
+        return 0, 1
+    w = getattr(mod, "weight", None)
+    if type(mod).__name__ == "Conv1D" and isinstance(w, torch.Tensor) and w.dim() == 2:
+        return 1, 0  # transformers.pytorch_utils.Conv1D: y = x @ W + b with W [in, out]
+    return None
+
+
+def _own_role(mod: nn.Module, pl: Mapping[str, str]) -> str | None:
+    """Role from a module's own parameter placements alone (column / row resolved later)."""
+    if all(v == "R" for v in pl.values()):
+        return None
+    w, b = pl.get("weight", "R"), pl.get("bias", "R")
+    if isinstance(mod, nn.Embedding) and set(pl) == {"weight"}:
+        return {"S(0)": VOCAB, "S(1)": EMBED_DIM}.get(w, GENERIC)
+    dims = _weight_dims(mod)
+    if dims is None or not set(pl) <= {"weight", "bias"}:
+        return GENERIC
+    out_dim, in_dim = dims
+    if w == f"S({out_dim})" and b in ("S(0)", "R") and (b == "S(0)" or getattr(mod, "bias", None) is None):
+        return COLUMN
+    ws, bs = _strided(w), _strided(b)
+    strided_b = ws is not None and bs == (0, ws[1])
+    if ws is not None and ws[0] == out_dim and (strided_b or (b == "R" and getattr(mod, "bias", None) is None)):
+        return COLUMN  # each chunk (q, k, v) column-split: rank r holds whole heads
+    if w == f"S({in_dim})" and b == "R":
+        return ROW
+    return GENERIC
+
+
+def with_aliases(model: nn.Module, placements: Mapping[str, str]) -> dict[str, str]:
+    """``placements`` extended to every FQN of a tied parameter (GPT-2's ``lm_head.weight`` is ``wte``'s)."""
+    names: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    by_fqn = {n: group for group in names.values() for n in group}
+    out = dict(placements)
+    for fqn, pl in placements.items():
+        for other in by_fqn.get(fqn, ()):
+            out.setdefault(other, pl)
+    return out
+
+
+def module_roles(model: nn.Module, placements: Mapping[str, str], fused: Sequence[str] = ()) -> dict[str, str]:
+    """``{module path: role}`` for every module with a tp-sharded parameter (module docstring).
+
+    ``placements`` maps parameter FQNs to their ``tp`` placement; works on a model built on the
+    meta device (the emitter) as on the real one (the runtime). ``fused``: module-path suffixes
+    whose output the model splits along the feature dim (gathered, never kept sharded).
+    """
+    per_module: dict[str, dict[str, str]] = {}
+    for fqn, pl in with_aliases(model, placements).items():
+        path, _, attr = fqn.rpartition(".")
+        per_module.setdefault(path, {})[attr] = pl
+    strided = {p for p, mine in per_module.items() if _strided(mine.get("weight", "")) is not None}
+    own = {}
+    for path, mine in sorted(per_module.items()):
+        role = _own_role(model.get_submodule(path), mine)
+        if role is not None:
+            own[path] = role
+    parent = {p: p.rpartition(".")[0] for p in own}
+    has_row = {parent[p] for p, r in own.items() if r == ROW}
+    roles = {}
+    for p, r in own.items():
+        if r == COLUMN:
+            contiguous_fused = p not in strided and any(p == f or p.endswith("." + f) for f in fused)
+            keep = parent[p] in has_row and not contiguous_fused
+            roles[p] = COLUMN if keep else COLUMN_GATHER
+        else:
+            roles[p] = r
+    sharded_out = {parent[p] for p, r in roles.items() if r == COLUMN}
+    for p, r in roles.items():
+        if r == ROW and parent[p] not in sharded_out:
+            roles[p] = ROW_REPLICATED
+    return roles
+
+
+def tp_collectives(roles: Mapping[str, str], no_input_grad: Sequence[str] = ()) -> dict[str, dict[str, int]]:
+    """Collectives per micro-batch the hooks issue: ``{"forward": {kind: n}, "backward": {kind: n}}``.
+
+    ``no_input_grad``: module paths fed the program's input (no gradient, so no backward all-reduce).
+    """
+    fwd: dict[str, int] = {}
+    bwd: dict[str, int] = {}
+
+    def add(d: dict[str, int], kind: str) -> None:
+        d[kind] = d.get(kind, 0) + 1
+
+    for role in roles.values():
+        if role in (ROW, ROW_REPLICATED, VOCAB):
+            add(fwd, "all_reduce")
+        if role in (COLUMN_GATHER, EMBED_DIM):
+            add(fwd, "all_gather")
+        if role == ROW_REPLICATED:
+            add(bwd, "all_gather")
+    cols = [p for p, r in roles.items() if r in (COLUMN, COLUMN_GATHER) and p not in no_input_grad]
+    for _ in {p.rpartition(".")[0] for p in cols}:
+        add(bwd, "all_reduce")
+    return {"forward": fwd, "backward": bwd}
+
+
+# ---- runtime ---------------------------------------------------------------------------------
+class _Hooks:
+    """Forward pre/post hooks of the tp modules of one stage (one instance per stage)."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+        self.shared: dict[str, dict[int, tuple[torch.Tensor, DTensor]]] = {}
+
+    def clear(self, parent: str) -> None:
+        self.shared.pop(parent, None)
+
+    def replicated(self, parent: str, x: torch.Tensor) -> DTensor:
+        """One Replicate DTensor per input tensor among a parent's column modules (one grad all-reduce)."""
+        cache = self.shared.setdefault(parent, {})
+        hit = cache.get(id(x))
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        d = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
+        cache[id(x)] = (x, d)
+        return d
+
+    def pre(self, role: str, parent: str, in_features: int) -> Any:
+        mesh = self.mesh
+
+        def hook(mod: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+            x, rest = args[0], args[1:]
+            if isinstance(x, DTensor):
+                return args
+            if role in (COLUMN, COLUMN_GATHER):
+                return (self.replicated(parent, x), *rest)
+            if role in (ROW, ROW_REPLICATED):
+                d = x.dim() - 1
+                if x.shape[-1] == in_features:  # arrives replicated: take this rank's slice
+                    dt = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                    return (dt.redistribute(mesh, [Shard(d)]), *rest)
+                return (DTensor.from_local(x, mesh, [Shard(d)], run_check=False), *rest)
+            return (DTensor.from_local(x, mesh, [Replicate()], run_check=False), *rest)
+
+        return hook
+
+    def post(self, role: str) -> Any:
+        mesh = self.mesh
+
+        def hook(mod: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
+            if not isinstance(out, DTensor):
+                return out
+            if role == COLUMN:
+                return out.to_local()
+            return out.redistribute(mesh, [Replicate()]).to_local()
+
+        return hook
+
+
+def _in_features(mod: nn.Module) -> int:
+    dims, w = _weight_dims(mod), getattr(mod, "weight", None)
+    return int(w.shape[dims[1]]) if dims is not None and isinstance(w, torch.Tensor) else -1
+
+
+def _localize_attrs(
+    module: nn.Module,
+    placements: Mapping[str, str],
+    roles: Mapping[str, str],
+    strided_attrs: Mapping[str, Sequence[str]],
+    tp: int,
+) -> None:
+    """Divide the parent attributes that size a strided column module's split by ``tp``."""
+    for path, role in roles.items():
+        if role != COLUMN or _strided(placements.get(f"{path}.weight", "")) is None:
+            continue
+        for suffix, attrs in strided_attrs.items():
+            if path != suffix and not path.endswith("." + suffix):
+                continue
+            parent = module.get_submodule(path.rpartition(".")[0])
+            for a in attrs:
+                v = getattr(parent, a)
+                if not isinstance(v, int) or v % tp:
+                    raise PlanError(
+                        f"{path.rpartition('.')[0]}.{a} = {v!r} does not split over tp={tp}.",
+                        "choose a tp that divides the model's head count.",
+                    )
+                setattr(parent, a, v // tp)
+
+
+def tensor_parallel(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    placements: Mapping[str, str],
+    fused: Sequence[str] = (),
+    roles: Mapping[str, str] | None = None,
+    strided_attrs: Mapping[str, Sequence[str]] | None = None,
+) -> dict[str, str]:
+    """Shard ``module``'s parameters over ``mesh`` and install the role hooks; returns the roles.
+
+    ``roles``, when given (the generated program writes them), must equal the ones derived from
+    the module itself, else PlanError: the program was emitted for a different model.
+    ``strided_attrs``: ``{module suffix: parent attributes}`` divided by tp where that module is
+    column-parallel with an ``"SS(d,g)"`` weight (module docstring).
+    """
+    alias: dict[str, nn.Parameter] = dict(module.named_parameters(remove_duplicate=False))
+    unknown = sorted(set(placements) - set(alias))
+    if unknown:
+        raise PlanError(
+            f"the plan places parameters {unknown[:4]} that this stage does not have.",
+            "recompile the plan for this model.",
+        )
+    derived = module_roles(module, placements, fused)
+    if roles is not None and dict(roles) != derived:
+        diff = sorted(set(roles.items()) ^ set(derived.items()))[:4]
+        raise PlanError(
+            f"the program's tensor-parallel roles disagree with this model's modules ({diff}).",
+            "regenerate the program for this model (`partita compile MODEL ...`).",
+        )
+    # Every parameter of a tp module becomes a DTensor (placement from the plan, else Replicate);
+    # tied parameters (one object under several FQNs) stay one object.
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for mod in module.modules():
+        for attr, p in mod.named_parameters(recurse=False, remove_duplicate=False):
+            owners.setdefault(id(p), []).append((mod, attr))
+    done: set[int] = set()
+    for path in derived:
+        for _, p in list(module.get_submodule(path).named_parameters(recurse=False)):
+            if id(p) in done:
+                continue
+            names = [n for n, q in alias.items() if q is p]
+            given = {placements[n] for n in names if n in placements}
+            if len(given) > 1:
+                raise PlanError(f"tied parameter {names} has conflicting placements {sorted(given)}.", "recompile.")
+            pl = parse_placement(given.pop() if given else "R")
+            new = nn.Parameter(distribute_tensor(p.data, mesh, [pl]), requires_grad=p.requires_grad)
+            for mod, a in owners[id(p)]:
+                setattr(mod, a, new)
+            done.add(id(new))
+    _localize_attrs(module, placements, derived, strided_attrs or {}, mesh.size())
+    hooks = _Hooks(mesh)
+    for path, role in derived.items():
+        mod, parent = module.get_submodule(path), path.rpartition(".")[0]
+        mod.register_forward_pre_hook(hooks.pre(role, parent, _in_features(mod)))
+        mod.register_forward_hook(hooks.post(role))
+    for parent in {p.rpartition(".")[0] for p, r in derived.items() if r in (COLUMN, COLUMN_GATHER)}:
+        owner = module.get_submodule(parent)  # the shared input lives for one call of the parent
+        owner.register_forward_pre_hook(lambda m, a, parent=parent: hooks.clear(parent))
+        owner.register_forward_hook(lambda m, a, o, parent=parent: hooks.clear(parent))
+    return derived

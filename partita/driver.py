@@ -1,0 +1,518 @@
+"""The compile driver: model spec -> traced IR -> Plan -> program files, with a compile cache.
+
+Sits between the CLI / ``partita.api`` above and the tracers, passes, search and emitters below.
+Staged like JAX's ``Traced -> Lowered -> Compiled``: :func:`trace_model` gives a :class:`Traced`,
+``Traced.plan(cluster, training)`` a :class:`Planned`, ``Planned.compile(out_dir)`` a
+:class:`Compiled`; each has ``as_text()``.
+
+The compile cache is keyed by (model identity, cluster fingerprint, training config, search
+options, Partita version). The model identity is the zoo entry's config, or the content hash of
+a ``config.json`` / factory module file, so a hit is decided without tracing (< 1 s); the graph
+hash is recorded in the plan and checked by the runtime.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import io
+import json
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from partita.cluster import Cluster, parse_cluster
+from partita.errors import ConfigError, PlanError
+from partita.frontends.trace import TRACE_BATCH, seq_default, trace_handle
+from partita.ir import Graph
+from partita.plan import Plan
+from partita.version import __version__
+
+PLAN_FILE = "plan.json"
+CACHE_FILE = "cache_key.json"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PARTITA_CACHE_DIR", Path.home() / ".cache" / "partita"))
+
+
+# ---- tracing -----------------------------------------------------------------------------
+@dataclasses.dataclass
+class Traced:
+    handle: Any
+    graph: Graph
+    trace_time_s: float
+
+    def summary(self, batch: int = 1, seq: int | None = None) -> dict[str, Any]:
+        from partita.passes.annotate import layer_stats
+
+        env = self.env(batch, seq)
+        stats = layer_stats(self.graph, env)
+        kinds: dict[str, list[str]] = {}
+        for s in stats:
+            kinds.setdefault(s.kind, []).append(s.name)
+        return {
+            "model": self.handle.name,
+            "framework": self.handle.framework,
+            "batch": env.get("B", batch),
+            "seq": env.get("S", seq),
+            "num_nodes": len(self.graph.nodes),
+            "num_params": self.graph.num_params(),
+            "param_bytes": self.graph.param_bytes(),
+            "forward_flops": int(sum(s.forward_flops for s in stats)),
+            "backward_flops": int(sum(s.backward_flops for s in stats)),
+            "num_layers": len(stats),
+            "layers": [
+                {
+                    "name": s.name,
+                    "kind": s.kind,
+                    "num_nodes": s.num_nodes,
+                    "num_params": s.param_count,
+                    "forward_flops": int(s.forward_flops),
+                    "activation_bytes": int(s.activation_bytes),
+                }
+                for s in stats
+            ],
+            "repeated_layers": [{"kind": k, "count": len(v), "layers": v} for k, v in kinds.items() if len(v) > 1],
+            "trace_time_s": round(self.trace_time_s, 3),
+        }
+
+    def env(self, batch: int, seq: int | None) -> dict[str, int]:
+        return {"B": batch, "S": seq or seq_default(self.handle)}
+
+    def as_text(self, batch: int = 1, seq: int | None = None) -> str:
+        s = self.summary(batch, seq)
+        lines = [
+            f"{s['model']} ({s['framework']}): {s['num_nodes']} nodes, {s['num_params']:,} params "
+            f"({s['param_bytes'] / 1e9:.2f} GB), forward {s['forward_flops'] / 1e12:.3f} TFLOP at batch {s['batch']}, "
+            f"seq {s['seq']}; traced in {s['trace_time_s']:.1f} s",
+            f"{'layer':<24} {'kind':<18} {'nodes':>6} {'params':>14} {'fwd GFLOP':>12}",
+        ]
+        for lay in s["layers"]:
+            lines.append(
+                f"{lay['name']:<24} {lay['kind']:<18} {lay['num_nodes']:>6} {lay['num_params']:>14,} "
+                f"{lay['forward_flops'] / 1e9:>12.2f}"
+            )
+        for r in s["repeated_layers"]:
+            lines.append(f"repeated: {r['count']} x kind {r['kind']} ({r['layers'][0]} .. {r['layers'][-1]})")
+        return "\n".join(lines)
+
+    def plan(
+        self, cluster: str | Cluster, training: Any, *, gpus_per_node: int | None = None, progress: bool = False
+    ) -> Planned:
+        from partita.search.planner import plan_graph
+
+        cl = parse_cluster(cluster, gpus_per_node) if isinstance(cluster, str) else cluster
+        t0 = time.perf_counter()
+        plan = plan_graph(self.graph, cl, training, progress=progress)
+        return Planned(self, cl, training, plan, time.perf_counter() - t0)
+
+
+def trace_model(spec: str, *, batch: int = TRACE_BATCH, seq: int | None = None) -> Traced:
+    from partita.models import resolve_model
+
+    handle = resolve_model(spec)
+    t0 = time.perf_counter()
+    graph = trace_handle(handle, batch=batch, seq=seq)
+    return Traced(handle, graph, time.perf_counter() - t0)
+
+
+# ---- planning and compiling --------------------------------------------------------------
+@dataclasses.dataclass
+class Planned:
+    traced: Traced
+    cluster: Cluster
+    training: Any
+    plan: Plan
+    search_time_s: float
+
+    def as_text(self) -> str:
+        from partita.report import plan_text
+
+        return plan_text(self.plan)
+
+    def compile(self, out_dir: str | Path) -> Compiled:
+        return _write_outputs(
+            self.plan, self.traced.handle.name, Path(out_dir), cache_hit=False, search_time_s=self.search_time_s
+        )
+
+
+@dataclasses.dataclass
+class Compiled:
+    out_dir: Path
+    plan: Plan
+    cache_hit: bool
+    files: dict[str, str]
+    elapsed_s: float
+
+    def summary(self) -> dict[str, Any]:
+        p = self.plan
+        return {
+            "out_dir": str(self.out_dir),
+            "cache_hit": self.cache_hit,
+            "predicted_step_time_s": p.predicted.get("step_time_s"),
+            "search_time_s": p.search.get("time_s"),
+            "schedule": p.schedule,
+            "micro_batch_size": p.micro_batch_size,
+            "num_micro_batches": p.num_micro_batches,
+            "world_size": p.world_size,
+            "model": p.model.get("name"),
+            "cluster": p.cluster.get("name"),
+            "stages": [
+                {
+                    "index": s.index,
+                    "layers": list(s.layers),
+                    "device_type": s.device_type,
+                    "num_devices": s.num_devices,
+                    "dp": s.dp,
+                    "tp": s.tp,
+                    "zero_stage": s.zero_stage,
+                    "recompute": s.recompute,
+                    "batch_shares": list(s.batch_shares),
+                }
+                for s in p.stages
+            ],
+            "predicted": dict(p.predicted),
+            "files": self.files,
+        }
+
+    def as_text(self) -> str:
+        from partita.report import plan_text
+
+        head = (
+            f"cache hit: loaded {self.out_dir / PLAN_FILE} in {self.elapsed_s:.2f} s (use --force to recompile)"
+            if self.cache_hit
+            else f"wrote {', '.join(sorted(self.files.values()))}"
+        )
+        return plan_text(self.plan) + "\n" + head
+
+
+def _model_identity(handle: Any) -> str:
+    """What decides the traced graph: the zoo config, or the content of the user's file."""
+    ident = getattr(handle, "identity", None)
+    if callable(ident):
+        return str(ident())
+    cfg = getattr(handle, "config", {})
+    return json.dumps(
+        {"name": handle.name, "framework": handle.framework, "config": cfg if isinstance(cfg, Mapping) else repr(cfg)},
+        sort_keys=True,
+        default=str,
+    )
+
+
+def _profile_hash(path: str) -> str:
+    p = Path(path)
+    return hashlib.sha256(p.read_bytes()).hexdigest()[:16] if p.exists() else "missing:" + path
+
+
+@functools.cache
+def code_fingerprint() -> str:
+    """Hash of the sources that decide a plan (IR, passes, search, tracers, emitters, data files).
+
+    The version string alone misses edits between releases (an editable install, a patched
+    pass); a stale cached plan would then disagree with a fresh trace (its ``graph_hash``)."""
+    return source_fingerprint(
+        ("ir.py", "prims.py", "plan.py", "cluster.py", "passes", "search", "frontends", "backends", "models", "data")
+    )
+
+
+def source_fingerprint(subs: Sequence[str]) -> str:
+    """Hash of the ``.py`` / ``.json`` files under these paths of the ``partita`` package."""
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for sub in subs:
+        for p in sorted((root / sub).rglob("*") if (root / sub).is_dir() else [root / sub]):
+            if p.is_file() and p.suffix in (".py", ".json"):
+                h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def spec_identity(spec: str) -> str | None:
+    """A model identity from the spec string alone (no torch / transformers import), or None.
+
+    Zoo names are code (``models/`` is in :func:`code_fingerprint`, library versions are added
+    here); a ``config.json`` is its content. A ``package.module:factory`` needs its module run,
+    so it has none. Lets ``partita compile`` answer a cache hit without importing torch."""
+    from importlib import metadata
+
+    if ":" in spec and not Path(spec).exists():
+        return None
+    path = Path(spec)
+    if path.suffix == ".json" or path.exists():
+        if not path.is_file():
+            return None
+        body = "file:" + hashlib.sha256(path.read_bytes()).hexdigest()
+    else:
+        body = "zoo:" + spec
+    versions = {}
+    for lib in ("torch", "transformers", "jax", "flax"):
+        try:
+            versions[lib] = metadata.version(lib)
+        except metadata.PackageNotFoundError:
+            versions[lib] = ""
+    return json.dumps({"spec": body, "versions": versions}, sort_keys=True)
+
+
+def cache_key(handle: Any, cluster: Cluster, training: Any, identity: str | None = None) -> str:
+    payload = {
+        "code": code_fingerprint(),
+        "model": identity if identity is not None else _model_identity(handle),
+        "cluster": cluster.fingerprint(),
+        "training": dataclasses.asdict(training) if dataclasses.is_dataclass(training) else dict(training),
+        "partita": __version__,
+        # a re-measured profile written to the same path must not hit a stale plan
+        "profiles": {d.name: _profile_hash(d.profile) for d in cluster.device_types() if d.profile},
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
+
+
+@dataclasses.dataclass
+class CachedPlan:
+    """A plan for a model handle, from the compile cache or a fresh trace + search."""
+
+    plan: Plan
+    cache_hit: bool
+    key: str
+    path: Path  # the cache entry's plan.json
+    elapsed_s: float
+
+
+def plan_handle(
+    handle: Any,
+    cluster: str | Cluster,
+    training: Any,
+    *,
+    force: bool = False,
+    progress: bool = False,
+    key: str | None = None,
+) -> CachedPlan:
+    """The plan for ``handle`` on ``cluster``: a cache hit when the key matches (no trace), else
+    trace + search, written to the cache. Used by :func:`compile_to_dir` and ``partita.parallelize``."""
+    t0 = time.perf_counter()
+    cl = parse_cluster(cluster) if isinstance(cluster, str) else cluster
+    _check_training(training)
+    key = key or cache_key(handle, cl, training)
+    cached = cache_dir() / "plans" / key / PLAN_FILE
+    if not force and cached.exists():
+        try:
+            plan = Plan.from_json(cached.read_text(), str(cached))
+        except PlanError:
+            plan = None  # a corrupt cache entry is recompiled, never trusted
+        if plan is not None:
+            return CachedPlan(plan, True, key, cached, time.perf_counter() - t0)
+    traced = Traced(handle, trace_handle(handle, batch=TRACE_BATCH, seq=training.seq_len), 0.0)
+    traced.trace_time_s = time.perf_counter() - t0
+    planned = traced.plan(cl, training, progress=progress)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(cached, planned.plan.to_json())
+    return CachedPlan(planned.plan, False, key, cached, time.perf_counter() - t0)
+
+
+def compile_to_dir(
+    model: str,
+    cluster: str,
+    training: Any,
+    out_dir: str | Path,
+    *,
+    force: bool = False,
+    gpus_per_node: int | None = None,
+    progress: bool = False,
+) -> Compiled:
+    t0 = time.perf_counter()
+    cl = parse_cluster(cluster, gpus_per_node)
+    _check_training(training)
+    ident = spec_identity(model)
+    if ident is not None and not force:
+        key = cache_key(None, cl, training, ident)
+        entry = cache_dir() / "plans" / key
+        hit = _cached_outputs(entry, model, Path(out_dir), key, t0)
+        if hit is not None:
+            return hit
+    from partita.models import resolve_model
+
+    handle = resolve_model(model)
+    key = cache_key(handle, cl, training, ident)
+    got = plan_handle(handle, cl, training, force=force, progress=progress, key=key)
+    done = _write_outputs(
+        got.plan, model, Path(out_dir), cache_hit=got.cache_hit, elapsed_s=time.perf_counter() - t0, key=got.key
+    )
+    for name in PROGRAM_FILES:  # keep the generated program with the cached plan (a hit copies it)
+        if (done.out_dir / name).exists():
+            _atomic_write(got.path.parent / name, (done.out_dir / name).read_text())
+    return done
+
+
+PROGRAM_FILES = ("program_torch.py", "program_jax.py")
+
+
+def _cached_outputs(entry: Path, model: str, out: Path, key: str, t0: float) -> Compiled | None:
+    """A cache hit served from the entry's plan and program files (no trace, no emit, no torch)."""
+    try:
+        plan = Plan.from_json((entry / PLAN_FILE).read_text(), str(entry / PLAN_FILE))
+    except (OSError, PlanError):
+        return None  # missing or corrupt: recompile, never trust it
+    name = "program_jax.py" if plan.model.get("framework") == "jax" else "program_torch.py"
+    if not (entry / name).exists():
+        return None
+    program = (name, (entry / name).read_text())
+    return _write_outputs(plan, model, out, cache_hit=True, key=key, program=program, t0=t0)
+
+
+def _check_training(training: Any) -> None:
+    if training.global_batch < 1 or training.seq_len < 1:
+        raise ConfigError(
+            f"global batch {training.global_batch} and sequence length {training.seq_len} must be positive.",
+            "pass --global-batch N and --seq S with N, S >= 1.",
+        )
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _write_outputs(
+    plan: Plan,
+    model_spec: str,
+    out: Path,
+    *,
+    cache_hit: bool,
+    elapsed_s: float = 0.0,
+    key: str = "",
+    search_time_s: float = 0.0,
+    program: tuple[str, str] | None = None,
+    t0: float | None = None,
+) -> Compiled:
+    """Write plan, report, generated program and cache key into ``out``. ``program`` is a
+    ``(file name, source)`` already generated (a cache hit); otherwise the emitter runs."""
+    from partita.report import plan_text
+
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"plan": str(out / PLAN_FILE), "report": str(out / "report.txt")}
+    _atomic_write(out / PLAN_FILE, plan.to_json())
+    _atomic_write(out / "report.txt", plan_text(plan) + "\n")
+    framework = plan.model.get("framework", "torch")
+    if program is not None:
+        _atomic_write(out / program[0], program[1])
+        files["program"] = str(out / program[0])
+    elif framework == "torch":
+        from partita.backends.torch.emit import emit_torch
+
+        _atomic_write(out / "program_torch.py", emit_torch(plan, model_spec))
+        files["program"] = str(out / "program_torch.py")
+    elif framework == "jax":
+        try:
+            from partita.backends.jax.emit import emit_jax
+        except ImportError:
+            emit_jax = None
+        if emit_jax is not None:
+            _atomic_write(out / "program_jax.py", emit_jax(plan, model_spec))
+            files["program"] = str(out / "program_jax.py")
+    _atomic_write(out / CACHE_FILE, json.dumps({"key": key, "model": model_spec}, indent=1) + "\n")
+    return Compiled(out, plan, cache_hit, files, elapsed_s if t0 is None else time.perf_counter() - t0)
+
+
+def load_plan(plan_dir: str | Path) -> Plan:
+    from partita.plan import read_plan
+
+    path = Path(plan_dir) / PLAN_FILE if Path(plan_dir).is_dir() else Path(plan_dir)
+    if not path.exists():
+        raise PlanError(f"no plan at {path}.", "run `partita compile MODEL --out DIR` first, then pass DIR.")
+    return read_plan(path)
+
+
+# ---- evaluate / run / report -------------------------------------------------------------
+def evaluate_model(
+    model: str,
+    cluster: str,
+    training: Any,
+    *,
+    tp: int,
+    pp: int,
+    dp: int,
+    micro_batch: int,
+    zero_stage: int = 0,
+    recompute: str = "none",
+    schedule: str = "1f1b",
+    gpus_per_node: int | None = None,
+) -> Any:
+    _check_training(training)
+    cl = parse_cluster(cluster, gpus_per_node)  # validate the cheap inputs before tracing
+    from partita.search.evaluate import evaluate_config
+
+    traced = trace_model(model, batch=TRACE_BATCH, seq=training.seq_len)
+    return evaluate_config(
+        traced.graph,
+        cl,
+        training,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        micro_batch=micro_batch,
+        zero_stage=zero_stage,
+        recompute=recompute,
+        schedule=schedule,
+    )
+
+
+def run_plan(
+    plan_dir: str,
+    *,
+    steps: int,
+    reference: bool = False,
+    dry_run: bool = False,
+    nnodes: int = 1,
+    checkpoint_every: int = 0,
+    resume: bool = False,
+    max_restarts: int | None = None,
+    extra_args: Sequence[str] = (),
+) -> Mapping[str, Any]:
+    from partita.report import run_log
+
+    plan = load_plan(plan_dir)
+    if plan.model.get("framework") == "jax":
+        from partita.backends.jax.run import run as jax_run
+
+        result = jax_run(plan_dir, steps=steps, reference=reference)
+        run_log.write(plan_dir, run_log.build(plan, result, steps=steps, framework="jax"))
+        return result
+    from partita.backends.torch.launch import run
+
+    extra = list(extra_args)
+    if checkpoint_every:
+        extra += ["--checkpoint-every", str(checkpoint_every)]
+    if resume:
+        extra += ["--resume"]
+    with contextlib.redirect_stdout(io.StringIO()):  # the launcher prints; the CLI decides what to show
+        result = run(
+            plan_dir,
+            steps=steps,
+            reference=reference,
+            dry_run=dry_run,
+            nnodes=nnodes,
+            max_restarts=max_restarts,
+            extra_args=tuple(extra),
+        )
+    if not dry_run:  # DIR/run_log.json: measured beside predicted, for `partita report DIR`
+        run_log.write(plan_dir, run_log.build(plan, result, steps=steps, framework="torch"))
+    return result
+
+
+def report(dirs: Sequence[str], html: str | None = None) -> str:
+    """Text report of one plan (with its run log's "Predicted vs measured" when DIR has one), or
+    the comparison of two; ``html`` also writes the first plan's page there."""
+    from partita import report as rep
+    from partita.report import run_log
+
+    plans = [load_plan(d) for d in dirs]
+    logs = [run_log.load(d) for d in dirs]
+    if html:
+        Path(html).write_text(rep.plan_html(plans[0], logs[0]))
+    if len(plans) == 2:
+        return rep.compare_text(plans[0], plans[1])
+    return "\n\n".join(rep.plan_text(p, log) for p, log in zip(plans, logs))

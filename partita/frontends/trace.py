@@ -1,0 +1,55 @@
+"""Capture: a model handle (torch module or JAX loss) -> the annotated IR graph.
+
+First stage of the flow (frontends/): dispatches to ``trace_torch`` (torch.export on the meta
+device) or ``trace_jax`` (make_jaxpr on abstract values), then runs the standard passes
+(``passes/pipeline.py``). Used by the driver, the JAX emitter (to rebuild a plan's graph) and the
+profiler's step probes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from partita.ir import Graph
+
+if TYPE_CHECKING:
+    from partita.passes.pipeline import PassOptions
+
+
+# torch.export specializes dims of size 0 and 1, so a trace at batch 1 comes out static and the
+# search would have to scale it linearly in the batch; at batch 2 the batch dim stays symbolic (B).
+TRACE_BATCH = 2
+
+
+def seq_default(handle: Any) -> int:
+    cfg = getattr(handle, "config", None) or {}
+    return int(cfg.get("seq_len", 128)) if isinstance(cfg, Mapping) else 128
+
+
+def trace_handle(
+    handle: Any, *, batch: int = TRACE_BATCH, seq: int | None = None, passes: PassOptions | None = None
+) -> Graph:
+    """Trace a zoo/user model handle on abstract values and run the standard passes (``passes``:
+    which to skip, for ablations)."""
+    from partita.passes.pipeline import run_passes
+
+    seq = seq or seq_default(handle)
+    if handle.framework == "jax":
+        from partita.frontends.trace_jax import trace_jax
+
+        graph = trace_jax(
+            handle.loss_fn,
+            handle.abstract_params(),
+            *handle.example_batch(batch, seq),
+            name=handle.name,
+            symbolic={"B": batch, "S": seq},
+        )
+    else:
+        from partita.frontends.trace_torch import trace_module
+
+        module = handle.build(device="meta")
+        graph = trace_module(module, handle.example_inputs(batch, seq, device="meta"), name=handle.name)
+    graph.meta.setdefault("framework", handle.framework)
+    graph.meta.setdefault("model", handle.name)
+    return run_passes(graph, passes)

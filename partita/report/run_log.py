@@ -1,0 +1,171 @@
+"""Run logs: what a ``partita run`` measured, beside what its plan predicted (``DIR/run_log.json``).
+
+Written by ``driver.run_plan`` after the launcher returns; read by ``report.py`` for the
+"Predicted vs measured" section of ``partita report DIR``. Pure data (no torch / jax): the input is
+the launcher's result dict (``backends/torch/launch.run`` or ``backends/jax/run.run``) and the Plan.
+
+What each framework's result holds, and so what the log can say:
+
+* torch: per-step wall time (the slowest rank per step), losses, collectives per stage counted
+  at run time by ``backends/torch/fidelity.CollectiveCounter`` on each stage's first rank (DTensor's
+  internal redistributions are not seen by it). No per-stage times: ``torch_train`` reports the
+  max over ranks only, so stage times stay ``None`` and the log lists that gap.
+* jax: losses and collectives per stage counted in the compiled HLO (static, per step); no times.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from partita.plan import Plan
+
+RUN_LOG_FILE = "run_log.json"
+FORMAT = "partita.report.run_log"
+VERSION = 1
+_JAX_KINDS = {
+    "all-reduce": "all_reduce",
+    "all-gather": "all_gather",
+    "reduce-scatter": "reduce_scatter",
+    "all-to-all": "all_to_all",
+    "collective-permute": "p2p",
+}
+
+
+def median(xs: Sequence[float]) -> float | None:
+    s = sorted(float(x) for x in xs)
+    if not s:
+        return None
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def predicted_collectives(plan: Plan) -> dict[int, dict[str, dict[str, float]]]:
+    """stage -> kind -> {count, bytes} per step, from the plan's ``Stage.collectives``."""
+    out: dict[int, dict[str, dict[str, float]]] = {}
+    for s in plan.stages:
+        kinds: dict[str, dict[str, float]] = {}
+        for c in s.collectives:
+            e = kinds.setdefault(c.kind, {"count": 0, "bytes": 0.0})
+            e["count"] += int(c.count)
+            e["bytes"] += float(c.bytes) * int(c.count)
+        out[s.index] = dict(sorted(kinds.items()))
+    return out
+
+
+def _measured_torch(result: Mapping[str, Any]) -> dict[int, dict[str, dict[str, float]]]:
+    out = {}
+    for key, kinds in (result.get("collectives") or {}).items():
+        idx = int(str(key).removeprefix("stage"))
+        out[idx] = {k: {"count": int(v.get("count", 0)), "bytes": float(v.get("bytes", 0))} for k, v in kinds.items()}
+    return out
+
+
+def _per_stage(table: Mapping[str, Any]) -> dict[int, dict[str, dict[str, float]]]:
+    """``{"stageN": {"kind@axis": {"ops", "bytes"}}}`` (the JAX program's fidelity) by stage index."""
+    return {
+        int(str(key).removeprefix("stage")): {
+            k: {"count": int(v.get("ops", v.get("count", 0))), "bytes": float(v.get("bytes", 0))}
+            for k, v in kinds.items()
+        }
+        for key, kinds in table.items()
+    }
+
+
+def _measured_jax(result: Mapping[str, Any]) -> dict[int, dict[str, dict[str, float | None]]]:
+    if result.get("collectives"):  # per kind@axis, ops and bytes, with the program's own prediction
+        return dict(_per_stage(result["collectives"]))
+    out: dict[int, dict[str, dict[str, float | None]]] = {}
+    for key, counts in (result.get("hlo_collectives") or {}).items():
+        kinds = {_JAX_KINDS[k]: {"count": int(counts[k]), "bytes": None} for k in _JAX_KINDS if counts.get(k)}
+        out[int(key)] = kinds
+    return out
+
+
+def build(plan: Plan, result: Mapping[str, Any], *, steps: int, framework: str) -> dict[str, Any]:
+    """The run log for one ``partita run``: predicted vs measured step time and collectives per stage."""
+    times = [float(t) for t in result.get("step_time_s") or []]
+    predicted_t = plan.predicted.get("step_time_s")
+    med = median(times)
+    err = (med - float(predicted_t)) / float(predicted_t) if med is not None and predicted_t else None
+    measured = _measured_jax(result) if framework == "jax" else _measured_torch(result)
+    predicted = predicted_collectives(plan)
+    runtime_says = bool(result.get("predicted_collectives"))
+    if runtime_says:
+        # the generated program's prediction refines the plan's to what its runtime issues
+        # (backends/torch/fidelity.predict_stage, backends/jax/fidelity.py say why) and it did the comparison
+        predicted = _per_stage(result["predicted_collectives"])
+    stages = []
+    for s in plan.stages:
+        pred, meas = predicted.get(s.index, {}), measured.get(s.index)
+        kinds = sorted(set(pred) | set(meas or {}))
+        rows = {
+            k: {"predicted": pred.get(k, {"count": 0, "bytes": 0.0}), "measured": (meas or {}).get(k)} for k in kinds
+        }
+        mismatches = list((result.get("collective_mismatches") or {}).get(f"stage{s.index}", []))
+        for k in kinds if meas is not None and not runtime_says else []:
+            m, p = int((meas.get(k) or {}).get("count") or 0), int(pred.get(k, {}).get("count", 0))
+            if m != p:
+                mismatches.append(f"{k}: measured {m}, predicted {p}")
+        stages.append(
+            {
+                "index": s.index,
+                "device_type": s.device_type,
+                "ranks": list(s.ranks),
+                "mesh": [s.dp, s.tp],
+                "predicted_time_s": s.predicted.get("time_s"),
+                "measured_time_s": None,
+                "collectives": rows,
+                "collectives_measured": meas is not None,
+                "collective_mismatches": mismatches,
+            }
+        )
+    gaps = ["per-stage step times: the launcher's result has the slowest rank's time per step only"]
+    if framework == "jax":
+        gaps = [] if times else ["step times: the JAX program reports none"]
+        if times:
+            gaps.append(
+                "step times: the first JAX step includes the jit compilations (the median of 3+ steps skips it)"
+            )
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "framework": framework,
+        "model": plan.model.get("name"),
+        "cluster": plan.cluster.get("name"),
+        "steps": steps,
+        "losses": list(result.get("losses") or []),
+        "reference_losses": result.get("reference_losses"),
+        "step_time_s": {
+            "predicted": predicted_t,
+            "measured": times,
+            "measured_median": med,
+            "error": err,  # (measured median - predicted) / predicted
+        },
+        "collective_source": "hlo" if framework == "jax" else "runtime",
+        "stages": stages,
+        "gaps": gaps,
+        "result": dict(result),
+    }
+
+
+def write(plan_dir: str | Path, log: Mapping[str, Any]) -> Path:
+    path = Path(plan_dir) / RUN_LOG_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(log, indent=1, sort_keys=True, default=str) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def load(plan_dir: str | Path) -> dict[str, Any] | None:
+    """The run log next to a plan, or None when there is none (or it is not a run log)."""
+    path = Path(plan_dir) / RUN_LOG_FILE if Path(plan_dir).is_dir() else Path(plan_dir).with_name(RUN_LOG_FILE)
+    if not path.exists():
+        return None
+    try:
+        log = json.loads(path.read_text())
+    except ValueError:
+        return None
+    return log if isinstance(log, dict) and log.get("format") == FORMAT else None
