@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from partita.backends.jax import fidelity as fid
 from partita.backends.jax import parallel as jp
@@ -59,6 +59,12 @@ def _optimizer_src(training: Mapping[str, Any]) -> str:
 
 
 def _check(plan: Plan) -> None:
+    if plan.num_stages > 1 and plan.schedule == "interleaved_1f1b" and plan.num_virtual_stages > 1:
+        raise PlanError(  # issue 15 item 5: no JAX runtime runs model chunks; plain 1F1B would run unpriced
+            f"interleaved 1F1B with {plan.num_virtual_stages} virtual stages cannot be emitted for JAX: the program "
+            "runs one model chunk per stage (plain 1F1B), not the interleaved schedule the plan prices.",
+            "recompile with the default search (its schedules leave interleaved_1f1b out).",
+        )
     first = shares(plan.stages[0], plan.micro_batch_size)
     for s in plan.stages:
         if shares(s, plan.micro_batch_size) != first or s.dp != plan.stages[0].dp:
@@ -181,6 +187,33 @@ def _inside(module: str, root: str) -> bool:
     return module == root or module.startswith(root + ".")
 
 
+class Layouts(NamedTuple):
+    """Every layout a plan fixes for a JAX model: the one function both the generated program
+    (:func:`emit_jax`) and the decorator (``backends/jax/parallelize.py``) take them from."""
+
+    specs: dict[str, Any]  # fqn -> (parameter PartitionSpec, optimizer-state PartitionSpec, note)
+    pins: dict[str, list[list[Any]]]  # flax module -> per output, layouts to pin (activation_pins)
+    pinned: set[int]  # stages whose placements come from the plan's IR (layer boundaries pinned too)
+    notes: list[str]
+
+
+def plan_layouts(plan: Plan, handle: Any, shapes: Mapping[str, Sequence[int]], stage_of: Mapping[str, int]) -> Layouts:
+    """Parameter specs and activation pins of ``plan`` for the model ``handle`` (re-traced to the plan's
+    IR; with tp > 1 repeated layers get their first layer's placements and strategies)."""
+    notes: list[str] = []
+    graph = _plan_graph(plan, handle)
+    if graph is None and plan.model.get("graph_hash"):
+        notes.append("the model no longer traces to the plan's graph_hash: only layer boundaries are pinned")
+    placements: dict[int, Any] = {}
+    pins: dict[str, list[list[Any]]] = {}
+    if graph is not None:
+        for st in [s for s in plan.stages if s.tp > 1]:  # with tp = 1 every layout is replicated anyway
+            placements[st.index], strategies = _complete(graph, st, notes)
+            pins.update(activation_pins(graph, st, placements[st.index], strategies))
+    specs = param_specs(plan, shapes, stage_of, placements)
+    return Layouts(specs, pins, set(placements) if graph is not None else set(), notes)
+
+
 # ---- the program -------------------------------------------------------------------------------
 def emit_jax(plan: Plan, model_spec: str) -> str:
     """The generated program's source for ``plan`` (``model_spec`` names the zoo entry or module:factory)."""
@@ -198,16 +231,8 @@ def emit_jax(plan: Plan, model_spec: str) -> str:
         [s.layers for s in plan.stages],
     )
     stage_of = {f: st.index for st in split.stages for f in st.param_fqns}
-    notes: list[str] = []
-    graph = _plan_graph(plan, handle)
-    if graph is None and plan.model.get("graph_hash"):
-        notes.append("the model no longer traces to the plan's graph_hash: only layer boundaries are pinned")
-    placements, pins = {}, {}
-    if graph is not None:
-        for st in [s for s in plan.stages if s.tp > 1]:  # with tp = 1 every layout is replicated anyway
-            placements[st.index], strategies = _complete(graph, st, notes)
-            pins.update(activation_pins(graph, st, placements[st.index], strategies))
-    specs = param_specs(plan, shapes, stage_of, placements)
+    lay = plan_layouts(plan, handle, shapes, stage_of)
+    specs, pins, notes = lay.specs, lay.pins, list(lay.notes)
     if plan.num_stages > 1 and plan.schedule == "interleaved_1f1b":
         notes.append(
             f"the plan's interleaved 1F1B (v={plan.num_virtual_stages}) runs as plain 1F1B over its "
@@ -226,8 +251,7 @@ def emit_jax(plan: Plan, model_spec: str) -> str:
             if stage_of[f] == st.index
         }
         predicted[f"stage{st.index}"] = fid.predict_stage(st, plan.num_micro_batches, mine)
-    pinned = set(placements) if graph is not None else set()
-    return _source(plan, model_spec, layers, stage_of, specs, pins, notes, predicted, pinned)
+    return _source(plan, model_spec, layers, stage_of, specs, pins, notes, predicted, lay.pinned)
 
 
 def _dict(name: str, rows: Sequence[str], comment: str = "") -> list[str]:

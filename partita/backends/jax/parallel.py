@@ -93,6 +93,21 @@ def fit_spec(spec: P, ndim: int) -> P:
     return P(*list(spec)[:ndim])
 
 
+def module_pin(meshes: Sequence[Mesh], tps: Sequence[int]) -> Callable[[int, Sequence[P], Any], Any]:
+    """The ``pin`` of :func:`split_model`: constrain a module output of stage ``s`` to each of its
+    layouts (``activation_pins``) on that stage's mesh; nothing to pin where the stage has tp = 1."""
+
+    def pin(s: int, specs: Sequence[P], x: Any) -> Any:
+        if tps[s] == 1:
+            return x
+        for spec in specs:
+            if len(spec) <= x.ndim:
+                x = jax.lax.with_sharding_constraint(x, NamedSharding(meshes[s], spec))
+        return x
+
+    return pin
+
+
 def stage_mesh(ranks: Sequence[int], dp: int, tp: int) -> Mesh:
     """The ``("dp", "tp")`` mesh of a stage: rank ``ranks[i * tp + j]`` at coordinate (i, j)."""
     devices = jax.devices()

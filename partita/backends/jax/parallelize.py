@@ -259,7 +259,7 @@ def _tracing(params: Any, batch: Sequence[Any]) -> bool:
 
 
 def _layout(plan: Plan, handle: FunctionHandle) -> Layout:
-    from partita.backends.jax.emit import param_specs
+    from partita.backends.jax.emit import plan_layouts
 
     if plan.num_stages != 1:
         raise PlanError(
@@ -274,7 +274,8 @@ def _layout(plan: Plan, handle: FunctionHandle) -> Layout:
     mesh = jp.stage_mesh(st.ranks, st.dp, st.tp)
     flat = jp.flatten(handle.params)
     shapes = {f: tuple(v.shape) for f, v in flat.items()}
-    specs = param_specs(plan, shapes, dict.fromkeys(shapes, 0))
+    lay = plan_layouts(plan, handle, shapes, dict.fromkeys(shapes, 0))  # as the generated program has them
+    specs = lay.specs
     layout = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
     micro = plan.micro_batch_size * st.dp
     in_spec = jp.partition_spec(st.input_placement, (micro * st.dp * st.tp,) * 4, st.mesh_shape, "input")
@@ -288,7 +289,16 @@ def _layout(plan: Plan, handle: FunctionHandle) -> Layout:
 
     layers = list(plan.model.get("layers") or st.layers)
     micro_batch = handle.example_batch(micro, handle.seq_len)
-    split = jp.split_model(handle.loss_fn, handle.params, micro_batch, layers, [list(st.layers)], pin_layer_boundary)
+    split = jp.split_model(
+        handle.loss_fn,
+        handle.params,
+        micro_batch,
+        layers,
+        [list(st.layers)],
+        pin_layer_boundary,
+        module_pins=lay.pins,
+        pin=jp.module_pin([mesh], [st.tp]),
+    )
     if [split.batch_ids.index(i) for i in split.stages[0].inputs] != list(range(len(handle.batch))):
         raise PlanError(f"{handle.name} does not read every batch argument in order.", "use every batch argument.")
     return Layout(

@@ -275,15 +275,7 @@ def _pins(meshes: Sequence[Any], program: Program) -> tuple[Any, Any]:
         spec = jp.fit_spec(_without(program.stages[s]["input_spec"], "dp"), x.ndim)
         return jax.lax.with_sharding_constraint(x, NamedSharding(meshes[s], spec))
 
-    def module(s: int, specs: Sequence[P], x: Any) -> Any:
-        if program.stages[s]["tp"] == 1:
-            return x
-        for spec in specs:
-            if len(spec) <= x.ndim:
-                x = jax.lax.with_sharding_constraint(x, NamedSharding(meshes[s], spec))
-        return x
-
-    return boundary, module
+    return boundary, jp.module_pin(meshes, [int(st["tp"]) for st in program.stages])
 
 
 def _meshes(program: Program) -> list[Any]:
