@@ -81,8 +81,8 @@ def fixed_candidate(search: Search, dp: int, tp: int, pp: int, b: int, schedule:
     got = search.arrays(((dev, dp, b),), dp, tp, in_flight, sched.p2p_multiplier(schedule, 1))
     if got is None:
         raise RuntimeError(f"tp={tp} is infeasible for {search.graph.name}")
-    per_combo, best, pick, combos = got
-    opt = Option(0, tp, tp, ((dev, dp, b),), (), per_combo, combos, best, pick)
+    per_combo, combos, stack = got
+    opt = Option(0, tp, tp, ((dev, dp, b),), (), per_combo, combos, stack)
     picks = tuple(StagePick(a, c, opt, 0) for a, c in megatron_split(search.graph, pp))
     return Candidate(dp, b, m, schedule, 1, picks, search)
 

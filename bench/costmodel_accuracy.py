@@ -1,39 +1,56 @@
 """Cost-model accuracy on 109 measured Megatron iterations (A100-80G clusters, vTrain's ground truth).
 
-Every row of ``partita/data/a100_megatron_measured.csv`` is priced with
-``partita.search.evaluate.evaluate_config`` (A100-80G, 8 per node, NVLink, 8 x 200 Gb/s IB per
-node = 1600 Gb/s, full activation recompute as Megatron ran these sizes). Rows are split in half by
-a fixed hash; efficiency factors are fitted on the *train* half only (grid search on median abs
-error), written to ``partita/data/a100_megatron_calibration.json`` (a ``partita.efficiency``
-profile, loaded through ``DeviceType.profile``) and the *test* half is reported as accuracy.
-Writes ``bench/results/costmodel_accuracy.json`` and prints the table.
+Every row of ``partita/data/a100_megatron_measured.csv`` is priced the way ``partita evaluate``
+prices it: the cluster is the shorthand ``{gpus}xA100-80G`` read by ``cluster.parse_cluster`` (the
+DGX A100 reference node: 8 GPUs, NVLink, 8 x 200 Gb/s; the shipped A100 calibration applied by
+default), the model is Megatron-LM's 2021 GPT (``bench/megatron_gpt.py``, traced once), and
+``search.evaluate.evaluate_config`` prices the row's tp / pp / dp / micro-batch with full activation
+recompute, as Megatron ran these sizes.
+
+Calibration = coordinate descent over a few ``Efficiency`` factors (``CANDIDATES``), minimizing
+the mean over model sizes of the median abs error on the rows it is given. Three protocols:
+
+* ``shipped``: fitted on all 109 rows and written to ``partita/data/a100_megatron_calibration.json``
+  (what users get by default); its error on the same rows is *in-sample*;
+* ``lomso`` (leave one model size out): fitted on three sizes, predicting the fourth, for each size:
+  the held-out test of "does it generalize to a model it was not fitted on";
+* ``loo`` (leave one row out): fitted on the other 108 rows, predicting the one left out.
+
+Reports median and mean abs error overall and per size, Spearman, the worst rows with their time
+breakdown and whether the row contradicts a matched twin (``matched_pairs``), and the published
+mark beside ours. Writes ``bench/results/costmodel_accuracy.json``. ``--quick`` skips ``loo``.
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
-import dataclasses
 import hashlib
 import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpt_graphs import gpt_graph  # noqa: E402
 
-from partita.cluster import DEVICE_PRESETS, Cluster, Network, NodeGroup  # noqa: E402
+from partita.cluster import Cluster, parse_cluster  # noqa: E402
+from partita.ir import Graph  # noqa: E402
 from partita.search.config import TrainingConfig  # noqa: E402
-from partita.search.cost_model import Efficiency  # noqa: E402
-from partita.search.evaluate import evaluate_config  # noqa: E402
-from partita.search.stage_cost import SolverCosts, StageFactors  # noqa: E402
+from partita.search.cost_model import CostModel, Efficiency  # noqa: E402
+from partita.search.evaluate import Evaluation, evaluate_config  # noqa: E402
+from partita.search.stage_cost import SolverCosts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CSV = ROOT / "partita" / "data" / "a100_megatron_measured.csv"
 PROFILE = ROOT / "partita" / "data" / "a100_megatron_calibration.json"
 OUT = ROOT / "bench" / "results" / "costmodel_accuracy.json"
+# vTrain (MICRO 2024) on these rows; the 3-4% mark is what published simulators report on their
+# own validation sets (issue 18's target to aim at), not on this data.
+PUBLISHED = {"vTrain on these 109 rows (mean)": 0.1473, "published simulators, own validation sets (mean)": 0.035}
 
 
 def load_rows() -> list[dict]:
@@ -62,41 +79,51 @@ def load_rows() -> list[dict]:
     return rows
 
 
-def cluster(num_gpus: int, eff: Efficiency | None, profile: str = "") -> Cluster:
-    dev = dataclasses.replace(DEVICE_PRESETS["A100-80G"], profile=profile)
-    return Cluster(f"{num_gpus}xA100-80G", (NodeGroup(dev, num_gpus // 8, 8),), Network(1600e9 / 8, 5e-6))
+_GRAPHS: dict[tuple, Graph] = {}
+_COSTS: dict[tuple, SolverCosts] = {}
 
 
-def predict(rows: list[dict], eff: Efficiency, factors: StageFactors) -> list[float]:
+def graph(r: dict) -> Graph:
+    dims = (r["hidden"], r["heads"], r["layers"], r["seq"])
+    if dims not in _GRAPHS:
+        _GRAPHS[dims] = gpt_graph(*dims, megatron_2021=True)
+    return _GRAPHS[dims]
+
+
+def cluster(num_gpus: int, calibrated: bool = True) -> Cluster:
+    """What ``partita evaluate --cluster {num_gpus}xA100-80G`` reads."""
+    return parse_cluster(f"{num_gpus}xA100-80G", calibrated=calibrated)
+
+
+def evaluate_row(r: dict, eff: Efficiency | None = None) -> Evaluation:
+    """One row through ``evaluate_config``; ``eff`` None = the shipped defaults (the CLI's path),
+    else the uncalibrated preset priced with ``eff`` (fitting)."""
+    cl = cluster(r["gpus"], calibrated=eff is None)
+    tr = TrainingConfig(global_batch=r["global_batch"], seq_len=r["seq"])
+    g = graph(r)
+    key = (id(g), r["gpus"], eff)
+    if key not in _COSTS:
+        _COSTS[key] = SolverCosts(g, cl, tr, tp_style="megatron")
+        if eff is not None:
+            _COSTS[key]._cm[cl.groups[0].device.name] = CostModel(cl.groups[0].device, eff)
+    costs = _COSTS[key]
+    costs.training = tr  # the layer solves depend on seq, dtype and optimizer only
+    return evaluate_config(
+        g, cl, tr, tp=r["tp"], pp=r["pp"], dp=r["dp"], micro_batch=r["micro_batch"], recompute="full", costs=costs
+    )
+
+
+_PRED: dict[tuple, float] = {}
+
+
+def predict(rows: list[dict], eff: Efficiency | None = None) -> list[float]:
+    """Predicted step seconds per row (memoized per (row, efficiency): fits revisit points)."""
     out = []
-    graphs: dict[tuple, object] = {}
-    costs: dict[tuple, SolverCosts] = {}
     for r in rows:
-        dims = (r["hidden"], r["heads"], r["layers"], r["seq"])
-        if dims not in graphs:
-            graphs[dims] = gpt_graph(*dims, megatron_2021=True)
-        cl = cluster(r["gpus"], eff)
-        tr = TrainingConfig(global_batch=r["global_batch"], seq_len=r["seq"])
-        key = (dims, r["gpus"])
-        if key not in costs:
-            costs[key] = SolverCosts(graphs[dims], cl, tr, tp_style="megatron")
-            costs[key]._cm["A100-80G"] = __import__("partita.search.cost_model", fromlist=["CostModel"]).CostModel(
-                cl.groups[0].device, eff
-            )
-        costs[key].training = tr
-        ev = evaluate_config(
-            graphs[dims],
-            cl,
-            tr,
-            tp=r["tp"],
-            pp=r["pp"],
-            dp=r["dp"],
-            micro_batch=r["micro_batch"],
-            recompute="full",
-            costs=costs[key],
-            factors=factors,
-        )
-        out.append(ev.predicted_step_time_s)
+        key = (r["index"], eff)
+        if key not in _PRED:
+            _PRED[key] = evaluate_row(r, eff).predicted_step_time_s
+        out.append(_PRED[key])
     return out
 
 
@@ -117,16 +144,19 @@ def metrics(rows: list[dict], pred: list[float]) -> dict:
 
 
 # Coordinate descent over these values, starting from the first of each list; two sweeps.
+# ``attention`` is tied to ``0.8 * matmul``; ``comm_overlap`` is the device's share of the last
+# backward that hides the data-parallel gradient sync (Megatron-LM of 2021 did not overlap it).
 CANDIDATES: dict[str, list[float]] = {
     "matmul": [0.85, 0.75, 0.8, 0.9, 0.95],
-    "collective_bandwidth": [0.85, 0.6, 0.7, 1.0],
-    "network_bandwidth": [0.5, 0.3, 0.4, 0.6, 0.8],
-    "matmul_half_flops": [2e9, 6e9, 2e10, 6e10],
-    "memory": [0.8, 0.6, 0.7, 0.9],
+    "collective_bandwidth": [0.7, 0.5, 0.6, 0.85, 1.0],
+    "network_bandwidth": [0.6, 0.3, 0.4, 0.5, 0.8],
+    # the saturation knee stays at the default: the rows hold only large GEMMs, so a fitted knee
+    # would extrapolate to small models and make A100 incomparable with uncalibrated device types
+    "matmul_half_flops": [2e9],
+    "memory": [0.8, 0.6, 0.9],
     "pointwise_fusion": [1.0, 0.5, 0.0],  # Megatron-LM's hand-fused kernels
-    "grad_overlap": [1.0, 0.0, 0.5],  # a StageFactors field: Megatron-LM of 2021 did not overlap DP sync
+    "comm_overlap": [1.0, 0.5, 0.0],
 }
-STAGE_FIELDS = ("grad_overlap",)
 
 
 def matched_pairs(rows: list[dict]) -> list[dict]:
@@ -178,7 +208,7 @@ def consistency(rows: list[dict]) -> dict[str, dict]:
 
 
 def objective(rows: list[dict], pred: list[float]) -> float:
-    """Mean over model sizes of the median abs error (the per-model target), on the given rows."""
+    """Mean over model sizes of the median abs error (the per-size target), on the given rows."""
     sizes = sorted({r["params_b"] for r in rows})
     meds = [
         metrics([r for r in rows if r["params_b"] == s], [p for r, p in zip(rows, pred) if r["params_b"] == s])
@@ -188,82 +218,170 @@ def objective(rows: list[dict], pred: list[float]) -> float:
 
 
 def efficiency(values: dict[str, float]) -> Efficiency:
-    eff = {k: v for k, v in values.items() if k not in STAGE_FIELDS}
-    return Efficiency(**eff, attention=0.8 * values["matmul"], device="A100-80G")
+    return Efficiency(**values, attention=0.8 * values["matmul"], device="A100-80G")
 
 
-def stage_factors(values: dict[str, float]) -> StageFactors:
-    return StageFactors(**{k: v for k, v in values.items() if k in STAGE_FIELDS})
-
-
-def fit(train: list[dict]) -> tuple[Efficiency, StageFactors, float]:
+def fit(train: list[dict], sweeps: int = 2) -> tuple[Efficiency, float]:
     cur = {k: v[0] for k, v in CANDIDATES.items()}
-    seen: dict[tuple, float] = {}
 
     def score(values: dict[str, float]) -> float:
-        key = tuple(sorted(values.items()))
-        if key not in seen:
-            seen[key] = objective(train, predict(train, efficiency(values), stage_factors(values)))
-        return seen[key]
+        return objective(train, predict(train, efficiency(values)))
 
     best = score(cur)
-    for _sweep in range(2):
+    for _sweep in range(sweeps):
+        moved = False
         for name, options in CANDIDATES.items():
             for v in options:
                 trial = cur | {name: v}
                 err = score(trial)
                 if err < best - 1e-9:
-                    best, cur = err, trial
-    return efficiency(cur), stage_factors(cur), best
+                    best, cur, moved = err, trial, True
+        if not moved:
+            break
+    return efficiency(cur), best
 
 
-def main() -> dict:
+def per_size(rows: list[dict], pred: list[float]) -> dict[str, dict]:
+    out = {}
+    for size in sorted({r["params_b"] for r in rows}):
+        idx = [i for i, r in enumerate(rows) if r["params_b"] == size]
+        out[f"{size}B"] = metrics([rows[i] for i in idx], [pred[i] for i in idx])
+    return out
+
+
+def worst_rows(rows: list[dict], pred: list[float], k: int = 6) -> list[dict]:
+    """The ``k`` largest errors, each with its layout, the predicted breakdown (shipped defaults)
+    and the matched twin it contradicts, if any."""
+    pairs = matched_pairs(rows)
+    order = sorted(range(len(rows)), key=lambda i: -abs(pred[i] - rows[i]["measured_s"]) / rows[i]["measured_s"])
+    out = []
+    for i in order[:k]:
+        r = rows[i]
+        ev = evaluate_row(r)
+        twins = [
+            p
+            for p in pairs
+            if p["params_b"] == r["params_b"]
+            and r["measured_s"] in (p["small_tp"][2], p["large_tp"][2])
+            and p["ratio"] < INVERSION
+        ]
+        why = []
+        if twins:
+            w = min(twins, key=lambda p: p["ratio"])
+            why.append(
+                f"in an inverted matched pair: tp{w['large_tp'][0]} measured {w['ratio']:.2f}x the time of "
+                f"tp{w['small_tp'][0]} for the same per-GPU work (no compute+communication model ranks that)"
+            )
+        if r["tp"] > 8:
+            why.append(f"tp={r['tp']} spans {r['tp'] // 8} nodes: tp collectives priced over the network")
+        parts = {"pipeline_s": ev.pipeline_s, "bubble_s": ev.bubble_s, "tail_s": ev.tail_s}
+        out.append(
+            {
+                "index": r["index"],
+                "row": f"{r['params_b']}B tp{r['tp']} pp{r['pp']} dp{r['dp']} mb{r['micro_batch']} gb{r['global_batch']}",
+                "measured_s": r["measured_s"],
+                "predicted_s": pred[i],
+                "err": (pred[i] - r["measured_s"]) / r["measured_s"],
+                "breakdown": parts,
+                "why": why or ["no matched-pair contradiction; see breakdown"],
+            }
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="skip leave-one-row-out (109 refits)")
+    ap.add_argument("--no-write-profile", action="store_true", help="do not overwrite the shipped profile")
+    args = ap.parse_args(argv)
     t0 = time.perf_counter()
     rows = load_rows()
-    train = [r for r in rows if r["split"] == "train"]
-    default = predict(rows, Efficiency(), StageFactors())
-    eff, fac, _ = fit(train)
+    res: dict[str, Any] = {"n": len(rows), "published": PUBLISHED}
+    res["uncalibrated"] = metrics(rows, predict(rows, Efficiency(device="A100-80G")))
+
+    # LOMSO: fit on three sizes, predict the fourth.
+    sizes = sorted({r["params_b"] for r in rows})
+    lomso_pred = [0.0] * len(rows)
+    res["lomso"] = {"per_size": {}, "fitted": {}}
+    for s in sizes:
+        train = [r for r in rows if r["params_b"] != s]
+        eff, _ = fit(train)
+        held = [i for i, r in enumerate(rows) if r["params_b"] == s]
+        for i, p in zip(held, predict([rows[i] for i in held], eff)):
+            lomso_pred[i] = p
+        res["lomso"]["per_size"][f"{s}B"] = metrics([rows[i] for i in held], [lomso_pred[i] for i in held])
+        res["lomso"]["fitted"][f"{s}B"] = {k: getattr(eff, k) for k in CANDIDATES}
+        print(f"  lomso {s}B: {res['lomso']['per_size'][f'{s}B']}", flush=True)
+    res["lomso"]["all"] = metrics(rows, lomso_pred)
+
+    # Shipped: fit on all rows, write the profile, predict through the CLI's default path.
+    eff, _ = fit(rows)
     profile = eff.to_profile() | {
-        "stage": {"grad_overlap": fac.grad_overlap},
-        "fitted_on": "train half of a100_megatron_measured.csv (sha256 split)",
+        "applies_to": ["A100-40G"],
+        "fitted_on": "all 109 rows of a100_megatron_measured.csv (bench/costmodel_accuracy.py; held-out: lomso, loo)",
     }
-    PROFILE.parent.mkdir(parents=True, exist_ok=True)
-    PROFILE.write_text(json.dumps(profile, indent=1, sort_keys=True) + "\n")
-    pred = predict(rows, eff, fac)
-    res: dict = {"default": metrics(rows, default), "fitted": {}, "profile": str(PROFILE.relative_to(ROOT))}
-    for split in ("train", "test"):
-        idx = [i for i, r in enumerate(rows) if r["split"] == split]
-        res["fitted"][split] = metrics([rows[i] for i in idx], [pred[i] for i in idx])
-        res["fitted"][split]["per_model"] = {}
-        for size in sorted({rows[i]["params_b"] for i in idx}):
-            j = [i for i in idx if rows[i]["params_b"] == size]
-            res["fitted"][split]["per_model"][f"{size}B"] = metrics([rows[i] for i in j], [pred[i] for i in j])
+    if not args.no_write_profile:
+        PROFILE.write_text(json.dumps(profile, indent=1, sort_keys=True) + "\n")
+        from partita import cluster as _cl
+
+        _cl._SHIPPED.clear()  # re-read the profile just written
+    shipped = [evaluate_row(r).predicted_step_time_s for r in rows]
+    res["shipped"] = metrics(rows, shipped) | {"per_size": per_size(rows, shipped), "in_sample": True}
+    res["shipped"]["profile"] = {k: getattr(eff, k) for k in CANDIDATES}
+
     res["consistency"] = consistency(rows)
-    res["rows"] = [{**r, "predicted_s": p} for r, p in zip(rows, pred)]
-    res["time_s"] = time.perf_counter() - t0
+    res["worst"] = worst_rows(rows, shipped)
+    res["rows"] = [{**r, "predicted_s": p, "lomso_predicted_s": q} for r, p, q in zip(rows, shipped, lomso_pred)]
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
-    print(f"{'split':<6} {'model':<8} {'n':>3} {'median err':>10} {'mean err':>9} {'spearman':>8}")
-    for split in ("train", "test"):
-        f = res["fitted"][split]
-        for name, m in [*f["per_model"].items(), ("all", f)]:
-            print(
-                f"{split:<6} {name:<8} {m['n']:>3} {m['median_abs_err']:>10.1%} {m['mean_abs_err']:>9.1%} "
-                f"{m['spearman']:>8.3f}"
-            )
+    OUT.write_text(json.dumps(res | {"time_s": time.perf_counter() - t0}, indent=1, sort_keys=True) + "\n")
+    print_table(res | {"time_s": time.perf_counter() - t0})
+    if not args.quick:
+        loo_pred = []
+        for i, r in enumerate(rows):
+            e, _ = fit(rows[:i] + rows[i + 1 :])
+            loo_pred.append(predict([r], e)[0])
+            if i % 10 == 9:
+                print(f"  loo {i + 1}/{len(rows)} rows", flush=True)
+        res["loo"] = metrics(rows, loo_pred) | {"per_size": per_size(rows, loo_pred)}
+        res["time_s"] = time.perf_counter() - t0
+        OUT.write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
+        print_table(res)
+    return res
+
+
+def print_table(res: dict) -> None:
+    print(f"{'protocol':<34} {'size':<7} {'n':>3} {'median err':>10} {'mean err':>9} {'spearman':>8}")
+
+    def line(name: str, size: str, m: dict) -> None:
+        print(
+            f"{name:<34} {size:<7} {m['n']:>3} {m['median_abs_err']:>10.1%} {m['mean_abs_err']:>9.1%} "
+            f"{m['spearman']:>8.3f}"
+        )
+
+    line("uncalibrated preset", "all", res["uncalibrated"])
+    for size, m in res["shipped"]["per_size"].items():
+        line("shipped defaults (in-sample)", size, m)
+    line("shipped defaults (in-sample)", "all", res["shipped"])
+    for size, m in res["lomso"]["per_size"].items():
+        line("leave-one-model-size-out", size, m)
+    line("leave-one-model-size-out", "all", res["lomso"]["all"])
+    if "loo" in res:
+        for size, m in res["loo"]["per_size"].items():
+            line("leave-one-row-out", size, m)
+        line("leave-one-row-out", "all", res["loo"])
+    for name, v in res["published"].items():
+        print(f"{name:<60} mean {v:.1%}")
+    print("worst rows (shipped defaults):")
+    for w in res["worst"]:
+        print(
+            f"  {w['row']:<40} measured {w['measured_s']:7.2f} s predicted {w['predicted_s']:7.2f} s ({w['err']:+.0%})"
+        )
+        for why in w["why"]:
+            print(f"      {why}")
     print("matched pairs (same pp, micro-batches and per-GPU work; larger tp / smaller tp, <0.9 = inversion):")
     for name, c in res["consistency"].items():
-        w = c["worst"]
-        worst = (
-            f"worst tp{w['large_tp'][0]} mb{w['large_tp'][1]} {w['large_tp'][2]:.2f} s vs tp{w['small_tp'][0]} "
-            f"mb{w['small_tp'][1]} {w['small_tp'][2]:.2f} s (pp{w['pp']}, ratio {w['ratio']:.2f})"
-            if w
-            else ""
-        )
-        print(f"  {name:<7} {c['pairs']:>3} pairs {c['inversions']:>3} inversions  {worst}")
-    d = res["default"]
-    print(f"defaults (no fit), all rows: median {d['median_abs_err']:.1%}, spearman {d['spearman']:.3f}")
-    return res
+        print(f"  {name:<7} {c['pairs']:>3} pairs {c['inversions']:>3} inversions")
+    print(f"time {res['time_s']:.0f} s")
 
 
 if __name__ == "__main__":

@@ -2,22 +2,33 @@
 
 A cluster is a list of node groups; each group is ``num_nodes`` nodes of one device type with
 ``gpus_per_node`` devices joined by an intra-node link (NVLink, PCIe, or shared memory for CPU
-ranks). Nodes talk over one network whose per-node bandwidth is the NIC bandwidth; a collective
-that spans nodes is priced at the slowest link it crosses (see ``search/cost_model.py``).
+ranks) and its own :class:`Network` (all compute NICs of a node together). Every preset device
+type has a :data:`REFERENCE_NODES` entry (DGX A100: 8 x 200 Gb/s; DGX H100/H200: 8 x 400 Gb/s;
+DGX-1 V100: 4 x 100 Gb/s; cloud L4/T4 nodes: 1 x 100 Gb/s) that shorthand clusters get. The link
+between two node groups is the slower side unless ``links`` says otherwise; a collective that spans
+nodes is priced at the slowest link it crosses (``search/mesh.py``, ``search/cost_model.py``).
 
 Three ways to name a cluster (:func:`parse_cluster`):
 
-* shorthand ``16xA100-80G+8xV100-32G`` (8 devices per node unless ``gpus_per_node`` is given);
+* shorthand ``16xA100-80G+8xV100-32G`` (the reference node's devices per node unless
+  ``gpus_per_node`` is given, and its network);
 * a preset name from :data:`CLUSTER_PRESETS`;
 * a YAML or JSON file, see ``docs`` in the README::
 
     name: lab
-    network: {nic_gbps: 200, latency_us: 5}
+    network: {nic_gbps: 200, num_nics: 8, latency_us: 5}   # optional: every group's default
     nodes:
       - {device: A100-80G, num_nodes: 2, gpus_per_node: 8}
-      - {device: L4, num_nodes: 1, gpus_per_node: 8, intra_node_GBps: 32}
+      - {device: L4, num_nodes: 1, gpus_per_node: 8, intra_node_GBps: 32, network: {nic_gbps: 50}}
+    links:                   # optional: between two groups (index or device type); default the slower side
+      - {between: [A100-80G, L4], nic_gbps: 25, num_nics: 1, latency_us: 20}
     device_types:            # optional: types not in the presets
       - {name: MI250, peak_tflops: {bf16: 362}, memory_GB: 64, hbm_GBps: 3277}
+
+Shipped calibration (:data:`SHIPPED_PROFILES`, ``partita/data``) is applied to the preset device
+types that have one (A100) unless turned off (``calibrated=False``, ``PARTITA_CALIBRATION=off``,
+``partita ... --no-calibration``, or ``profile: none`` on a node group); the plan's cluster record
+names it per group (``calibration``).
 
 A node group or device type may name a calibration profile (``profile: PATH``, written by
 ``partita profile``): :func:`apply_profile` validates it and applies its absolute
@@ -35,6 +46,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -46,7 +58,17 @@ from partita.errors import ClusterSpecError
 PROFILE_FORMAT = "partita.efficiency"
 PROFILE_VERSION = 1
 PROFILE_OVERRIDES = ("peak_flops", "hbm_bandwidth", "intra_node_bandwidth", "intra_node_latency")
-_PROFILE_PLANNING_KEYS = ("format", "version", "device", "efficiency", "device_overrides", "profiler_version")
+_PROFILE_PLANNING_KEYS = (
+    "format",
+    "version",
+    "device",
+    "efficiency",
+    "device_overrides",
+    "profiler_version",
+    "stage",
+    "applies_to",
+)
+_PROFILE_LATER_KEYS = ("stage", "applies_to")  # hashed only when present: older profiles keep their hash
 
 
 class ProfileError(ClusterSpecError):
@@ -105,7 +127,88 @@ DEVICE_PRESETS: dict[str, DeviceType] = {
     )
 }
 ALIASES = {"H100": "H100-80G", "A100": "A100-80G", "V100": "V100-32G"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceNode:
+    """The node a device type usually ships in: what a shorthand cluster (``64xH100-80G``) assumes."""
+
+    gpus_per_node: int
+    num_nics: int  # compute-fabric NICs per node (storage / management NICs not counted)
+    nic_gbps: float  # line rate of one NIC, Gb/s per direction
+    latency_us: float = 5.0  # one network hop (InfiniBand ~ 5 us; cloud Ethernet more)
+
+    def network(self) -> Network:
+        return Network(self.num_nics * self.nic_gbps * 1e9 / 8, self.latency_us / 1e6, self.num_nics)
+
+
+# Sources: NVIDIA DGX H100 / H200 user guides (8 x ConnectX-7 400 Gb/s NDR compute ports);
+# DGX A100 datasheet (8 x ConnectX-6 200 Gb/s HDR compute ports); DGX-1 with V100 datasheet
+# (4 x 100 Gb/s EDR InfiniBand); cloud L4 / T4 nodes: GCP g2-standard-96 (8 x L4, 100 Gb/s) and
+# AWS g4dn.metal (8 x T4, 100 Gb/s Ethernet/EFA), one NIC each.
+REFERENCE_NODES: dict[str, ReferenceNode] = {
+    "H200": ReferenceNode(8, 8, 400),
+    "H100-80G": ReferenceNode(8, 8, 400),
+    "A100-80G": ReferenceNode(8, 8, 200),
+    "A100-40G": ReferenceNode(8, 8, 200),
+    "V100-32G": ReferenceNode(8, 4, 100),
+    "V100-16G": ReferenceNode(8, 4, 100),
+    "L4": ReferenceNode(8, 1, 100, 10.0),
+    "T4": ReferenceNode(8, 1, 100, 10.0),
+}
+
+# Calibration profiles shipped in ``partita/data`` and applied by default to these device types
+# (``device_type(..., calibrated=True)``); ``PARTITA_CALIBRATION=off``, ``--no-calibration`` or a
+# node's ``profile: none`` turns them off. The A100 profile was fitted on measured Megatron-LM runs
+# on A100-80G (``bench/costmodel_accuracy.py``); A100-40G is the same chip with less HBM.
+SHIPPED_PREFIX = "partita:"
+SHIPPED_PROFILES: dict[str, str] = {
+    "A100-80G": SHIPPED_PREFIX + "a100_megatron_calibration.json",
+    "A100-40G": SHIPPED_PREFIX + "a100_megatron_calibration.json",
+}
+DATA_DIR = Path(__file__).parent / "data"
+
+
+def calibration_default() -> bool:
+    """Whether shipped calibration profiles apply (``PARTITA_CALIBRATION=off`` turns them off)."""
+    return os.environ.get("PARTITA_CALIBRATION", "on").strip().lower() not in ("off", "0", "false", "no", "none")
+
+
+def profile_path(profile: str | Path) -> Path:
+    """A profile's file: ``partita:NAME`` is a profile shipped in ``partita/data``."""
+    s = str(profile)
+    return DATA_DIR / s[len(SHIPPED_PREFIX) :] if s.startswith(SHIPPED_PREFIX) else Path(s)
+
+
 DEVICE_KINDS = ("gpu", "cpu")  # gpu -> nccl, cpu -> gloo
+
+
+@dataclasses.dataclass(frozen=True)
+class Network:
+    """A node's way out: ``nic_bandwidth`` is all its compute NICs together, bytes/s per direction."""
+
+    nic_bandwidth: float = 200e9 / 8  # bytes/s per node (one 200 Gb/s NIC when nothing else is known)
+    latency: float = 5e-6
+    num_nics: int = 1
+
+    def describe(self) -> str:
+        per = self.nic_bandwidth * 8 / 1e9 / self.num_nics
+        nics = f"{self.num_nics} x {per:g} Gb/s" if self.num_nics > 1 else f"{per:g} Gb/s"
+        return f"{nics} per node, {self.latency * 1e6:g} us"
+
+    def slower(self, other: Network) -> Network:
+        """The slower of two networks (lower bandwidth, the higher latency of the two)."""
+        low = self if self.nic_bandwidth <= other.nic_bandwidth else other
+        return dataclasses.replace(low, latency=max(self.latency, other.latency))
+
+
+UNSET = Network(nic_bandwidth=-1.0)  # "not given": NodeGroup / Cluster fill it in
+
+
+def reference_network(device: DeviceType) -> Network:
+    """The preset network of ``device``'s reference node, ``Network()`` for unknown / CPU devices."""
+    ref = REFERENCE_NODES.get(device.name)
+    return ref.network() if ref else Network()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +216,7 @@ class NodeGroup:
     device: DeviceType
     num_nodes: int
     gpus_per_node: int
+    network: Network = UNSET  # UNSET: the cluster's network (filled in by ``Cluster``)
 
     @property
     def num_devices(self) -> int:
@@ -120,16 +224,81 @@ class NodeGroup:
 
 
 @dataclasses.dataclass(frozen=True)
-class Network:
-    nic_bandwidth: float = 200e9 / 8  # bytes/s per node (200 Gb/s default)
-    latency: float = 5e-6
+class GroupLink:
+    """The network between node groups ``a`` and ``b`` (indices into ``Cluster.groups``)."""
+
+    a: int
+    b: int
+    network: Network
 
 
 @dataclasses.dataclass(frozen=True)
 class Cluster:
+    """Node groups, each with its own network; ``network`` fills groups that name none, and
+    ``links`` give the network between two groups (default: the slower of the two sides).
+
+    ``network`` defaults to the slowest group network: code that prices one network for the whole
+    cluster stays conservative; :meth:`network_for` / :meth:`link_between` are the precise views.
+    """
+
     name: str
     groups: tuple[NodeGroup, ...]
-    network: Network = Network()
+    network: Network = UNSET
+    links: tuple[GroupLink, ...] = ()
+
+    def __post_init__(self) -> None:
+        given = self.network is not UNSET
+        groups = tuple(
+            g
+            if g.network is not UNSET
+            else dataclasses.replace(g, network=self.network if given else reference_network(g.device))
+            for g in self.groups
+        )
+        object.__setattr__(self, "groups", groups)
+        if not given:
+            slow = groups[0].network if groups else Network()
+            for g in groups[1:]:
+                slow = slow.slower(g.network)
+            object.__setattr__(self, "network", slow)
+        for lk in self.links:
+            if not (0 <= lk.a < len(groups) and 0 <= lk.b < len(groups)) or lk.a == lk.b:
+                raise ClusterSpecError(
+                    f"link between node groups {lk.a} and {lk.b} names no pair of distinct groups.",
+                    f"use group indices 0..{len(groups) - 1} (or device names) for two different groups.",
+                )
+
+    def group_network(self, index: int) -> Network:
+        return self.groups[index].network
+
+    def network_for(self, device_name: str) -> Network:
+        """The network of the node groups of one device type (the slowest if several)."""
+        nets = [self.group_network(i) for i, g in enumerate(self.groups) if g.device.name == device_name]
+        if not nets:
+            return self.network
+        out = nets[0]
+        for n in nets[1:]:
+            out = out.slower(n)
+        return out
+
+    def link_between(self, a: int, b: int) -> Network:
+        """Network between node groups ``a`` and ``b``: the spec's link, else the slower side."""
+        if a == b:
+            return self.group_network(a)
+        for lk in self.links:
+            if {lk.a, lk.b} == {a, b}:
+                return lk.network
+        return self.group_network(a).slower(self.group_network(b))
+
+    def network_among(self, device_names: list[str] | tuple[str, ...]) -> Network:
+        """The slowest network a collective over these device types crosses (group links included)."""
+        idx = [i for i, g in enumerate(self.groups) if g.device.name in set(device_names)]
+        if not idx:
+            return self.network
+        out = self.group_network(idx[0])
+        for i in idx:
+            for j in idx:
+                out = out.slower(self.link_between(i, j))
+        return out
 
     @property
     def num_devices(self) -> int:
@@ -162,24 +331,42 @@ class Cluster:
         return sum(g.num_devices * g.device.flops(dtype) for g in self.groups)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        def net(n: Network) -> dict[str, Any]:
+            return {"nic_bandwidth": n.nic_bandwidth, "latency": n.latency, "num_nics": n.num_nics}
+
+        d: dict[str, Any] = {
             "name": self.name,
-            "network": {"nic_bandwidth": self.network.nic_bandwidth, "latency": self.network.latency},
+            "network": net(self.network),
             "groups": [
                 {
                     "device": dataclasses.asdict(g.device) | {"peak_flops": dict(g.device.peak_flops)},
                     "num_nodes": g.num_nodes,
                     "gpus_per_node": g.gpus_per_node,
+                    "network": net(g.network),
+                    "calibration": g.device.profile or "none",
                 }
                 for g in self.groups
             ],
         }
+        if self.links:
+            d["links"] = [{"between": [lk.a, lk.b], "network": net(lk.network)} for lk in self.links]
+        return d
 
     def fingerprint(self) -> str:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
     def describe(self) -> str:
         return " + ".join(f"{g.num_nodes}x{g.gpus_per_node} {g.device.name}" for g in self.groups)
+
+    def describe_network(self) -> str:
+        """One line per node group and link: the network a plan assumed, and each group's calibration."""
+        parts = [
+            f"{g.device.name}: {self.group_network(i).describe()}"
+            + (f", calibrated ({g.device.profile})" if g.device.profile else "")
+            for i, g in enumerate(self.groups)
+        ]
+        parts += [f"group {lk.a}<->{lk.b}: {lk.network.describe()}" for lk in self.links]
+        return "; ".join(parts)
 
 
 CLUSTER_PRESETS: dict[str, str] = {
@@ -191,12 +378,18 @@ CLUSTER_PRESETS: dict[str, str] = {
 }
 
 
-def device_type(name: str, custom: Mapping[str, DeviceType] | None = None) -> DeviceType:
+def device_type(
+    name: str, custom: Mapping[str, DeviceType] | None = None, calibrated: bool | None = None
+) -> DeviceType:
+    """A preset or custom device type; presets with a shipped profile come calibrated unless
+    ``calibrated`` is False (None: :func:`calibration_default`)."""
     key = ALIASES.get(name, name)
     if custom and key in custom:
         return custom[key]
     for k, v in DEVICE_PRESETS.items():
         if k.lower() == key.lower():
+            if k in SHIPPED_PROFILES and (calibration_default() if calibrated is None else calibrated):
+                return _shipped(k)
             return v
     known = sorted([*DEVICE_PRESETS, *(custom or {})])
     raise ClusterSpecError(
@@ -208,7 +401,9 @@ def device_type(name: str, custom: Mapping[str, DeviceType] | None = None) -> De
 _SHORT = re.compile(r"^\s*(\d+)\s*[xX*]\s*([A-Za-z0-9_.\-]+)\s*$")
 
 
-def parse_shorthand(spec: str, gpus_per_node: int | None = None) -> Cluster:
+def parse_shorthand(spec: str, gpus_per_node: int | None = None, calibrated: bool | None = None) -> Cluster:
+    """``16xA100-80G+8xV100-32G``: each term a node group on its preset's reference node
+    (devices per node unless ``gpus_per_node`` is given, and that node's network)."""
     groups = []
     for part in spec.split("+"):
         m = _SHORT.match(part)
@@ -217,10 +412,11 @@ def parse_shorthand(spec: str, gpus_per_node: int | None = None) -> Cluster:
                 f"cannot read cluster term {part!r} in {spec!r}.",
                 "write COUNTxTYPE terms joined by '+', e.g. 16xA100-80G+8xV100-32G.",
             )
-        count, dev = int(m.group(1)), device_type(m.group(2))
+        count, dev = int(m.group(1)), device_type(m.group(2), calibrated=calibrated)
         if count <= 0:
             raise ClusterSpecError(f"device count {count} for {dev.name} must be positive.", "use COUNT >= 1.")
-        per = gpus_per_node or (count if dev.kind == "cpu" else min(8, count))
+        ref = REFERENCE_NODES.get(dev.name)
+        per = gpus_per_node or (count if dev.kind == "cpu" else min(ref.gpus_per_node if ref else 8, count))
         if per <= 0:
             raise ClusterSpecError(f"gpus_per_node={per} must be positive.", "use --gpus-per-node >= 1.")
         if count % per:
@@ -228,7 +424,7 @@ def parse_shorthand(spec: str, gpus_per_node: int | None = None) -> Cluster:
                 f"{count} x {dev.name} does not split into nodes of {per}.",
                 f"use a multiple of {per} or set --gpus-per-node to a divisor of {count}.",
             )
-        groups.append(NodeGroup(dev, count // per, per))
+        groups.append(NodeGroup(dev, count // per, per, reference_network(dev)))
     return Cluster(spec.replace(" ", ""), tuple(groups))
 
 
@@ -247,14 +443,61 @@ def _num(d: Mapping[str, Any], key: str, where: str, default: float | None = Non
     return float(v)
 
 
-def cluster_from_dict(d: Any, source: str = "cluster spec") -> Cluster:
+_NET_FIELDS = ("nic_gbps", "num_nics", "latency_us")
+
+
+def _network_fields(net: Any, where: str) -> dict[str, float]:
+    """The network fields a cluster file gives (``nic_gbps`` per NIC, ``num_nics``, ``latency_us``)."""
+    if net is None:
+        return {}
+    if not isinstance(net, Mapping) or set(net) - set(_NET_FIELDS):
+        bad = sorted(set(net) - set(_NET_FIELDS)) if isinstance(net, Mapping) else net
+        raise ClusterSpecError(
+            f"{where}: 'network' must be a mapping of {', '.join(_NET_FIELDS)} (got {bad!r}).",
+            "e.g. network: {nic_gbps: 200, num_nics: 8, latency_us: 5}.",
+        )
+    out = {k: _num(net, k, where + ".network") for k in _NET_FIELDS if k in net}
+    if "num_nics" in out and out["num_nics"] != int(out["num_nics"]):
+        raise ClusterSpecError(f"{where}: network.num_nics={out['num_nics']} is not a whole number.", "use 1, 2, 8...")
+    return out
+
+
+def _network(fields: Mapping[str, float]) -> Network:
+    nics = int(fields["num_nics"])
+    return Network(nics * fields["nic_gbps"] * 1e9 / 8, fields["latency_us"] / 1e6, nics)
+
+
+def _reference_fields(dev: DeviceType) -> dict[str, float]:
+    ref = REFERENCE_NODES.get(dev.name)
+    if ref is None:
+        return {"nic_gbps": 200.0, "num_nics": 1.0, "latency_us": 5.0}
+    return {"nic_gbps": ref.nic_gbps, "num_nics": float(ref.num_nics), "latency_us": ref.latency_us}
+
+
+def _group_index(ref: Any, groups: list[NodeGroup], where: str) -> int:
+    if isinstance(ref, int) and not isinstance(ref, bool) and 0 <= ref < len(groups):
+        return ref
+    hits = [i for i, g in enumerate(groups) if isinstance(ref, str) and g.device.name == device_type(ref).name]
+    if len(hits) == 1:
+        return hits[0]
+    raise ClusterSpecError(
+        f"{where}: {ref!r} names no single node group.",
+        f"use a group index 0..{len(groups) - 1}, or the device type of a group that is the only one of its type.",
+    )
+
+
+def cluster_from_dict(d: Any, source: str = "cluster spec", calibrated: bool | None = None) -> Cluster:
+    """A cluster file's content. Networks: a node group's ``network`` overrides the file's top-level
+    ``network``, which overrides the device type's reference node; ``links`` set the network
+    between two groups (default: the slower side). ``profile: none`` keeps a preset uncalibrated."""
     if not isinstance(d, Mapping):
         raise ClusterSpecError(f"{source} must be a mapping with a 'nodes' list.", "see the README's cluster format.")
-    unknown = set(d) - {"name", "network", "nodes", "device_types"}
+    unknown = set(d) - {"name", "network", "nodes", "device_types", "links"}
     if unknown:
         raise ClusterSpecError(
-            f"{source} has unknown fields {sorted(unknown)}.", "allowed: name, network, nodes, device_types."
+            f"{source} has unknown fields {sorted(unknown)}.", "allowed: name, network, nodes, device_types, links."
         )
+    top = _network_fields(d.get("network"), source)
     custom: dict[str, DeviceType] = {}
     types = d.get("device_types") or []
     if not isinstance(types, list):
@@ -285,7 +528,7 @@ def cluster_from_dict(d: Any, source: str = "cluster spec") -> Cluster:
             _num(t, "intra_node_latency_us", where, 2.0) * 1e-6,
             kind,
         )
-        if t.get("profile"):
+        if t.get("profile") and str(t["profile"]).lower() != "none":
             custom[str(t["name"])] = apply_profile(custom[str(t["name"])], str(t["profile"]))
     nodes = d.get("nodes")
     if not isinstance(nodes, list) or not nodes:
@@ -295,33 +538,49 @@ def cluster_from_dict(d: Any, source: str = "cluster spec") -> Cluster:
         where = f"{source}: nodes[{i}]"
         if not isinstance(n, Mapping) or "device" not in n:
             raise ClusterSpecError(f"{where} needs a 'device'.", "e.g. {device: A100-80G, num_nodes: 2}.")
-        dev = device_type(str(n["device"]), custom)
+        off = str(n.get("profile", "")).lower() == "none"
+        dev = device_type(str(n["device"]), custom, calibrated=False if off else calibrated)
         overrides: dict[str, Any] = {}
         if "intra_node_GBps" in n:
             overrides["intra_node_bandwidth"] = _num(n, "intra_node_GBps", where) * GB
         if overrides:
             dev = dataclasses.replace(dev, **overrides)
-        if n.get("profile"):
+        if n.get("profile") and not off:
             dev = apply_profile(dev, str(n["profile"]))
         num_nodes = _num(n, "num_nodes", where, 1.0)
         per = _num(n, "gpus_per_node", where, 8.0 if dev.kind == "gpu" else 1.0)
         if num_nodes != int(num_nodes) or per != int(per):
             raise ClusterSpecError(f"{where}: num_nodes and gpus_per_node must be integers.", "use whole numbers.")
-        groups.append(NodeGroup(dev, int(num_nodes), int(per)))
-    net = d.get("network") or {}
-    if not isinstance(net, Mapping):
-        raise ClusterSpecError(f"{source}: 'network' must be a mapping.", "e.g. network: {nic_gbps: 200}.")
-    network = Network(
-        _num(net, "nic_gbps", f"{source}: network", 200.0) * 1e9 / 8,
-        _num(net, "latency_us", f"{source}: network", 5.0) * 1e-6,
-    )
-    return Cluster(str(d.get("name", Path(source).stem)), tuple(groups), network)
+        fields = _reference_fields(dev) | top | _network_fields(n.get("network"), where)
+        groups.append(NodeGroup(dev, int(num_nodes), int(per), _network(fields)))
+    links = d.get("links") or []
+    if not isinstance(links, list):
+        raise ClusterSpecError(
+            f"{source}: 'links' must be a list.", "e.g. links: [{between: [0, 1], nic_gbps: 100, num_nics: 1}]."
+        )
+    out = []
+    for i, lk in enumerate(links):
+        where = f"{source}: links[{i}]"
+        if not isinstance(lk, Mapping) or not isinstance(lk.get("between"), list) or len(lk["between"]) != 2:
+            raise ClusterSpecError(
+                f"{where} needs 'between': two node groups.", "e.g. {between: [0, 1], nic_gbps: 100, num_nics: 1}."
+            )
+        a, b = (_group_index(x, groups, where) for x in lk["between"])
+        if a == b:
+            raise ClusterSpecError(f"{where} links group {a} to itself.", "name two different node groups.")
+        side = groups[a].network.slower(groups[b].network)
+        base = {"nic_gbps": side.nic_bandwidth * 8 / 1e9 / side.num_nics, "num_nics": float(side.num_nics)}
+        base["latency_us"] = side.latency * 1e6
+        fields = base | _network_fields({k: v for k, v in lk.items() if k != "between"}, where)
+        out.append(GroupLink(a, b, _network(fields)))
+    return Cluster(str(d.get("name", Path(source).stem)), tuple(groups), links=tuple(out))
 
 
-def parse_cluster(spec: str, gpus_per_node: int | None = None) -> Cluster:
-    """Shorthand, preset name, or path to a .yaml/.yml/.json file."""
+def parse_cluster(spec: str, gpus_per_node: int | None = None, calibrated: bool | None = None) -> Cluster:
+    """Shorthand, preset name, or path to a .yaml/.yml/.json file. ``calibrated``: apply the shipped
+    calibration profiles (``SHIPPED_PROFILES``); None reads ``PARTITA_CALIBRATION`` (default on)."""
     if spec in CLUSTER_PRESETS:
-        return dataclasses.replace(parse_shorthand(CLUSTER_PRESETS[spec], gpus_per_node), name=spec)
+        return dataclasses.replace(parse_shorthand(CLUSTER_PRESETS[spec], gpus_per_node, calibrated), name=spec)
     path = Path(spec)
     if path.suffix.lower() in (".yaml", ".yml", ".json"):
         if not path.exists():
@@ -349,8 +608,8 @@ def parse_cluster(spec: str, gpus_per_node: int | None = None) -> Cluster:
                 f"cluster file {spec!r} is not valid {path.suffix[1:].upper()}: {first}.",
                 "fix the syntax at the position given.",
             ) from None
-        return cluster_from_dict(data, spec)
-    return parse_shorthand(spec, gpus_per_node)
+        return cluster_from_dict(data, spec, calibrated)
+    return parse_shorthand(spec, gpus_per_node, calibrated)
 
 
 # ---- calibration profiles ------------------------------------------------------------------
@@ -360,7 +619,7 @@ def read_profile(profile: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(profile, Mapping):
         src = str(profile)
         try:
-            profile = json.loads(Path(profile).read_text())
+            profile = json.loads(profile_path(profile).read_text())
         except (FileNotFoundError, IsADirectoryError):
             raise ProfileError(f"profile {src!r} does not exist.", "run `partita profile` or fix the path.") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -378,7 +637,7 @@ def read_profile(profile: str | Path | Mapping[str, Any]) -> dict[str, Any]:
 
 def profile_content_hash(profile: Mapping[str, Any]) -> str:
     """Hash of what a profile changes in planning (efficiency + overrides), not its raw tables or path."""
-    payload = {k: profile.get(k) for k in _PROFILE_PLANNING_KEYS}
+    payload = {k: profile.get(k) for k in _PROFILE_PLANNING_KEYS if k in profile or k not in _PROFILE_LATER_KEYS}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -394,7 +653,8 @@ def profile_overrides(dev: DeviceType, d: Mapping[str, Any], src: str = "profile
     """The ``DeviceType`` fields a read profile ``d`` sets on ``dev``, after checking that it was
     measured on that device type and kind and that its overrides are known positive numbers."""
     measured = str(d.get("device", ""))
-    if measured and measured != dev.name:
+    also = d.get("applies_to", [])
+    if measured and measured != dev.name and dev.name not in (also if isinstance(also, list) else []):
         raise ProfileError(
             f"{src} was measured on {measured}, not {dev.name}.", f"use a profile measured on {dev.name}."
         )
@@ -423,3 +683,13 @@ def profile_overrides(dev: DeviceType, d: Mapping[str, Any], src: str = "profile
             {**dev.peak_flops, **{str(k): float(v) for k, v in vals.items()}} if key == "peak_flops" else float(val)
         )
     return fields
+
+
+_SHIPPED: dict[str, DeviceType] = {}
+
+
+def _shipped(name: str) -> DeviceType:
+    """The preset ``name`` with its shipped calibration profile applied (cached)."""
+    if name not in _SHIPPED:
+        _SHIPPED[name] = apply_profile(DEVICE_PRESETS[name], SHIPPED_PROFILES[name])
+    return _SHIPPED[name]

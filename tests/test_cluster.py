@@ -79,3 +79,90 @@ def test_json_file_and_missing(tmp_path) -> None:
     assert parse_cluster(str(p)).num_devices == 8
     with pytest.raises(ClusterSpecError, match="does not exist"):
         parse_cluster(str(tmp_path / "nope.yaml"))
+
+
+# ---- reference nodes, per-group networks, shipped calibration (issue 18) ----------------------
+@pytest.mark.parametrize(
+    "spec, nics, gbps",
+    [("64xH100-80G", 8, 400), ("16xH200", 8, 400), ("16xA100-80G", 8, 200), ("8xA100-40G", 8, 200)]
+    + [("16xV100-32G", 4, 100), ("8xL4", 1, 100), ("8xT4", 1, 100)],
+)
+def test_shorthand_gets_the_reference_node_network(spec: str, nics: int, gbps: float) -> None:
+    c = parse_cluster(spec)
+    net = c.groups[0].network
+    assert (net.num_nics, net.nic_bandwidth) == (nics, nics * gbps * 1e9 / 8)
+    assert c.network == net and c.network_for(c.groups[0].device.name) == net
+    assert f"{gbps:g} Gb/s" in c.describe_network()
+
+
+def test_dgx_h100_dp_ring_gets_one_nic_per_gpu() -> None:
+    from partita.search.mesh import LogicalMesh
+
+    c = parse_cluster("64xH100-80G")
+    dev = c.groups[0].device
+    link = LogicalMesh((8, 8), ("dp", "tp"), dev, 8, c.network_for(dev.name)).link(0)
+    assert link.crosses_nodes and link.bandwidth == pytest.approx(400e9 / 8)  # 8 rings share 8 x 400 Gb/s
+
+
+def test_mixed_cluster_networks_and_default_link_is_the_slower_side() -> None:
+    c = parse_cluster("16xA100-80G+16xV100-32G+8xL4")
+    a100, v100, l4 = (c.network_for(n) for n in ("A100-80G", "V100-32G", "L4"))
+    assert a100.nic_bandwidth == 200e9 and v100.nic_bandwidth == 50e9 and l4.nic_bandwidth == 12.5e9
+    assert c.link_between(0, 1) == v100 and c.link_between(0, 2).nic_bandwidth == 12.5e9
+    assert c.network.nic_bandwidth == 12.5e9  # the cluster-wide view is the slowest group
+    assert c.network_among(["A100-80G", "V100-32G"]).nic_bandwidth == 50e9
+
+
+def test_file_overrides_per_group_and_declares_group_links(tmp_path) -> None:
+    p = tmp_path / "lab.yaml"
+    p.write_text(
+        "nodes:\n"
+        "  - {device: A100-80G, num_nodes: 2, network: {num_nics: 4}}\n"
+        "  - {device: V100-32G, num_nodes: 2}\n"
+        "links:\n  - {between: [A100-80G, 1], nic_gbps: 25, latency_us: 20}\n"
+    )
+    c = parse_cluster(str(p))
+    assert c.group_network(0).nic_bandwidth == 4 * 200e9 / 8  # the preset's NIC speed, 4 of them
+    assert c.group_network(1).nic_bandwidth == 4 * 100e9 / 8  # DGX-1 preset
+    link = c.link_between(1, 0)
+    assert link.nic_bandwidth == 4 * 25e9 / 8 and link.latency == pytest.approx(20e-6)  # num_nics from the slower side
+    assert c.network_among(["A100-80G", "V100-32G"]) == link
+    assert "group 0<->1" in c.describe_network() and c.to_dict()["links"][0]["between"] == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("nodes:\n  - {device: A100}\nlinks:\n  - {between: [0, 3]}", "names no single node group"),
+        ("nodes:\n  - {device: A100}\n  - {device: L4}\nlinks:\n  - {between: [0, 0]}", "to itself"),
+        ("nodes:\n  - {device: A100, network: {nic_gbs: 5}}", "must be a mapping of nic_gbps"),
+        ("nodes:\n  - {device: A100, network: {num_nics: 1.5}}", "not a whole number"),
+    ],
+)
+def test_network_file_errors(tmp_path, text: str, match: str) -> None:
+    p = tmp_path / "bad.yaml"
+    p.write_text(text)
+    with pytest.raises(ClusterSpecError, match=match):
+        parse_cluster(str(p))
+
+
+def test_shipped_a100_calibration_is_applied_by_default_and_can_be_turned_off(tmp_path, monkeypatch) -> None:
+    from partita.search.cost_model import CostModel, Efficiency
+
+    on = parse_cluster("16xA100-80G")
+    dev = on.groups[0].device
+    assert dev.profile == "partita:a100_megatron_calibration.json" and dev.profile_hash
+    assert on.to_dict()["groups"][0]["calibration"] == dev.profile
+    assert CostModel.for_device(dev).efficiency != Efficiency()  # the fitted factors, not the defaults
+    assert parse_cluster("8xA100-40G").groups[0].device.profile == dev.profile  # same chip, applies_to
+    assert parse_cluster("8xH100-80G").groups[0].device.profile == ""  # no shipped profile
+    off = parse_cluster("16xA100-80G", calibrated=False)
+    assert off.groups[0].device.profile == "" and off.fingerprint() != on.fingerprint()
+    assert CostModel.for_device(off.groups[0].device).efficiency == Efficiency()
+    monkeypatch.setenv("PARTITA_CALIBRATION", "off")
+    assert parse_cluster("16xA100-80G").fingerprint() == off.fingerprint()
+    monkeypatch.delenv("PARTITA_CALIBRATION")
+    p = tmp_path / "c.yaml"
+    p.write_text("nodes:\n  - {device: A100-80G, profile: none}\n  - {device: A100-80G}\n")
+    c = parse_cluster(str(p))
+    assert c.groups[0].device.profile == "" and c.groups[1].device.profile == dev.profile

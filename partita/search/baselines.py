@@ -144,7 +144,10 @@ def brute_force(
     graph: Graph, cluster: Cluster, training: TrainingConfig, options: SearchOptions = DEFAULT_OPTIONS
 ) -> float:
     """Fastest full step time over every stage sequence, ZeRO / recompute combo per stage and outer
-    configuration (tiny cases)."""
+    configuration (tiny cases), in the precision the planner picks (``search/precision.py``)."""
+    from partita.search.precision import choose_precision
+
+    training = choose_precision(cluster, training, options.allow_f16)
     search = Search(graph, cluster, training, options)
     best = math.inf
     for dp in powers_of_two(cluster.num_devices):

@@ -97,7 +97,8 @@ class Efficiency:
         src = "profile" if isinstance(profile, Mapping) else str(profile)
         profile = read_profile(profile)  # JSON, format and version, worded in cluster.py
         dev = str(profile.get("device", ""))
-        if device is not None and dev and dev != device:
+        also = profile.get("applies_to", [])
+        if device is not None and dev and dev != device and device not in (also if isinstance(also, list) else []):
             raise ProfileError(f"{src} was measured on {dev}, not {device}.", f"use a profile measured on {device}.")
         fields = profile.get("efficiency", {})
         known = {f.name for f in dataclasses.fields(Efficiency)} - {"device"}

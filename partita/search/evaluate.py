@@ -4,6 +4,19 @@ Used by ``partita evaluate``, the Megatron-grid baseline (``search/baselines.py`
 cost-model accuracy benchmark (``bench/costmodel_accuracy.py``). Stages split the repeated blocks
 evenly (Megatron's rule); the first stage also holds the layers before the first block (embedding),
 the last the layers after the last block (head). Every stage runs on the cluster's first device type.
+
+A layout that cannot be built is refused with one :class:`~partita.errors.ConfigError` before
+anything is priced (:func:`check_layout`): attention heads, key/value heads or block weight dims
+not divisible by ``tp``; ``dp * tp * pp`` above the devices of the type that runs it; blocks that do not split into ``pp``
+stages (times ``num_virtual`` chunks); virtual stages without the interleaved schedule.
+A ``tp`` wider than a node is priced over the network and said so in the notes (the planner
+itself never searches it, rule R1). Sequence parallelism is not a dimension of the search (no emitter realizes it), so it is not
+one here either.
+
+The :class:`Evaluation` carries memory per device by category (parameters, gradients, optimizer
+state, activations: the same terms ``search/stage_cost.stage_arrays`` sums), whether it fits, the
+devices left idle and the model FLOPs utilization against the peak of the devices used and of the
+whole cluster.
 """
 
 from __future__ import annotations
@@ -15,12 +28,15 @@ import numpy as np
 
 from partita.cluster import Cluster
 from partita.errors import ConfigError
-from partita.ir import Graph
+from partita.ir import Graph, Prim, dim_size
 from partita.search import schedule as sched
 from partita.search.config import SearchOptions, TrainingConfig
 from partita.search.plan_build import Candidate, StagePick
 from partita.search.planner import Option, Search
+from partita.search.precision import choose_precision, precision_note
 from partita.search.stage_cost import SolverCosts, StageFactors
+
+MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,23 +50,198 @@ class Evaluation:
     memory_capacity: float
     fits: bool
     tokens_per_s: float
+    memory_by_category: tuple[dict[str, float], ...] = ()  # per stage, MEMORY_CATEGORIES -> bytes
+    layout: dict[str, Any] = dataclasses.field(default_factory=dict)  # degrees, schedule, device, devices used
+    mfu: float = 0.0  # model FLOPs / (step x peak of the devices used)
+    mfu_cluster: float = 0.0  # model FLOPs / (step x peak of every device in the cluster)
+    notes: tuple[str, ...] = ()  # what the prediction assumes that a reader may not expect
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
+def block_kind(graph: Graph) -> str:
+    """The most repeated layer kind (the transformer block)."""
+    kinds = [lay.kind for lay in graph.layers]
+    return max(set(kinds), key=lambda k: (kinds.count(k), -kinds.index(k)))
+
+
 def megatron_split(graph: Graph, pp: int) -> list[tuple[int, int]]:
     """Layer-index ranges of ``pp`` stages: blocks split evenly, pre/post layers on the ends."""
     kinds = [lay.kind for lay in graph.layers]
-    block = max(set(kinds), key=lambda k: (kinds.count(k), -kinds.index(k)))
+    block = block_kind(graph)
     idx = [i for i, k in enumerate(kinds) if k == block]
     first, last, n = idx[0], idx[-1], len(idx)
     if n % pp:
-        raise ConfigError(f"{n} blocks do not split into pp={pp} stages.", f"use a divisor of {n}.")
+        divisors = [d for d in range(1, n + 1) if n % d == 0]
+        raise ConfigError(f"{n} blocks do not split into pp={pp} stages.", f"use a divisor of {n}: {divisors}.")
     per = n // pp
     bounds = [first + i * per for i in range(pp)] + [last + 1]
     bounds[0], bounds[-1] = 0, len(kinds)
     return [(bounds[i], bounds[i + 1]) for i in range(pp)]
+
+
+def tp_dims(graph: Graph) -> tuple[dict[str, set[int]], int | None]:
+    """What tensor parallelism must divide, by name (attention heads, key/value heads, block weight
+    dims), and the vocabulary size (rows of the embedding table) or None."""
+    env = {"B": 1, "S": 1}
+    block = block_kind(graph)
+    names = {n for lay in graph.layers if lay.kind == block for n in lay.nodes}
+    need: dict[str, set[int]] = {"attention heads": set(), "key/value heads": set(), "block weight dims": set()}
+    vocab = None
+    strided = graph.meta.get("strided_params") or {}
+    for node in graph.nodes:
+        if node.prim is Prim.ATTENTION and node.name in names and len(node.inputs) >= 2:
+            q, k = (graph.tensors.get(x) for x in node.inputs[:2])
+            if q is not None and len(q.shape) == 4:
+                need["attention heads"].add(dim_size(q.shape[1], env))
+            if k is not None and len(k.shape) == 4:
+                need["key/value heads"].add(dim_size(k.shape[1], env))
+        if node.prim is Prim.EMBEDDING:
+            for x in node.inputs:
+                t = graph.tensors.get(x)
+                if t is not None and t.role.value == "parameter" and len(t.shape) == 2:
+                    vocab = max(vocab or 0, dim_size(t.shape[0], env))
+    for lay in graph.layers:
+        if lay.kind != block:
+            continue
+        for p in lay.params:
+            t = graph.tensors.get(p)
+            if t is not None and len(t.shape) >= 2:
+                dims = [dim_size(d, env) for d in t.shape]
+                fused = strided.get(p)  # passes/fused_split: q|k|v chunk dim, never split by tp
+                if isinstance(fused, (list, tuple)) and len(fused) == 2 and fused[1] in dims:
+                    dims.remove(int(fused[1]))
+                need["block weight dims"].update(dims)
+    return {k: v for k, v in need.items() if v}, vocab
+
+
+def check_layout(
+    graph: Graph,
+    cluster: Cluster,
+    training: TrainingConfig,
+    *,
+    tp: int,
+    pp: int,
+    dp: int,
+    micro_batch: int,
+    schedule: str = "1f1b",
+    num_virtual: int = 1,
+) -> list[str]:
+    """Refuse a layout that cannot be built (module docstring); return notes on one that can."""
+    for name, val in (("tp", tp), ("pp", pp), ("dp", dp), ("micro_batch", micro_batch), ("num_virtual", num_virtual)):
+        if val < 1:
+            raise ConfigError(f"{name}={val} must be >= 1.", f"pass a positive {name}.")
+    dev = cluster.device_types()[0]
+    have = cluster.count(dev.name)
+    used = dp * tp * pp
+    if used > have:
+        fit = have // (tp * pp)
+        other = f" (every stage runs on the first device type, {dev.name}; the cluster has {cluster.num_devices})"
+        raise ConfigError(
+            f"dp*tp*pp = {used} exceeds the cluster's {have} devices{other if have < cluster.num_devices else ''}.",
+            f"lower a degree (dp={fit} fits with tp={tp}, pp={pp})" + ", or use a larger cluster."
+            if fit
+            else "lower a degree or use a larger cluster.",
+        )
+    gpn = cluster.gpus_per_node(dev.name)
+    notes = []
+    if tp > gpn:
+        notes.append(
+            f"tp={tp} spans {-(-tp // gpn)} nodes of {gpn} {dev.name}: its per-layer collectives are priced over the "
+            f"network ({cluster.network_for(dev.name).describe()}); the planner itself never searches tp beyond a node."
+        )
+    need, vocab = tp_dims(graph)
+    bad = {k: sorted(x for x in v if x % tp) for k, v in need.items()}
+    bad = {k: v for k, v in bad.items() if v}
+    if bad:
+        ok = [t for t in range(1, gpn + 1) if all(x % t == 0 for v in need.values() for x in v)]
+        what = "; ".join(f"{k} {', '.join(map(str, v))}" for k, v in bad.items())
+        raise ConfigError(
+            f"tp={tp} cannot split {graph.meta.get('model', graph.name)}'s blocks: {what} not divisible by {tp}.",
+            f"use a tp that divides them, up to the node size {gpn}: {', '.join(map(str, ok))}.",
+        )
+    if training.global_batch % (micro_batch * dp):
+        raise ConfigError(
+            f"global batch {training.global_batch} is not a multiple of micro_batch*dp={micro_batch * dp}.",
+            "pick degrees that divide the batch.",
+        )
+    if num_virtual > 1 and schedule != "interleaved_1f1b":
+        raise ConfigError(
+            f"{num_virtual} virtual stages need the interleaved_1f1b schedule, not {schedule}.",
+            "pass --schedule interleaved_1f1b, or --virtual-stages 1.",
+        )
+    if schedule == "interleaved_1f1b":
+        if pp < 2 or num_virtual < 2:
+            raise ConfigError(
+                f"interleaved_1f1b needs pp >= 2 and at least 2 virtual stages (got pp={pp}, {num_virtual}).",
+                "pass --pp 2 or more and --virtual-stages 2 or more, or use --schedule 1f1b.",
+            )
+        n = sum(lay.kind == block_kind(graph) for lay in graph.layers)
+        if n % (pp * num_virtual):
+            raise ConfigError(
+                f"{n} blocks do not split into pp={pp} stages of {num_virtual} virtual chunks each.",
+                f"use pp * virtual stages dividing {n}.",
+            )
+    megatron_split(graph, pp)  # pp must divide the blocks
+    if vocab and vocab % tp:
+        notes.append(
+            f"vocabulary {vocab} is not divisible by tp={tp}: the embedding and output layer stay replicated on the "
+            "tp group, as priced (Megatron-LM pads the vocabulary instead)."
+        )
+    if used < cluster.num_devices:
+        notes.append(f"{cluster.num_devices - used} of {cluster.num_devices} devices stay idle in this layout.")
+    return notes
+
+
+def memory_by_category(cand: Candidate, i: int) -> dict[str, float]:
+    """Stage ``i``'s memory per device split as ``stage_cost.stage_arrays`` sums it."""
+    p = cand.stages[i]
+    search = cand.search
+    dev, _, b = p.option.devices[0]
+    tab = search.table(dev, p.option.tp, b)
+    z, r = p.option.combos[p.combo]
+    k, j, dp = p.k, p.j, float(cand.dp)
+    sl = slice(k, j)
+    in_flight = sched.in_flight(cand.schedule, i, len(cand.stages), cand.m, cand.v)
+    params = float(tab.params[sl].sum()) / (dp if z >= 3 else 1.0)
+    if z >= 3:
+        params += float(tab.max_layer_params[sl].max())
+    if r == "none":
+        act = float(tab.act[sl].sum()) * in_flight
+    elif r == "selective":
+        act = float((tab.act[sl] - tab.sel_bytes[sl]).sum()) * in_flight
+    else:
+        act = float(tab.inputs[sl].sum()) * in_flight + float(tab.max_layer_act[sl].max())
+    return {
+        "parameters": params,
+        "gradients": float(tab.grads[sl].sum()) / (dp if z >= 2 else 1.0),
+        "optimizer_state": float(tab.opt[sl].sum()) / (dp if z >= 1 else 1.0),
+        "activations": act,
+    }
+
+
+_FLOPS: dict[tuple[int, int], tuple[Graph, float, float]] = {}
+
+
+def model_flops(graph: Graph, training: TrainingConfig, linear_batch: bool) -> float:
+    """Forward + backward FLOPs of one step (the whole global batch), as the plan records them.
+
+    Training FLOPs are affine in the batch: evaluated at B = 1 and 2 once per (graph, seq) and
+    extrapolated (``layer_stats`` substitutes sympy per node: too slow to call per evaluation)."""
+    from partita.passes.annotate import layer_stats
+
+    key = (id(graph), training.seq_len)
+    hit = _FLOPS.get(key)
+    if hit is None or hit[0] is not graph:
+        f1, f2 = (
+            float(sum(s.forward_flops + s.backward_flops for s in layer_stats(graph, {"B": b, "S": training.seq_len})))
+            for b in (1, 2)
+        )
+        hit = _FLOPS[key] = (graph, f1, f2)
+    _, f1, f2 = hit
+    flops = f1 + (f2 - f1) * (training.global_batch - 1)
+    return flops * training.global_batch if linear_batch else flops
 
 
 def evaluate_config(
@@ -76,16 +267,25 @@ def evaluate_config(
     weights are split and activations stay whole on the tp group. ``"auto"`` lets the intra-op ILP
     pick any sharding on the tp axis (what ``partita compile`` does).
     """
-    if dp * tp * pp > cluster.num_devices:
-        raise ConfigError(
-            f"dp*tp*pp = {dp * tp * pp} exceeds the cluster's {cluster.num_devices} devices.",
-            "lower a degree or use a larger cluster.",
-        )
-    if training.global_batch % (micro_batch * dp):
-        raise ConfigError(
-            f"global batch {training.global_batch} is not a multiple of micro_batch*dp={micro_batch * dp}.",
-            "pick degrees that divide the batch.",
-        )
+    notes = check_layout(
+        graph,
+        cluster,
+        training,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        micro_batch=micro_batch,
+        schedule=schedule,
+        num_virtual=num_virtual,
+    )
+    if zero_stage and dp == 1:
+        notes.append(f"ZeRO-{zero_stage} with dp=1 shards nothing: priced as ZeRO-0.")
+        zero_stage = 0
+    if costs is None:  # the planner's precision rule (search/precision.py): fp16 where bf16 has no tensor cores
+        chosen = choose_precision(cluster, training)
+        if chosen.dtype != training.dtype:
+            notes.append(precision_note(cluster, chosen.dtype) + f" (requested {training.dtype}).")
+            training = chosen
     opts = SearchOptions(zero_stages=(zero_stage,), recompute=(recompute,), max_layer_units=0, max_tp=tp)
     if costs is None:
         costs = SolverCosts(graph, cluster, training, tp_style=tp_style)
@@ -110,6 +310,25 @@ def evaluate_config(
     cap = dev.memory_bytes * search.factors.memory_usable
     pt = cand.pipeline
     step = cand.step_time
+    flops = model_flops(graph, training, costs.linear_batch)
+    used = dp * tp * pp
+    layout = {
+        "dp": dp,
+        "tp": tp,
+        "pp": pp,
+        "micro_batch": micro_batch,
+        "num_micro_batches": m,
+        "zero_stage": zero_stage,
+        "recompute": recompute,
+        "schedule": schedule,
+        "num_virtual_stages": v,
+        "dtype": training.dtype,
+        "device": dev.name,
+        "devices_used": used,
+        "devices_total": cluster.num_devices,
+        "calibration": dev.profile or "none",
+        "network": cluster.network_for(dev.name).describe(),
+    }
     return Evaluation(
         step,
         pt.step_s,
@@ -120,4 +339,9 @@ def evaluate_config(
         cap,
         all(x <= cap for x in mem),
         training.global_batch * training.seq_len / step,
+        tuple(memory_by_category(cand, i) for i in range(pp)),
+        layout,
+        flops / step / (used * dev.flops(training.dtype)),
+        flops / step / cluster.peak_flops(training.dtype),
+        tuple(notes),
     )

@@ -1,0 +1,117 @@
+"""``partita evaluate``: unbuildable layouts refused (exit 2), every searched dimension priced, memory by category."""
+
+from __future__ import annotations
+
+import pytest
+
+from partita.cli import main
+from partita.cluster import parse_cluster
+from partita.errors import ConfigError
+from partita.search.config import TrainingConfig
+from partita.search.evaluate import MEMORY_CATEGORIES, check_layout, evaluate_config, tp_dims
+from tests.search.builders import gpt
+
+TR = TrainingConfig(global_batch=16, seq_len=512)
+
+
+@pytest.fixture(scope="module")
+def g12():  # noqa: ANN201
+    return gpt(4, 768, 12)  # GPT-2 small's block dims: 12 heads, hidden 768, ffn 3072
+
+
+def test_tp_dims_reads_heads_and_weight_dims(g12) -> None:  # noqa: ANN001
+    need, vocab = tp_dims(g12)
+    assert need["attention heads"] == {12} and {768, 2304, 3072} <= need["block weight dims"] and vocab is None
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"tp": 5}, r"attention heads 12.*not divisible by 5.*1, 2, 3, 4, 6"),
+        ({"tp": 8, "dp": 2, "pp": 1}, r"dp\*tp\*pp = 16 exceeds the cluster's 8 devices.*dp=1 fits"),
+        ({"pp": 3}, r"4 blocks do not split into pp=3"),
+        ({"dp": 3}, r"global batch 16 is not a multiple"),
+        ({"pp": 2, "num_virtual": 2}, r"virtual stages need the interleaved_1f1b schedule"),
+        ({"pp": 2, "num_virtual": 4, "schedule": "interleaved_1f1b"}, r"4 blocks do not split into pp=2 stages of 4"),
+        ({"pp": 1, "num_virtual": 2, "schedule": "interleaved_1f1b"}, r"needs pp >= 2"),
+    ],
+)
+def test_unbuildable_layouts_are_refused(g12, kw: dict, match: str) -> None:  # noqa: ANN001
+    args = {"tp": 1, "pp": 1, "dp": 1, "micro_batch": 1} | kw
+    with pytest.raises(ConfigError, match=match) as e:
+        check_layout(g12, parse_cluster("8xA100-80G"), TR, **args)
+    assert "Fix:" in str(e.value)
+
+
+def test_tp_beyond_a_node_is_priced_over_the_network_and_said() -> None:
+    g16 = gpt(2, 4096, 32)
+    tr = TrainingConfig(global_batch=16, seq_len=2048)
+    two_nodes = parse_cluster("16xA100-80G")
+    one_big_node = parse_cluster("16xA100-80G", gpus_per_node=16)
+    across = evaluate_config(g16, two_nodes, tr, tp=16, pp=1, dp=1, micro_batch=4)
+    assert any("spans 2 nodes" in n and "network" in n for n in across.notes), across.notes
+    inside = evaluate_config(g16, one_big_node, tr, tp=16, pp=1, dp=1, micro_batch=4)
+    assert not any("spans" in n for n in inside.notes)
+    assert across.predicted_step_time_s > 1.2 * inside.predicted_step_time_s  # IB, not NVLink
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_memory_categories_sum_to_the_priced_total(g12, zero: int, recompute: str) -> None:  # noqa: ANN001
+    ev = evaluate_config(
+        g12, parse_cluster("8xA100-80G"), TR, tp=2, pp=2, dp=2, micro_batch=2, zero_stage=zero, recompute=recompute
+    )
+    for cat, total in zip(ev.memory_by_category, ev.memory_per_device):
+        assert set(cat) == set(MEMORY_CATEGORIES)
+        assert sum(cat.values()) == pytest.approx(total, rel=1e-9)
+    assert ev.fits == all(m <= ev.memory_capacity for m in ev.memory_per_device)
+
+
+def test_zero_recompute_and_interleaving_change_what_they_should(g12) -> None:  # noqa: ANN001
+    cl = parse_cluster("8xA100-80G")
+
+    def ev(**kw):  # noqa: ANN003, ANN202
+        return evaluate_config(g12, cl, TR, **({"tp": 1, "pp": 2, "dp": 4, "micro_batch": 1} | kw))
+
+    z0, z1, z3 = ev(), ev(zero_stage=1), ev(zero_stage=3)
+    c0, c1, c3 = (e.memory_by_category[0] for e in (z0, z1, z3))
+    assert c1["optimizer_state"] == pytest.approx(c0["optimizer_state"] / 4)
+    assert c3["parameters"] < c0["parameters"] and c1["parameters"] == c0["parameters"]
+    none, sel, full = ev(), ev(recompute="selective"), ev(recompute="full")
+    a = [e.memory_by_category[0]["activations"] for e in (none, sel, full)]
+    assert a[0] >= a[1] > a[2]  # fused SDPA saves no score matrix: selective drops little or nothing here
+    t = [e.predicted_step_time_s for e in (none, sel, full)]
+    assert t[0] <= t[1] < t[2]
+    inter = ev(schedule="interleaved_1f1b", num_virtual=2)
+    assert inter.layout["num_virtual_stages"] == 2 and inter.bubble_s < none.bubble_s
+
+
+def test_idle_devices_lower_cluster_mfu_and_are_noted(g12) -> None:  # noqa: ANN001
+    from partita.passes.annotate import annotate
+
+    g = annotate(g12)
+    g.layers = g12.layers
+    ev = evaluate_config(g, parse_cluster("8xA100-80G"), TR, tp=1, pp=1, dp=2, micro_batch=1)
+    assert ev.layout["devices_used"] == 2 and ev.layout["devices_total"] == 8
+    assert ev.mfu_cluster == pytest.approx(ev.mfu * 2 / 8) and 0 < ev.mfu < 1
+    assert any("6 of 8 devices stay idle" in n for n in ev.notes)
+    assert ev.layout["calibration"].startswith("partita:") and "8 x 200 Gb/s" in ev.layout["network"]
+
+
+def test_cli_tp5_on_gpt2_exits_2_with_one_paragraph(capsys) -> None:
+    argv = ["evaluate", "gpt2", "--cluster", "8xA100-80G", "--global-batch", "8", "--seq", "128", "--tp", "5"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "tp=5 cannot split" in err and "attention heads 12" in err and "Fix:" in err and "Traceback" not in err
+
+
+def test_v100_layout_is_priced_in_fp16_and_says_so(g12) -> None:  # noqa: ANN001
+    cl = parse_cluster("8xV100-32G")
+    ev = evaluate_config(g12, cl, TR, tp=1, pp=1, dp=8, micro_batch=2)
+    assert ev.layout["dtype"] == "f16" and any("no bf16 tensor cores" in n for n in ev.notes), ev.notes
+    from partita.search.stage_cost import SolverCosts
+
+    held = evaluate_config(
+        g12, cl, TR, tp=1, pp=1, dp=8, micro_batch=2, costs=SolverCosts(g12, cl, TR, tp_style="megatron")
+    )
+    assert held.layout["dtype"] == "bf16" and held.predicted_step_time_s > 1.5 * ev.predicted_step_time_s
