@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import json
 import re
@@ -250,6 +251,20 @@ def dim_size(expr: sympy.Expr | int, env: Mapping[str, int] | None = None) -> in
     """Evaluate a (possibly symbolic) dim or count with ``env`` binding symbol names to ints."""
     if isinstance(expr, int):
         return expr
+    try:
+        return _dim_size_cached(expr, tuple(sorted(env.items())) if env else ())
+    except TypeError:  # an unhashable expression: evaluate it directly
+        return _dim_size(expr, env)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _dim_size_cached(expr: sympy.Expr, env_items: tuple[tuple[str, int], ...]) -> int:
+    """:func:`dim_size` memoised: a 96-block model repeats each shape 96 times, and sympy's
+    ``subs`` costs ~0.1 ms a call (FACTS.md)."""
+    return _dim_size(expr, dict(env_items))
+
+
+def _dim_size(expr: sympy.Expr | int, env: Mapping[str, int] | None) -> int:
     e = sympy.sympify(expr)
     if env and e.free_symbols:
         e = e.subs({s: env[s.name] for s in e.free_symbols if s.name in env})

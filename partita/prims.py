@@ -35,7 +35,12 @@ class _Labels:
 
 
 def _eq(a: sympy.Expr | int, b: sympy.Expr | int) -> bool:
-    return bool(sympy.simplify(sympy.sympify(a) - sympy.sympify(b)) == 0)
+    a, b = sympy.sympify(a), sympy.sympify(b)
+    if a == b:  # structurally equal (most calls): no simplify
+        return True
+    if a.is_Integer and b.is_Integer:
+        return False
+    return bool(sympy.simplify(a - b) == 0)
 
 
 def elementwise(out_shape: Shape, in_shapes: Sequence[Shape]) -> DimSig:

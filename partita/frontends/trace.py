@@ -28,10 +28,16 @@ def seq_default(handle: Any) -> int:
 
 
 def trace_handle(
-    handle: Any, *, batch: int = TRACE_BATCH, seq: int | None = None, passes: PassOptions | None = None
+    handle: Any,
+    *,
+    batch: int = TRACE_BATCH,
+    seq: int | None = None,
+    passes: PassOptions | None = None,
+    repeat: bool = True,
 ) -> Graph:
     """Trace a zoo/user model handle on abstract values and run the standard passes (``passes``:
-    which to skip, for ablations)."""
+    which to skip, for ablations). ``repeat``: trace a few of a deep model's repeated blocks and
+    expand them (``frontends/repeat.py``, the same graph as a full trace); False traces every block."""
     from partita.passes.pipeline import run_passes
 
     seq = seq or seq_default(handle)
@@ -46,10 +52,12 @@ def trace_handle(
             symbolic={"B": batch, "S": seq},
         )
     else:
+        from partita.frontends.repeat import trace_by_blocks
         from partita.frontends.trace_torch import trace_module
 
-        module = handle.build(device="meta")
-        graph = trace_module(module, handle.example_inputs(batch, seq, device="meta"), name=handle.name)
+        inputs = handle.example_inputs(batch, seq, device="meta")
+        got = None if not repeat else trace_by_blocks(handle, lambda m: trace_module(m, inputs, name=handle.name))
+        graph = got or trace_module(handle.build(device="meta"), inputs, name=handle.name)
     graph.meta.setdefault("framework", handle.framework)
     graph.meta.setdefault("model", handle.name)
     return run_passes(graph, passes)

@@ -36,6 +36,15 @@ Pruning rules (each documented, none silent; the counts are returned):
   activations in the first stages); tensor parallelism stays within a node.
 * R6 (``planner``): outer configurations whose throughput lower bound is not better than the best
   plan found are skipped.
+* R8 (here): branch and bound over the ``t_max`` candidates instead of an ascending scan: on a
+  candidate interval ``[a, b]`` the objective is at least ``alpha * G(t_b) + beta * t_a`` (``G``,
+  the least stage-time sum under a bound, does not grow with it), so intervals that cannot beat the
+  best are dropped unpriced; exact, and the same solution as the scan (``scan_stages``, kept as the
+  tests' reference).
+* R9 (``planner``): a model whose parameter + gradient + optimizer bytes exceed the usable memory of
+  the whole cluster fails before any configuration is priced.
+* R10 (here, ``stage_problem``): a segment whose capacity admits ``S`` stages of its widest option
+  drops its slot dimension (exact).
 * R7 (``planner``): the step's tail (largest per-stage exposed gradient sync + optimizer step)
   is outside this objective; the planner re-solves with the ZeRO / recompute combos capped below
   the last solution's tail until the pipeline part alone cannot win (``Search.solve_config``).
@@ -102,9 +111,15 @@ def _run(p: StageProblem, t_max: float) -> list[np.ndarray]:
     g = [np.full((max_stages + 1, num_units + 1, cap + 1), INF) for cap in p.capacities]
     for i in range(nseg):
         g[i][0, num_units, :] = 0.0
-    by_seg: list[list[int]] = [[] for _ in range(nseg)]
+    # options of one segment and width enter G only through their least time: one table per
+    # (segment, width) instead of per option (the reconstruction still names the option)
+    by_seg: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(nseg)]
+    groups: dict[tuple[int, int], list[int]] = {}
     for o, seg in enumerate(p.option_segment):
-        by_seg[seg].append(o)
+        if p.option_width[o] <= p.capacities[seg]:
+            groups.setdefault((seg, p.option_width[o]), []).append(o)
+    for (seg, w), members in sorted(groups.items()):
+        by_seg[seg].append((w, times[members].min(axis=0) if len(members) > 1 else times[members[0]]))
     for s in range(1, max_stages + 1):
         for i in reversed(range(nseg)):
             cur = g[i][s]
@@ -112,11 +127,8 @@ def _run(p: StageProblem, t_max: float) -> list[np.ndarray]:
                 cur[:, :] = g[i + 1][s][:, p.capacities[i + 1], None]
             cap = p.capacities[i]
             prev = g[i][s - 1]
-            for o in by_seg[i]:
-                w = p.option_width[o]
-                if w > cap:
-                    continue
-                c = times[o, :, :, s]  # [U, U + 1]
+            for w, tab in by_seg[i]:
+                c = tab[:, :, s]  # [U, U + 1]
                 cand = (c[:, :, None] + prev[None, :, : cap + 1 - w]).min(axis=1)  # [U, cap + 1 - w]
                 np.minimum(cur[:num_units, w:], cand, out=cur[:num_units, w:])
     return g
@@ -193,13 +205,93 @@ def solve_stages(
         val, s = _best_stages(p, g)
         return val, s, g
 
-    sum_inf, _, _ = run(INF)
+    # R8: branch and bound over the t_max candidates. G(t), the least stage-time sum with every
+    # stage <= t, is non-increasing in t, so on candidates [a, b] the objective is at least
+    # alpha * G(t_b) + beta * t_a: an interval whose bound cannot beat the best is dropped whole
+    # (R1 is this bound with G(t_b) = sum_inf). Intervals are split at their middle candidate, left
+    # first; ties keep the smallest t_max, as the ascending scan did, so the answer is the scan's.
+    evaluated: dict[int, tuple[float, StageSolution | None]] = {}
+
+    def at(idx: int) -> float:
+        if idx not in evaluated:
+            t = thinned[idx]
+            st.t_max_tried += 1
+            val, s, g = run(t)
+            sol = None
+            if math.isfinite(val):
+                stages = _reconstruct(p, g, t, s)
+                times = tuple(float(p.times[o, k, j, len(stages) - n]) for n, (k, j, o) in enumerate(stages))
+                sol = StageSolution(tuple(stages), times, p.alpha * sum(times) + p.beta * max(times))
+            evaluated[idx] = (val, sol)
+        return evaluated[idx][0]
+
+    best: list[tuple[float, int, StageSolution] | None] = [None]
+
+    def consider(idx: int) -> None:
+        sol = evaluated[idx][1]
+        if sol is None or sol.objective >= upper:
+            return
+        cur = best[0]
+        better = cur is None or (
+            sol.objective < cur[0] - 1e-12 * abs(sol.objective)
+            if idx > cur[1]
+            else sol.objective <= cur[0] + 1e-12 * abs(cur[0])
+        )
+        if better:
+            best[0] = (sol.objective, idx, sol)
+
+    def cutoff(lo_idx: int) -> float:
+        cur = best[0]
+        if cur is None:
+            return upper
+        return cur[0] * (1 + 1e-12) if lo_idx < cur[1] else cur[0]
+
+    last = len(thinned) - 1
+    sum_inf = at(last)  # the largest candidate admits every stage: the unconstrained sum
     if not math.isfinite(sum_inf) or p.alpha * sum_inf + p.beta * thinned[0] >= upper:
         return None
-    lo, hi = 0, len(thinned) - 1  # smallest feasible candidate by bisection
+    stack = [(0, last)]
+    while stack:
+        lo, hi = stack.pop()
+        g_hi = at(hi)
+        consider(hi)
+        if not math.isfinite(g_hi):  # nothing fits below t_hi: nothing below either
+            st.t_max_cut += hi - lo
+            continue
+        if lo == hi:
+            continue
+        if p.alpha * g_hi + p.beta * thinned[lo] >= cutoff(lo):
+            st.t_max_cut += hi - lo
+            continue
+        at(lo)
+        consider(lo)
+        if hi - lo == 1:
+            continue
+        mid = (lo + hi) // 2
+        stack.append((mid, hi))
+        stack.append((lo, mid))
+    return None if best[0] is None else best[0][2]
+
+
+def scan_stages(
+    p: StageProblem, *, epsilon: float = 0.0, stats: DPStats | None = None, upper: float = INF
+) -> StageSolution | None:
+    """The ascending ``t_max`` scan with bisection and rule R1 only (the algorithm before R8), kept
+    as the reference :func:`solve_stages` must equal (``tests/search/test_inter_op.py``)."""
+    st = stats if stats is not None else DPStats()
+    finite = p.times[np.isfinite(p.times)]
+    if finite.size == 0:
+        return None
+    thinned = _thin(np.unique(finite), epsilon)
+    st.dp_runs += 1
+    sum_inf, _ = _best_stages(p, _run(p, INF))
+    if not math.isfinite(sum_inf) or p.alpha * sum_inf + p.beta * thinned[0] >= upper:
+        return None
+    lo, hi = 0, len(thinned) - 1
     while lo < hi:
         mid = (lo + hi) // 2
-        if math.isfinite(run(thinned[mid])[0]):
+        st.dp_runs += 1
+        if math.isfinite(_best_stages(p, _run(p, thinned[mid]))[0]):
             hi = mid
         else:
             lo = mid + 1
@@ -207,10 +299,10 @@ def solve_stages(
     for idx in range(lo, len(thinned)):
         t = thinned[idx]
         if p.alpha * sum_inf + p.beta * t >= (best.objective if best is not None else upper):
-            st.t_max_cut += len(thinned) - idx
             break
-        st.t_max_tried += 1
-        val, s, g = run(t)
+        st.dp_runs += 1
+        g = _run(p, t)
+        val, s = _best_stages(p, g)
         if not math.isfinite(val):
             continue
         stages = _reconstruct(p, g, t, s)
@@ -259,6 +351,17 @@ def stage_problem(
     alpha: float,
     beta: float,
 ) -> StageProblem:
-    return StageProblem(
-        np.asarray(times, dtype=np.float64), tuple(option_segment), tuple(option_width), tuple(capacities), alpha, beta
-    )
+    arr = np.asarray(times, dtype=np.float64)
+    # R10 (exact): a segment holds at most S stages of at most its widest option. Where its
+    # capacity admits that many (a 512-GPU type at dp = 1), the slots never bind: the segment's
+    # widths and capacity become 0, so its DP has one slot column instead of hundreds; every state
+    # the reconstruction visits from a full segment had slots to spare, so the plan is the same.
+    max_stages = arr.shape[3] - 1
+    widths, caps = list(option_width), list(capacities)
+    for i, cap in enumerate(capacities):
+        mine = [o for o, sg in enumerate(option_segment) if sg == i]
+        if mine and cap >= max_stages * max(option_width[o] for o in mine):
+            caps[i] = 0
+            for o in mine:
+                widths[o] = 0
+    return StageProblem(arr, tuple(option_segment), tuple(widths), tuple(caps), alpha, beta)

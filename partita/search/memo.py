@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from partita.ir import Graph, Layer
+from partita.ir import Graph, Layer, Node
 from partita.plan import Collective
 from partita.search.cost_model import CostModel
 from partita.search.intra_op import LayerSolution, solve_layer
@@ -102,11 +102,27 @@ class IntraOpMemo:
         return sol
 
 
+_NODE_INDEX: dict[int, tuple[list[Node], dict[str, Node]]] = {}
+
+
+def _nodes_by_name(g: Graph) -> dict[str, Node]:
+    """``{name: node}`` of ``g``, built once per node list (``Graph.node`` scans the list: renaming
+    every layer of a 96-block model through it was quadratic)."""
+    hit = _NODE_INDEX.get(id(g))
+    if hit is None or hit[0] is not g.nodes:
+        if len(_NODE_INDEX) > 16:
+            _NODE_INDEX.clear()
+        hit = (g.nodes, {n.name: n for n in g.nodes})
+        _NODE_INDEX[id(g)] = hit
+    return hit[1]
+
+
 def rename_solution(sol: LayerSolution, g0: Graph, src: Layer, g1: Graph, dst: Layer) -> LayerSolution:
     names = dict(zip(src.nodes, dst.nodes))
+    n0, n1 = _nodes_by_name(g0), _nodes_by_name(g1)
     for a, b in zip(src.nodes, dst.nodes):  # tensors by position of the nodes that produce them
-        names.update(zip(g0.node(a).outputs, g1.node(b).outputs))
-        names.update(zip(g0.node(a).inputs, g1.node(b).inputs))
+        names.update(zip(n0[a].outputs, n1[b].outputs))
+        names.update(zip(n0[a].inputs, n1[b].inputs))
     fqn = {g0.tensors[a].fqn or a: g1.tensors[b].fqn or b for a, b in zip(src.params, dst.params)}
     names.update(fqn)
 

@@ -13,7 +13,8 @@ Families of stage options (pruning rules R3-R6 are in ``inter_op``'s docstring):
 * *mixed* (Cephalo): every stage has the same mix, ``a_t = dp * n_t / N`` replicas of type ``t``;
   replica shares of each micro-batch are proportional to the type's throughput (integers summing
   to ``b * dp``), the gradient average is weighted by them; the stage's period is its slowest
-  replica's.
+  replica's. A mixed class is searched at a ``tp`` only where every replica type's intra-op ILP
+  chose the same layout (``Search.same_layout``): the emitted stage has one layout for all replicas.
 
 All stages share ``dp`` (the Plan keeps one ``micro_batch_size``); ``tp``, device type, ZeRO stage
 and recompute are per stage.
@@ -38,6 +39,7 @@ from partita.search import schedule as sched
 from partita.search.config import SearchOptions, TrainingConfig
 from partita.search.inter_op import DPStats, solve_stages, stage_problem
 from partita.search.plan_build import Candidate, StagePick, build_plan
+from partita.search.precision import choose_precision
 from partita.search.stage_cost import (
     SolverCosts,
     StageFactors,
@@ -120,6 +122,9 @@ class Option:
 class Search:
     """Prices stage options for one (graph, cluster, training) and runs the DP per configuration."""
 
+    # the stage DP (``inter_op.solve_stages``); bench/search_speed.py swaps in the scan it replaced
+    stage_solver: Callable[..., Any] = staticmethod(solve_stages)
+
     def __init__(
         self,
         graph: Graph,
@@ -138,6 +143,7 @@ class Search:
         self.num_configs = 0
         self.num_configs_pruned = 0
         self._tables: dict[tuple, UnitTable | None] = {}
+        self._same_layout: dict[tuple, bool] = {}
 
     # ---- per-unit tables -----------------------------------------------------------------
     def table(self, dev: DeviceType, tp: int, b: int) -> UnitTable | None:
@@ -175,10 +181,15 @@ class Search:
             for (dev, _, _), tab in zip(devs, tabs):
                 cm = self.costs.cost_model(dev)
                 gpn = self.cluster.gpus_per_node(dev.name)
-                link = dp_link(dev, dp, tp, tp if len(devs) > 1 else gpn, self.cluster.network)
+                net = self.cluster.network_among([d.name for d, _, _ in devs])  # per group; mixed: the slowest
+                link = dp_link(dev, dp, tp, tp if len(devs) > 1 else gpn, net)
                 single_node = self.cluster.count(dev.name) <= gpn and len(devs) == 1 and len(self.types) == 1
-                p2p = p2p_time_fn(dev, cm, self.cluster.network, single_node, self.factors, gpn)
-                if self.costs.tp_style == "megatron" and tp > 1 and not single_node:
+                p2p = p2p_time_fn(dev, cm, net, single_node, self.factors, gpn)
+                if (
+                    getattr(self.costs, "scatter_gather", self.costs.tp_style == "megatron")
+                    and tp > 1
+                    and not single_node
+                ):
                     p2p = scatter_gather_p2p(p2p, tp, dev, cm)
                 a = stage_arrays(
                     tab,
@@ -193,6 +204,7 @@ class Search:
                     p2p_mult=p2p_mult,
                     hbm_bandwidth=dev.hbm_bandwidth,
                     factors=self.factors,
+                    flat_sync=getattr(self.costs, "flat_sync", False),  # torch program: sync after the schedule
                 )
                 fit = a.memory <= dev.memory_bytes * self.factors.memory_usable
                 ok = fit if ok is None else ok & fit
@@ -242,6 +254,33 @@ class Search:
                         out.append(tuple((d, int(a), s) for d, a, s in zip(self.types, reps, shares)))
         return out
 
+    def same_layout(self, cls: tuple[tuple[DeviceType, int, int], ...], tp: int) -> bool:
+        """Do all replica types of a mixed class get the same ILP layout (placements and op strategies)
+        for every layer? One stage has one mesh and one program text, so a mixed stage whose replica
+        types' ILPs disagree cannot be emitted (issue 15 item 7): such classes leave the search."""
+        if len(cls) < 2 or tp == 1:
+            return True
+        key = (tuple((d.name, share) for d, _, share in cls), tp)
+        if key in self._same_layout:
+            return self._same_layout[key]
+        # layers of one kind share one solve per type (renamed by position), so one representative
+        # per kind decides for all of them
+        reps: dict[tuple[str, bool], int] = {}
+        for i, lay in enumerate(self.graph.layers):
+            reps.setdefault((lay.kind, i == 0), i)
+        same = True
+        for i in reps.values():
+            sols = [self.costs.solution(i, d, tp, share) for d, _, share in cls]
+            if any(x is None for x in sols):
+                same = False
+                break
+            first = (dict(sols[0].param_placements), dict(sols[0].op_strategies))
+            if any((dict(x.param_placements), dict(x.op_strategies)) != first for x in sols[1:]):
+                same = False
+                break
+        self._same_layout[key] = same
+        return same
+
     def options_for(self, dp: int, b: int, m: int, schedule: str, v: int) -> tuple[list[Option], list[int], list]:
         num_units = len(self.units)
         caps_pure = [self.cluster.count(d.name) // dp for d in self.types]
@@ -260,7 +299,7 @@ class Search:
             segments.append(cap)
             tps = sorted(set.intersection(*[set(self.tps(d)) for d, _, _ in cls]))
             for tp in tps:
-                if tp > cap:
+                if tp > cap or not self.same_layout(cls, tp):
                     continue
                 got = self.arrays(cls, dp, tp, in_flight, sched.p2p_multiplier(schedule, v))
                 if got is None:
@@ -312,7 +351,7 @@ class Search:
                     beta,
                 )
                 upper = math.inf if best is None else min(best.step_time, incumbent) - lb
-                sol = solve_stages(p, epsilon=self.options.t_max_epsilon, stats=self.stats, upper=upper)
+                sol = self.stage_solver(p, epsilon=self.options.t_max_epsilon, stats=self.stats, upper=upper)
                 if sol is None:  # nothing fits under the cap, or nothing can beat the best total
                     break
                 n = len(sol.stages)
@@ -345,7 +384,10 @@ def plan_graph(
     """Search the plan space (module docstring) and return the fastest plan that fits."""
     t0 = time.perf_counter()
     say = progress if callable(progress) else (print if progress else (lambda _s: None))
+    if costs is None:  # fp16 when it lets GPUs without bf16 tensor cores contribute (search/precision.py)
+        training = choose_precision(cluster, training, getattr(options, "allow_f16", True))
     search = Search(graph, cluster, training, options, costs, factors)
+    _check_states_fit(search)  # fails fast, before any configuration is priced
     cands: list[Candidate] = []
     incumbent = math.inf  # best step so far: rule R7 stops re-solving a configuration that cannot beat it
     schedules = [s for s in options.schedules if s != "interleaved_1f1b"] or ["1f1b"]
@@ -374,34 +416,97 @@ def plan_graph(
     return build_plan(search, cands, time.perf_counter() - t0)
 
 
+def _states_bytes(search: Search) -> tuple[float, float]:
+    """(parameter + gradient + optimizer bytes of the whole model, of its largest layer), as the
+    stage costs count them, unsharded (tp = 1; one solve per layer kind, memoised)."""
+    dev = search.types[0]
+    total, largest = 0.0, 0.0
+    for i in range(len(search.graph.layers)):
+        got = search.costs.layer(i, dev, 1, 1)
+        if got is None:
+            continue
+        c = got[0]
+        here = c.param_bytes + c.grad_bytes + c.optimizer_bytes
+        total += here
+        largest = max(largest, here)
+    return total, largest
+
+
+def _check_states_fit(search: Search) -> None:
+    """R9: a proof that no plan fits, in milliseconds. Every plan keeps each parameter's weights,
+    gradients and optimizer state on some device, sharded at most over all of a stage's devices
+    (ZeRO-3 over ``dp``, tensor parallelism over ``tp``), so their total is at most the usable
+    memory of the whole cluster; a model whose states exceed it cannot fit, whatever the search."""
+    total, _ = _states_bytes(search)
+    usable = search.factors.memory_usable
+    have = sum(search.cluster.count(d.name) * d.memory_bytes * usable for d in search.types)
+    if total <= have:
+        return
+    n = search.cluster.num_devices
+    big = search.types[0]  # most memory per device
+    need_devices = math.ceil(total / (big.memory_bytes * usable))
+    per_dev = ", ".join(
+        f"each {d.name} has {_size(d.memory_bytes)} ({_size(d.memory_bytes * usable)} usable)" for d in search.types
+    )
+    params = search.graph.num_params()
+    raise InfeasibleError(
+        f"no plan fits in memory: the model's parameters, gradients and {search.training.optimizer} state take "
+        f"{_size(total)} ({_count(params)} parameters, {total / max(params, 1):.1f} bytes each); even sharded "
+        f"evenly over all {n} devices that is {_size(total / n)} per device, and {per_dev}: {_size(have)} usable "
+        f"in total, {total / have:.1f}x too little.",
+        f"add devices (at least {need_devices} x {big.name}, or as much memory in total, before activations), "
+        "use devices with more memory, or train a smaller model.",
+    )
+
+
+def _min_max_memory(mem: np.ndarray, max_stages: int) -> float:
+    """The least, over splits of the units into at most ``max_stages`` stages, of the largest stage
+    memory; ``mem[k, j, s]`` is a stage ``[k, j)`` with ``s`` stages left (1F1B: in-flight activations)."""
+    num_units = mem.shape[0]
+    best = math.inf
+    prev = np.full(num_units + 1, math.inf)  # prev[k]: min max memory of units [k, U) in s - 1 stages
+    prev[num_units] = 0.0
+    for s in range(1, min(max_stages, num_units) + 1):
+        cur = np.full(num_units + 1, math.inf)
+        for k in range(num_units):
+            cur[k] = float(np.min(np.maximum(mem[k, k + 1 :, s], prev[k + 1 :]), initial=math.inf))
+        best = min(best, cur[0])
+        prev = cur
+    return best
+
+
 def _infeasible(search: Search) -> InfeasibleError:
-    """Smallest per-device memory any configuration needed, per device type."""
+    """Per device type, the least memory per device any plan on that type alone needs (its largest
+    stage, at the best dp x tp x pp split, micro-batch 1, with every ZeRO stage and recompute on
+    offer), against what the type has."""
     need: dict[str, float] = {}
     for dp in powers_of_two(search.cluster.num_devices):
-        b = 1
         if search.training.global_batch % dp:
             continue
         m = search.training.global_batch // dp
-        opts, caps, _ = search.options_for(dp, b, m, "1f1b", 1)
+        opts, caps, _ = search.options_for(dp, 1, m, "1f1b", 1)
         for o in opts:
             if len(o.devices) > 1:
                 continue
             name = o.devices[0][0].name
-            cap = caps[o.segment]
-            pp = max(1, min(len(search.units), cap // o.width))
+            pp = max(1, min(len(search.units), caps[o.segment] // o.width))
             for a in o.arrays:
-                mem = (
-                    a.memory[0, len(search.units), 1]
-                    if pp == 1
-                    else float(np.nanmin(np.where(np.isfinite(a.memory[:, :, pp]), a.memory[:, :, pp], np.inf)))
-                )
-                need[name] = min(need.get(name, math.inf), float(mem))
-    have = {d.name: d.memory_bytes for d in search.types}
-    parts = [f"{k}: needs >= {_size(v)} per device, has {_size(have[k])}" for k, v in sorted(need.items())]
+                need[name] = min(need.get(name, math.inf), _min_max_memory(a.memory, pp))
+    usable = search.factors.memory_usable
+    parts = [
+        f"on {d.name} alone the plan with the least memory per device needs {_size(need[d.name])}, "
+        f"a {d.name} has {_size(d.memory_bytes)} ({_size(d.memory_bytes * usable)} usable)"
+        for d in search.types
+        if d.name in need and math.isfinite(need[d.name])
+    ]
     return InfeasibleError(
         "no plan fits in memory (" + ("; ".join(parts) or "no stage option could run the model") + ").",
         "add devices, use devices with more memory, or lower the global batch / sequence length.",
     )
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else str(n)
 
 
 def _size(nbytes: float) -> str:

@@ -5,7 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from partita.search.inter_op import DPStats, brute_force_stages, solve_stages, stage_problem
+from partita.search.inter_op import (
+    DPStats,
+    StageProblem,
+    brute_force_stages,
+    scan_stages,
+    solve_stages,
+    stage_problem,
+)
 
 
 def _random_problem(rng: np.random.Generator) -> object:
@@ -61,3 +68,55 @@ def test_thinning_is_within_epsilon_and_counts() -> None:
 def test_infeasible_is_none() -> None:
     times = np.full((1, 2, 3, 3), np.inf)
     assert solve_stages(stage_problem(times, [0], [1], [2], 1.0, 3.0)) is None
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_branch_and_bound_equals_the_ascending_scan(seed: int) -> None:
+    """Rule R8 prices fewer t_max bounds than the scan it replaced and returns its very solution
+    (stages, options, objective), also under an upper bound and with thinning."""
+    rng = np.random.default_rng(100 + seed)
+    runs_bb = 0
+    for _ in range(60):
+        p = _random_problem(rng)
+        for eps, upper in ((0.0, np.inf), (0.05, np.inf), (0.0, float(rng.uniform(2, 30)))):
+            st = DPStats()
+            got, ref = solve_stages(p, epsilon=eps, upper=upper, stats=st), scan_stages(p, epsilon=eps, upper=upper)
+            runs_bb += st.dp_runs
+            assert (got is None) == (ref is None)
+            if ref is not None:
+                assert got.stages == ref.stages
+                assert got.objective == ref.objective
+    assert runs_bb > 0
+
+
+def test_branch_and_bound_cuts_runs_on_many_candidates() -> None:
+    """On a table with many distinct stage times the bound evaluates far fewer DPs than candidates."""
+    rng = np.random.default_rng(5)
+    num_units, opts = 12, 2
+    times = np.full((opts, num_units, num_units + 1, num_units + 1), np.inf)
+    speed = rng.uniform(0.5, 2.0, size=(opts, num_units))
+    for o in range(opts):
+        for k in range(num_units):
+            for j in range(k + 1, num_units + 1):
+                times[o, k, j, 1:] = speed[o, k:j].sum() * (1 + 0.01 * np.arange(num_units))
+    p = stage_problem(times, [0, 0], [1, 2], [8], 1.0, 7.0)
+    st = DPStats()
+    got, ref = solve_stages(p, stats=st), scan_stages(p)
+    assert got is not None and ref is not None and got.stages == ref.stages
+    assert st.dp_runs < st.t_max_candidates / 10
+
+
+def test_unbinding_capacity_is_dropped_exactly() -> None:
+    """Rule R10: a segment whose capacity admits S stages of its widest option loses its slot
+    dimension; the solution equals brute force on the untransformed problem."""
+    rng = np.random.default_rng(11)
+    for _ in range(30):
+        p = _random_problem(rng)
+        big = [c * 20 for c in p.capacities]  # every segment has slots to spare
+        raw = StageProblem(p.times, p.option_segment, p.option_width, tuple(big), p.alpha, p.beta)
+        q = stage_problem(p.times, p.option_segment, p.option_width, big, p.alpha, p.beta)
+        assert q.capacities == (0,) * len(big) and set(q.option_width) == {0}
+        got, ref = solve_stages(q), brute_force_stages(raw)
+        assert (got is None) == (ref is None)
+        if ref is not None:
+            assert got.objective == pytest.approx(ref.objective, rel=1e-12)

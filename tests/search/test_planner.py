@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -13,6 +14,7 @@ from partita.plan import Plan
 from partita.search.baselines import brute_force, megatron_grid, subset
 from partita.search.config import SearchOptions, TrainingConfig
 from partita.search.planner import plan_graph
+from partita.search.stage_cost import StageFactors
 
 TRAIN = TrainingConfig(global_batch=64, seq_len=32)
 
@@ -78,15 +80,41 @@ def test_same_inputs_byte_identical(graph: Graph) -> None:
     assert total == pytest.approx(p.predicted["step_time_s"], rel=1e-6)
 
 
-def test_infeasible_names_memory(graph: Graph) -> None:
-    cl = cluster_from_dict(
+def _tiny(memory_gb: float) -> object:
+    return cluster_from_dict(
         {
             "nodes": [{"device": "Tiny", "num_nodes": 1, "gpus_per_node": 2}],
-            "device_types": [{"name": "Tiny", "peak_tflops": {"bf16": 10}, "memory_GB": 0.0005, "hbm_GBps": 100}],
+            "device_types": [{"name": "Tiny", "peak_tflops": {"bf16": 10}, "memory_GB": memory_gb, "hbm_GBps": 100}],
         }
     )
-    with pytest.raises(InfeasibleError, match="Tiny: needs >="):
-        plan_graph(graph, cl, dataclasses.replace(TRAIN))
+
+
+def _sizes(text: str) -> list[float]:
+    scale = {"GB": 1e9, "MB": 1e6, "kB": 1e3, "B": 1.0}
+    return [float(v) * scale[u] for v, u in re.findall(r"([0-9.]+) (GB|MB|kB|B)\b", text)]
+
+
+def test_infeasible_states_fail_fast_with_the_true_numbers(graph: Graph) -> None:
+    """Rule R9: the model's states exceed the whole cluster's usable memory; the message gives the
+    total, the per-device share, what a device has, and how many devices would hold the states."""
+    with pytest.raises(InfeasibleError) as err:
+        plan_graph(graph, _tiny(0.0005), TRAIN)
+    msg = err.value.problem
+    total, per_dev, has, usable, usable_total = _sizes(msg)
+    assert total == pytest.approx(2 * per_dev, rel=0.01) and per_dev > usable and has == 500e3
+    assert usable_total == pytest.approx(2 * usable, rel=0.01) and total > usable_total
+    need = int(re.search(r"at least (\d+) x Tiny", err.value.fix).group(1))
+    assert need > 2 and (need - 1) * usable < total <= need * usable * 1.01
+
+
+def test_infeasible_after_search_is_not_contradictory(graph: Graph) -> None:
+    """The states fit in the cluster but no plan does (activations): the least per-device need of
+    any plan is larger than what a device can use, and memory slightly above it does fit."""
+    with pytest.raises(InfeasibleError) as err:
+        plan_graph(graph, _tiny(0.0012), TRAIN)
+    need, has, usable = _sizes(err.value.problem)
+    assert "on Tiny alone" in err.value.problem and need > usable and has == 1.2e6
+    plan_graph(graph, _tiny(need / StageFactors().memory_usable * 1.05 / 1e9), TRAIN)  # 5% above the need: fits
 
 
 def test_every_layer_has_its_own_placements(graph: Graph) -> None:
