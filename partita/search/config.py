@@ -22,6 +22,15 @@ class TrainingConfig:
     seq_len: int
     dtype: str = "bf16"
     optimizer: str = "adam"
+    # carried into plan.training and the program (backends/torch/optim.py); None: the runtime default
+    lr: float | None = None
+    weight_decay: float | None = None
+    warmup_steps: int | None = None
+    lr_decay: str | None = None  # "constant" | "cosine"
+    min_lr: float | None = None
+    grad_clip: float | None = None  # global L2 norm; its all-reduce is recorded in every stage
+    steps: int | None = None
+    checkpoint_every: int | None = None
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.seq_len < 1:
@@ -35,7 +44,7 @@ class TrainingConfig:
             raise ConfigError(f"optimizer {self.optimizer!r} is unknown.", f"use one of {OPTIMIZERS}.")
 
     def to_dict(self) -> dict[str, object]:
-        return dataclasses.asdict(self)
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -44,7 +53,15 @@ class SearchOptions:
 
     * ``schedules``: pipeline schedules to consider. GPipe is off by default because under this cost
       model it has 1F1B's latency and never less memory (pruning rule R4 in ``inter_op``).
-    * ``zero_stages`` / ``recompute``: per-stage options searched.
+      ``interleaved_1f1b`` is off by default and stays out of every search whose plan is emitted: no
+      runtime runs it (a torch plan stage is one contiguous layer range, not round-robin chunks, and
+      the JAX program would run plain 1F1B under the interleaved bubble), so ``emit_torch`` /
+      ``emit_jax`` refuse ``num_virtual_stages > 1`` (issue 15, item 5). Pass it explicitly only to
+      price what-if plans.
+    * ``zero_stages`` / ``recompute``: per-stage options searched. ``"selective"`` recompute is off by
+      default (issue 15, item 4): the layer costs carry no price for it (it would be priced exactly like
+      ``"none"``) while the torch runtime recomputes every non-matmul op, so the search cannot choose it
+      until ``search/stage_cost.py`` prices what the runtime recomputes. Pass it explicitly to evaluate.
     * ``max_tp``: largest tensor-parallel degree (also capped by devices per node, rule R1).
     * ``max_micro_batch``: largest per-replica micro-batch tried.
     * ``max_layer_units``: stage boundaries fall between groups of consecutive layers so that the model
@@ -53,11 +70,13 @@ class SearchOptions:
     * ``tail_epsilon``: relative step of the tail caps (rule R7, ``planner``); 0 = exact.
     * ``uneven_shares``: allow stages whose replicas run on different device types (Cephalo).
     * ``num_alternatives``: how many runner-up plans to report.
+    * ``allow_f16``: train a bf16 request in fp16 (with dynamic loss scaling) when the cluster has GPUs
+      without bf16 tensor cores (V100, T4) and none loses by it (``search/precision.py``).
     """
 
-    schedules: tuple[str, ...] = ("1f1b", "interleaved_1f1b")
+    schedules: tuple[str, ...] = ("1f1b",)
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
-    recompute: tuple[str, ...] = RECOMPUTE
+    recompute: tuple[str, ...] = ("none", "full")  # RECOMPUTE minus "selective" (docstring)
     max_tp: int = 8
     max_micro_batch: int = 32
     max_layer_units: int = 32
@@ -66,6 +85,7 @@ class SearchOptions:
     uneven_shares: bool = True
     virtual_stages: tuple[int, ...] = (2, 4)
     num_alternatives: int = 5
+    allow_f16: bool = True  # the torch runtime scales the loss dynamically (backends/torch/optim.LossScaler)
     record_time: bool = False  # put the search wall time in plan.search (breaks byte-identical plans)
 
     def __post_init__(self) -> None:

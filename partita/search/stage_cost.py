@@ -20,7 +20,12 @@ transient). It must stay under ``memory_usable`` of the device memory.
 Tail after the pipeline drains (bucketed wait-free backprop): the dp gradient all-reduce (ZeRO-0)
 or reduce-scatter (ZeRO-1..3) overlaps the last backward, ``exposed = max(sync / n, sync -
 overlap * bwd)`` for a stage of ``n`` layers (``overlap`` = ``StageFactors.grad_overlap`` times the
-device's ``Efficiency.comm_overlap``); ZeRO-1/2 then all-gather the updated parameters; the
+device's ``Efficiency.comm_overlap``). ``flat_sync=True`` prices what the torch program runs at
+ZeRO-0 instead (``backends/torch/parallel.all_reduce_grads``, issue 15 item 3): one all-reduce of
+the flattened gradients after the whole schedule, fully exposed, and its ``torch.cat`` copy of the
+stage's gradients in memory (peak: static + max(activations, gradients), since the copy is made
+once the activations are freed); the JAX program's all-reduce sits inside the jitted backward, where
+XLA overlaps it. ZeRO-1/2 then all-gather the updated parameters; the
 optimizer step streams its states through HBM (at ``Efficiency.optimizer_memory`` of it) and pays
 ``Efficiency.optimizer_tensor_s`` per parameter tensor (eager per-tensor Adam kernels; 0 on GPUs).
 """
@@ -187,6 +192,7 @@ def stage_arrays(
     p2p_mult: int,
     hbm_bandwidth: float,
     factors: StageFactors,
+    flat_sync: bool = False,
 ) -> StageArrays:
     """All layer ranges of one stage option at once (module docstring for the formulas)."""
     fwd, bwd, comm = _range_sum(tab.fwd), _range_sum(tab.bwd), _range_sum(tab.comm)
@@ -222,13 +228,18 @@ def stage_arrays(
         + opt / (shard if zero >= 1 else 1.0)
         + (_range_max(tab.max_layer_params) if zero >= 3 else 0.0)
     )
-    memory = mem_static[:, :, None] + saved[:, :, None] * in_flight[None, None, :] + np.asarray(transient)[..., None]
+    acts = saved[:, :, None] * in_flight[None, None, :] + np.asarray(transient)[..., None]
+    if flat_sync and dp > 1 and zero == 0:  # the flat gradient copy, made after the activations are freed
+        acts = np.maximum(acts, grads[:, :, None])
+    memory = mem_static[:, :, None] + acts
     if dp > 1:
         sync = allreduce[0] + allreduce[1] * grads if zero == 0 else rs
     else:
         sync = np.zeros_like(grads)
     window = factors.grad_overlap * tab.comm_overlap * bwd
     exposed = np.where(sync > 0, np.maximum(sync / np.maximum(nlay, 1), sync - window), 0.0)
+    if flat_sync and zero == 0:
+        exposed = sync  # one all-reduce after the schedule: nothing hides it
     if zero in (1, 2) and dp > 1:
         exposed = exposed + ag
     exposed = exposed + _range_sum(tab.tp_sync)
@@ -252,12 +263,27 @@ class SolverCosts:
     Layers are solved on a ``(1, tp)`` mesh with ``env = {"B": micro_batch, "S": seq}``. A graph
     traced with static shapes (no ``B`` symbol) is solved at its own batch and scaled linearly
     (times, activations; parameters unchanged), which :attr:`linear_batch` records.
+
+    ``tp_style=None`` (the default) picks the style the graph's runtime realizes (issue 15 item 1):
+    a torch graph is solved ``"megatron"`` (the ``tp`` axis shards weights, never the batch or the
+    sequence: ``backends/torch/tp.py`` feeds every tp rank the whole micro-batch and runs Megatron
+    column/row modules), a JAX graph ``"auto"`` (its program pins every activation layout the ILP
+    chose). ``scatter_gather`` (Megatron-LM's split p2p send) is priced only when ``"megatron"`` is
+    asked explicitly (``partita evaluate``, baselines): the torch runtime sends whole activations.
+    ``flat_sync``: price the torch program's ZeRO-0 gradient sync (``stage_arrays``); off for JAX and
+    for an explicit style, which prices Megatron-LM's own engine.
     """
 
-    def __init__(self, graph, cluster, training, memo=None, tp_style: str = "auto") -> None:  # noqa: ANN001
+    def __init__(self, graph, cluster, training, memo=None, tp_style: str | None = None) -> None:  # noqa: ANN001
         from partita.search.memo import IntraOpMemo
 
         self.graph, self.cluster, self.training = graph, cluster, training
+        self.scatter_gather = tp_style == "megatron"
+        # the torch program's ZeRO-0 sync runs after the schedule (stage_arrays' flat_sync); an explicit
+        # style prices another engine (Megatron-LM's overlapped DDP for evaluate / baselines)
+        self.flat_sync = tp_style is None and graph.meta.get("framework") != "jax"
+        if tp_style is None:
+            tp_style = "auto" if graph.meta.get("framework") == "jax" else "megatron"
         self.tp_style = tp_style  # "megatron": the tp axis shards weights only (intra_op.solve_layer)
         self.memo = memo or IntraOpMemo()
         self.linear_batch = "B" not in graph.symbols and not any(
@@ -286,7 +312,11 @@ class SolverCosts:
         key = self._key(index, device, tp, micro_batch)
         if key not in self._cache:
             mesh = LogicalMesh(
-                (1, tp), ("dp", "tp"), device, max(tp, self.cluster.gpus_per_node(device.name)), self.cluster.network
+                (1, tp),
+                ("dp", "tp"),
+                device,
+                self.cluster.gpus_per_node(device.name),  # tp beyond a node crosses the network
+                self.cluster.network_for(device.name),
             )
             t0 = time.perf_counter()
             sol = None

@@ -58,6 +58,7 @@ def make_plan(
     global_batch: int = 8,
     seq_len: int = 16,
     optimizer: str = "adamw",
+    dtype: str = "f32",
 ) -> Plan:
     """``stages``: dicts with layers, ranks, dp, tp and optional zero_stage, recompute, batch_shares."""
     world = sum(len(s["ranks"]) for s in stages)
@@ -89,7 +90,7 @@ def make_plan(
     return Plan(
         model={"name": model, "framework": "torch", "layers": LAYERS[model]},
         cluster={"name": cluster.name, "fingerprint": cluster.fingerprint(), "spec": cluster.to_dict()},
-        training={"global_batch": global_batch, "seq_len": seq_len, "dtype": "f32", "optimizer": optimizer, "lr": 0.01},
+        training={"global_batch": global_batch, "seq_len": seq_len, "dtype": dtype, "optimizer": optimizer, "lr": 0.01},
         stages=tuple(out),
         schedule=schedule,
         micro_batch_size=micro_batch_size,
@@ -129,11 +130,21 @@ def layout(model: str, name: str) -> Plan:
             model, [dict(layers=a, ranks=[0, 1], dp=1, tp=2), dict(layers=b, ranks=[2, 3], dp=1, tp=2)],
             micro_batch_size=4, num_micro_batches=2,
         ),
+        "pp_zero2": lambda: make_plan(  # issue 15 item 6: ZeRO-2 across a pipeline, 2 stages x dp2
+            model, [dict(layers=a, ranks=[0, 1], dp=2, tp=1, zero_stage=2),
+                    dict(layers=b, ranks=[2, 3], dp=2, tp=1, zero_stage=2)],
+            micro_batch_size=2, num_micro_batches=2,
+        ),
         "hetero": lambda: make_plan(
             model, [dict(layers=a, ranks=[0, 1], dp=1, tp=2), dict(layers=b, ranks=[2], dp=1, tp=1)],
             micro_batch_size=4, num_micro_batches=2,
         ),
     }  # fmt: skip
+    if name.endswith("_bf16"):  # the same layout trained in bf16 (issue 15 item 2)
+        import dataclasses
+
+        plan = table[name[: -len("_bf16")]]()
+        return dataclasses.replace(plan, training={**plan.training, "dtype": "bf16"})
     return table[name]()
 
 
@@ -221,5 +232,6 @@ def expected(model: str, plan: Plan) -> dict[int, dict[str, int]]:
             if model == "gpt2-tiny":  # wte / lm_head tied across the two stages: one all-reduce
                 add("all_reduce", 1)
                 add("all_gather", int(s.tp > 1 and "embed" in s.layers))  # gathering the tp-sharded wte grad
+                add("all_gather", int(s.dp > 1 and s.zero_stage > 0))  # ... and the FSDP-sharded one
         out[s.index] = e
     return out

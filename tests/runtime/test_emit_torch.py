@@ -18,8 +18,9 @@ from tests.runtime.plans import expected, layout, tp_placements
 GOLDEN = Path(__file__).parent.parent / "golden" / "emit_torch"
 CASES = [("gpt2-tiny", n) for n in ("dp", "tp", "dp_tp", "zero3", "uneven", "pp_1f1b", "pp_gpipe", "pp_tp", "hetero")]
 CASES += [("gpt2-tiny", "zero1"), ("llama-tiny", "pp_tp"), ("llama-tiny", "tp_full"), ("mlp", "dp_tp")]
+CASES += [("mlp", "pp_zero2"), ("gpt2-tiny", "zero3_bf16"), ("llama-tiny", "hetero_bf16")]
 LAYOUTS = ("dp", "tp", "dp_tp", "zero1", "zero2", "zero3", "uneven", "pp_1f1b", "pp_gpipe", "pp_tp", "hetero")
-LAYOUTS += ("tp_full", "tp_selective")
+LAYOUTS += ("tp_full", "tp_selective", "pp_zero2")
 
 
 @pytest.mark.parametrize("model, name", CASES)
@@ -86,6 +87,28 @@ def test_program_shows_layout() -> None:
     assert "reshard_after_forward=False" in src and 'rt.stage["zero_stage"]' in src
     assert "Schedule1F1B" in emit_torch(layout("gpt2-tiny", "pp_1f1b"), "gpt2-tiny")
     assert "ScheduleGPipe" in emit_torch(layout("gpt2-tiny", "pp_gpipe"), "gpt2-tiny")
+
+
+def test_pipelined_zero2_runs_per_micro_batch_sync() -> None:
+    """Issue 15 item 6: torch.distributed.pipelining defers FSDP2's gradient sync to the last
+    micro-batch (ZeRO-1), so a pipelined ZeRO-2/3 plan runs the P2P runner, which syncs per micro-batch."""
+    src = emit_torch(layout("mlp", "pp_zero2"), "mlp")
+    assert "torch_schedule.P2PPipeline(" in src and "Schedule1F1B" not in src
+    assert "Schedule1F1B" in emit_torch(layout("mlp", "pp_1f1b"), "mlp")  # ZeRO-0 pipelines keep pipelining
+
+
+def test_bf16_program_names_its_precision() -> None:
+    """Issue 15 item 2: a bf16 plan's program computes in bf16, written literally."""
+    zero3 = emit_torch(layout("gpt2-tiny", "zero3_bf16"), "gpt2-tiny")
+    assert "mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)" in zero3
+    assert zero3.count(", mp_policy=mp))") == 2 and "apply_autocast" not in zero3
+    dp = emit_torch(layout("gpt2-tiny", "dp_bf16"), "gpt2-tiny")
+    assert "tpar.apply_autocast(module, 'bf16')" in dp and "MixedPrecisionPolicy" not in dp
+    hetero = emit_torch(layout("llama-tiny", "hetero_bf16"), "llama-tiny")
+    assert hetero.count("tpar.apply_autocast(module, 'bf16')") == 2
+    assert "tpar.boundary_in(rt.boundary, 'bf16')" in hetero
+    f32 = emit_torch(layout("gpt2-tiny", "zero3"), "gpt2-tiny")
+    assert "MixedPrecisionPolicy" not in f32 and "apply_autocast" not in f32
 
 
 def test_refusals() -> None:

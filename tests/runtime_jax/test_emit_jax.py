@@ -87,6 +87,13 @@ def test_stages_with_different_shares_are_refused() -> None:
         emit_jax(dataclasses.replace(plan, stages=(plan.stages[0], st)), "jax-mlp")
 
 
+def test_interleaved_with_virtual_stages_is_refused() -> None:
+    """Issue 15 item 5: the program would run plain 1F1B under the interleaved (1/v bubble) price."""
+    plan = make_plan("jax-mlp", "pp", schedule="interleaved_1f1b")
+    with pytest.raises(PlanError, match="2 virtual stages"):
+        emit_jax(dataclasses.replace(plan, num_virtual_stages=2), "jax-mlp")
+
+
 def test_partial_parameter_placement_is_refused() -> None:
     plan = make_plan("jax-mlp", "tp")
     st = dataclasses.replace(plan.stages[0], param_placements={"params.fc1.kernel": ("R", "P")})

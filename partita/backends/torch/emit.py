@@ -13,6 +13,19 @@ derives on the model built on the meta device and writes into the program; the p
 them and refuses to run if they differ. A spec that cannot be built here (an in-memory module)
 gets no roles: the program derives them at run time and its tp collectives are not predicted.
 
+Precision (issue 15 item 2): the program trains in the plan's ``training["dtype"]``. A bf16/f16 stage
+under FSDP2 (ZeRO >= 1, dp > 1) gets ``MixedPrecisionPolicy(param_dtype=<dtype>,
+reduce_dtype=torch.float32)`` on every ``fully_shard``; any other stage ``tpar.apply_autocast``
+(f32 master parameters, ``torch.autocast`` compute, activations handed on in the dtype, so p2p
+boundaries travel in it). ``PROGRAM["stages"][i]["precision"]`` names the mode, and
+``train.reference_run(precision=...)`` computes the same way. f16 scales the loss dynamically
+(``optim.LossScaler``); its overflow check is one more all-reduce per step, predicted here.
+
+Still a second model (issue 15 item 8, not done): ``predicted_collectives`` is ``fidelity.predict_stage``
+(counts only); the plan's records differ from what runs in granularity (one bucketed dp sync vs one
+per FSDP unit, no ZeRO gathers, one p2p entry per boundary vs both directions) and, under bf16, in
+the gradient bytes (f32 here, the plan's dtype there). ``partita rehearse`` reports those gaps.
+
 What torch cannot express, and what the program does instead (also written into the file):
 
 * ZeRO-1: FSDP2 cannot keep a full parameter copy between steps. The program keeps parameters
@@ -28,7 +41,10 @@ What torch cannot express, and what the program does instead (also written into 
   a contiguous ``S(d)`` (a hand-made plan) does not hold whole heads, so that output is
   all-gathered and attention runs on all heads (``torch_tp`` role ``colwise_gather``).
 * ZeRO with ``torch.distributed.pipelining`` (equal-shape stages): the schedule drives FSDP2's
-  gradient sync itself (reduce-scatter after the last micro-batch) for every ZeRO level.
+  gradient sync itself (reduce-scatter and reshard only after the last micro-batch), which is ZeRO-1,
+  not the ZeRO-2/3 the plan prices (sharded gradients / parameters per micro-batch). A pipelined plan
+  with a ZeRO-2/3 stage therefore runs ``torch_schedule.P2PPipeline``, which sets FSDP2 up per
+  micro-batch as the plan's ZeRO level says (``torch_schedule.zero_micro_batch``; issue 15 item 6).
 * stages of different shapes: ``torch.distributed.pipelining`` needs one equal-shape stage per pp
   rank, so such plans run ``torch_schedule.P2PPipeline`` (explicit send/recv).
 * ``interleaved_1f1b`` with ``num_virtual_stages > 1``: a plan stage holds one contiguous layer range,
@@ -64,6 +80,8 @@ from partita.backends.torch import schedule as torch_schedule, train as torch_tr
 def _runner_kind(plan: Plan) -> str:
     if plan.num_stages == 1:
         return "local"
+    if any(s.dp > 1 and s.zero_stage >= 2 for s in plan.stages):
+        return "p2p"  # pipelining's schedule would defer ZeRO-2/3's per-micro-batch sync (module docstring)
     first = plan.stages[0]
     same = all(
         (s.dp, s.tp, shares(s, plan.micro_batch_size)) == (first.dp, first.tp, shares(first, plan.micro_batch_size))
@@ -80,6 +98,16 @@ def _device_kind(plan: Plan, name: str) -> str:
     return "cpu" if name.upper().startswith("CPU") else "gpu"
 
 
+LOW_DTYPES = {"bf16": "torch.bfloat16", "f16": "torch.float16"}
+
+
+def _precision(plan: Plan, s: Stage) -> str:
+    """``parallel.precision_of`` without importing torch: f32, fsdp (MixedPrecisionPolicy) or autocast."""
+    if plan.training.get("dtype", "f32") not in LOW_DTYPES:
+        return "f32"
+    return "fsdp" if s.dp > 1 and s.zero_stage > 0 else "autocast"
+
+
 def _stage_dict(plan: Plan, s: Stage) -> dict[str, Any]:
     kinds = {_device_kind(plan, t) for t in (s.replica_device_types or (s.device_type,)) if t != "mixed"}
     kind = "cpu" if kinds == {"cpu"} else "gpu"
@@ -94,6 +122,7 @@ def _stage_dict(plan: Plan, s: Stage) -> dict[str, Any]:
         "zero_stage": s.zero_stage,
         "recompute": s.recompute,
         "shares": list(shares(s, plan.micro_batch_size)),
+        "precision": _precision(plan, s),
     }
 
 
@@ -210,6 +239,8 @@ def _predicted(plan: Plan, prog: dict[str, Any], facts: list[StageFacts]) -> dic
             tp_block=torch_tp.tp_collectives(facts[i].recomputed or {}, fed),
             num_units=facts[i].fsdp_units if facts[i].fsdp_units is not None else len(blocks) + 1,
             tied_sharded_axes=facts[i].tied_sharded_axes,
+            clip_norm=bool(plan.training.get("grad_clip")),
+            loss_scale=plan.training.get("dtype") == "f16",
         )
     return out
 
@@ -270,6 +301,20 @@ def _setup_stage(plan: Plan, s: Stage, facts: StageFacts) -> str:
             "each block is recomputed in backward" if s.recompute == "full" else "matmul outputs kept, rest recomputed"
         )
         lines.append(f"    tpar.apply_recompute(module, {s.recompute!r})  # activation checkpointing: {what}")
+    dtype = str(plan.training.get("dtype", "f32"))
+    mp = ""
+    if _precision(plan, s) == "fsdp":
+        lines += [
+            f"    # Plan dtype {dtype}: FSDP2 casts the parameters to {dtype} for forward and backward and reduces and keeps",
+            "    # gradients in f32 (optimizer on f32 master shards).",
+            f"    mp = MixedPrecisionPolicy(param_dtype={LOW_DTYPES[dtype]}, reduce_dtype=torch.float32)",
+        ]
+        mp = ", mp_policy=mp"
+    elif _precision(plan, s) == "autocast":
+        lines.append(
+            f"    tpar.apply_autocast(module, {dtype!r})  # plan dtype {dtype}: f32 master parameters, "
+            f"torch.autocast({dtype}) compute, activations leave in {dtype}"
+        )
     if s.dp > 1 and s.zero_stage > 0:
         reshard = s.zero_stage == 3
         note = {
@@ -281,8 +326,8 @@ def _setup_stage(plan: Plan, s: Stage, facts: StageFacts) -> str:
         lines += [
             f'    # {note}; FSDP2 over mesh["dp"] ({s.dp} replicas), one unit per block + the stage root.',
             "    for block in module.blocks():",
-            f'        rt.fsdp_modules.append(fully_shard(block, mesh=rt.mesh["dp"], reshard_after_forward={reshard}))',
-            f'    rt.fsdp_modules.append(fully_shard(module, mesh=rt.mesh["dp"], reshard_after_forward={reshard}))',
+            f'        rt.fsdp_modules.append(fully_shard(block, mesh=rt.mesh["dp"], reshard_after_forward={reshard}{mp}))',
+            f'    rt.fsdp_modules.append(fully_shard(module, mesh=rt.mesh["dp"], reshard_after_forward={reshard}{mp}))',
             "    # FSDP2 averages gradients over dp; losses are pre-weighted by batch share, so torch_train multiplies",
             f"    # the sharded gradients by {s.dp} after backward (set_gradient_divide_factor(1) needs PREMUL_SUM: no gloo).",
         ]
@@ -319,15 +364,31 @@ def _make_runner(plan: Plan, kind: str) -> str:
             f"{sched!r}, {m}, rt.loss_fn, x, out)",
         ]
     else:
+        why = (
+            [
+                f"    # {plan.schedule} over {n} stages with ZeRO-2/3: torch.distributed.pipelining would defer FSDP2's",
+                "    # gradient sync to the last micro-batch, so boundary activations move with explicit",
+                "    # dist.isend/recv (torch_schedule.P2PPipeline), which reduce-scatters every micro-batch.",
+            ]
+            if any(s.dp > 1 and s.zero_stage >= 2 for s in plan.stages)
+            else [
+                f"    # {plan.schedule} over {n} stages of different (dp, tp): torch.distributed.pipelining cannot place",
+                "    # them, so boundary activations move with explicit dist.isend/recv (torch_schedule.P2PPipeline).",
+            ]
+        )
         body = [
-            f"    # {plan.schedule} over {n} stages of different (dp, tp): torch.distributed.pipelining cannot place",
-            "    # them, so boundary activations move with explicit dist.isend/recv (torch_schedule.P2PPipeline).",
+            *why,
             "    return torch_schedule.P2PPipeline(",
             f'        rt.module, PROGRAM["stages"], rt.stage["index"], rt.rank, {sched!r}, {m}, rt.loss_fn,',
-            '        rt.boundary, rt.device, rt.fsdp_modules, rt.stage["zero_stage"],',
+            f'        {_boundary(plan)}, rt.device, rt.fsdp_modules, rt.stage["zero_stage"],',
             "    )",
         ]
     return "\n".join(head + body)
+
+
+def _boundary(plan: Plan) -> str:
+    dtype = str(plan.training.get("dtype", "f32"))
+    return f"tpar.boundary_in(rt.boundary, {dtype!r})" if dtype in LOW_DTYPES else "rt.boundary"
 
 
 def emit_torch(plan: Plan, model_spec: str) -> str:
@@ -336,7 +397,8 @@ def emit_torch(plan: Plan, model_spec: str) -> str:
         raise PlanError(
             f"interleaved 1F1B with {plan.num_virtual_stages} virtual stages cannot be emitted for PyTorch: each plan "
             "stage holds one contiguous layer range, not round-robin model chunks.",
-            "recompile with `--schedule 1f1b` (or num_virtual_stages = 1).",
+            "recompile with the default search (`partita compile`, whose schedules leave interleaved_1f1b out), "
+            "or with SearchOptions(schedules=('1f1b',)) from Python.",
         )
     kind = _runner_kind(plan)
     # tied parameters, tp roles, FSDP units that own parameters
@@ -349,8 +411,14 @@ def emit_torch(plan: Plan, model_spec: str) -> str:
         f"{list(shares(s, plan.micro_batch_size))}"
         for s in plan.stages
     )
+    header = _HEADER
+    if any(_precision(plan, s) == "fsdp" for s in plan.stages):
+        header = header.replace(
+            "from torch.distributed.fsdp import fully_shard",
+            "import torch\nfrom torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard",
+        )
     parts = [
-        _HEADER.format(
+        header.format(
             model=model_spec,
             cluster=plan.cluster.get("name", "?"),
             world=plan.world_size,

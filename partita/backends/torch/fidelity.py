@@ -170,6 +170,8 @@ def predict_stage(
     tp_block: Mapping[str, Mapping[str, int]] | None = None,
     num_units: int = 1,
     tied_sharded_axes: int | None = None,
+    clip_norm: bool = False,
+    loss_scale: bool = False,
 ) -> dict[str, dict[str, int]]:
     """Collectives per step on rank ``stages[index]["ranks"][0]`` (module docstring).
 
@@ -213,6 +215,10 @@ def predict_stage(
     if tied_sharded_axes is not None:
         add("all_reduce", 1)
         add("all_gather", tied_sharded_axes)
+    if clip_norm:  # gradient clipping: one all-reduce of the squared norm over every rank (torch/optim.py)
+        add("all_reduce", 1)
+    if loss_scale:  # f16 loss scaling: one all-reduce of the overflow flags over every rank (torch/optim.py)
+        add("all_reduce", 1)
     return {k: {"count": v} for k, v in sorted(out.items())}
 
 

@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from partita.backends.torch import stages as torch_stages
 from partita.backends.torch import tp as torch_tp
 from partita.backends.torch.tp import parse_placement  # noqa: F401 - the emitted program's API
 from partita.errors import PlanError
@@ -52,7 +53,22 @@ def check_launch(world_size: int, device_kinds: Sequence[str], env_world_size: i
             "this plan was compiled for GPUs but torch.cuda is not available on this machine.",
             "run it on the cluster it was compiled for, or recompile with a CPU cluster such as `4xCPU`.",
         )
-    return "nccl" if "gpu" in kinds else "gloo"
+    # NCCL takes only CUDA tensors: host-side collectives (the step's loss, the clipping norm, result
+    # gathering) go to gloo through the same group, by tensor device.
+    return "cpu:gloo,cuda:nccl" if "gpu" in kinds else "gloo"
+
+
+def backend_for(device_type: str, backend: str) -> str:
+    """The backend a collective on a ``device_type`` tensor reaches under ``backend`` ("" if none).
+
+    ``"gloo"`` alone serves cpu (and cuda); ``"nccl"`` alone serves only cuda; ``"cpu:gloo,cuda:nccl"``
+    maps each device type to its backend (torch's own rule for the init_process_group string).
+    """
+    if ":" not in backend:
+        serves = {"gloo": ("cpu", "cuda"), "nccl": ("cuda",)}.get(backend, ("cpu", "cuda"))
+        return backend if device_type in serves else ""
+    table = dict(part.split(":", 1) for part in backend.split(","))
+    return table.get(device_type, "")
 
 
 def build_mesh(device_type: str, ranks: Sequence[int], dp: int, tp: int) -> DeviceMesh:
@@ -115,6 +131,8 @@ def adapter_for_arch(arch: str) -> Adapter:
 
 def layer_paths(model: nn.Module, name: str) -> tuple[str, ...]:
     """Module paths a plan layer name stands for (``"embed"``/``"head"`` are groups)."""
+    if type(model).__name__ not in ADAPTERS and not isinstance(model, StageModule):  # any module tree
+        return torch_stages.layer_paths(model, name)
     ad = adapter_for(model)
     return ad.embed if name == "embed" else ad.head if name == "head" else (name,)
 
@@ -148,6 +166,8 @@ def run_layers(
     root: nn.Module, arch: str, layers: Sequence[str], x: torch.Tensor, ctx: StageContext, recompute: str = "none"
 ) -> torch.Tensor:
     """Run plan layers in order on ``root`` (plain tensors in and out, also under tensor parallelism)."""
+    if arch not in ADAPTERS:  # any module tree: the plan layers in order are the model's forward
+        return torch_stages.run_all(root, layers, x)
     ad = ADAPTERS.get(arch, GENERIC)
     h: Any = x
     for name in layers:
@@ -164,6 +184,8 @@ def boundary_shapes(
     model: nn.Module, stage_layers: Sequence[Sequence[str]], x: torch.Tensor
 ) -> list[tuple[torch.Size, torch.dtype]]:
     """Per-sample shape and dtype of each stage's output, from one no-grad pass of the full model."""
+    if type(model).__name__ not in ADAPTERS:  # any module tree (backends/torch/stages.py)
+        return torch_stages.boundary_shapes(model, stage_layers, x)
     out = []
     ctx = StageContext(x.device)
     with torch.no_grad():
@@ -199,6 +221,8 @@ def split_stage(
     model: nn.Module, layers: Sequence[str], all_layers: Sequence[str], device: torch.device
 ) -> StageModule:
     """Keep ``layers`` of ``model``; modules of the other plan layers become ``nn.Identity``."""
+    if type(model).__name__ not in ADAPTERS:  # any module tree: cut by module paths and call order
+        return torch_stages.split(model, layers, all_layers, device)  # type: ignore[return-value]
     keep = {p for name in layers for p in layer_paths(model, name)}
     for name in all_layers:
         for path in layer_paths(model, name):
@@ -218,6 +242,65 @@ def split_stage(
 def apply_recompute(module: StageModule, mode: str) -> None:
     """Activation checkpointing per block: ``full`` recomputes the block, ``selective`` keeps matmuls."""
     module.recompute = mode
+
+
+# ---- precision (issue 15 item 2: the program trains in the plan's dtype) -------------------------
+LOW_PRECISION = {"bf16": torch.bfloat16, "f16": torch.float16}
+
+
+def precision_of(dtype: str, fsdp: bool) -> str:
+    """How a stage runs the plan's ``dtype``: ``"f32"``; ``"fsdp"`` (FSDP2 ``MixedPrecisionPolicy``:
+    parameters cast to ``dtype`` for compute, gradients reduced and kept in f32); ``"autocast"``
+    (f32 master parameters, ``torch.autocast`` runs matmuls in ``dtype``)."""
+    if dtype not in LOW_PRECISION:
+        return "f32"
+    return "fsdp" if fsdp else "autocast"
+
+
+def apply_autocast(module: nn.Module, dtype: str) -> None:
+    """Run ``module``'s forward under ``torch.autocast(device, LOW_PRECISION[dtype])`` and hand its
+    floating outputs on in ``dtype`` (a boundary activation travels in the plan's dtype, as priced).
+    Recompute replays the autocast state (``torch.utils.checkpoint`` records it)."""
+    dt = LOW_PRECISION[dtype]
+    dev = next((p.device.type for p in module.parameters()), "cpu")
+    active: list[Any] = []
+
+    def pre(mod: nn.Module, args: Any) -> None:
+        # the device the parameters live on when the forward runs (a stage set up on meta and then
+        # allocated, as `partita rehearse` does, autocasts on its final device)
+        here = next((p.device.type for p in mod.parameters()), dev)
+        ctx = torch.autocast(here, dtype=dt)
+        ctx.__enter__()
+        active.append(ctx)
+
+    def post(mod: nn.Module, args: Any, out: Any) -> Any:
+        active.pop().__exit__(None, None, None)
+        return out.to(dt) if isinstance(out, torch.Tensor) and out.is_floating_point() else out
+
+    module.register_forward_pre_hook(pre)
+    module.register_forward_hook(post)
+
+
+def boundary_in(boundary: Sequence[tuple[torch.Size, torch.dtype]], dtype: str) -> list[tuple[torch.Size, torch.dtype]]:
+    """Boundary activations as a low-precision program sends them (floating ones in ``dtype``)."""
+    dt = LOW_PRECISION.get(dtype)
+    return [(s, dt if dt is not None and d.is_floating_point else d) for s, d in boundary]
+
+
+def reference_forward(model: nn.Module, x: torch.Tensor, precision: str, dtype: str) -> Any:
+    """The single-device reference's forward in the program's precision (``precision_of``):
+    ``"fsdp"`` computes with ``dtype`` copies of the f32 parameters (gradients flow back to them in
+    f32, as FSDP2's reduce_dtype keeps them); ``"autocast"`` runs under ``torch.autocast``."""
+    if precision == "f32" or dtype not in LOW_PRECISION:
+        return model(x)
+    dt = LOW_PRECISION[dtype]
+    if precision == "autocast":
+        with torch.autocast(x.device.type, dtype=dt):
+            return model(x)
+    from torch.func import functional_call
+
+    low = {n: p.to(dt) for n, p in model.named_parameters()}
+    return functional_call(model, low, (x.to(dt) if x.is_floating_point() else x,), tie_weights=True)
 
 
 # ---- tensor parallelism (backends/torch/tp.py) -------------------------------------------------
@@ -307,7 +390,7 @@ def sync_tied_grads(module: nn.Module, tied: Sequence[Sequence[str]], group: dis
     alias = dict(module.named_parameters(remove_duplicate=False))
     for names in tied:
         present = [alias[n] for n in names if n in alias]
-        if not present:
+        if not present or len(present) == len(names):  # all aliases in this stage: no other stage holds one
             continue
         p = present[0]
         g = p.grad
