@@ -11,6 +11,13 @@ A torch upgrade that moves one of these names should only need an edit here.
   (its op set has no p2p, so pipeline transfers would go unseen), it tracks modules on every op,
   and FACTS.md records it crashing in FSDP2 hooks (a plain FSDP2 forward/backward under it
   counted fine when re-checked here); so Partita keeps its own small mode.
+* Rehearsal (``backends/torch/rehearse.py``): the fake process group (``FakeStore``, from
+  ``torch.testing._internal``), the process group behind a ``c10d`` op's ScriptObject argument,
+  ``MemTracker`` (``torch.distributed._tools``) with DTensor's sharding propagation given a private
+  ``FakeTensorMode`` (else, under the rehearsal's own fake mode, the tracker counts propagation's
+  global-shape temporaries), FLOP formulas (``torch.utils.flop_counter``, plus the CPU flash
+  attention ops it lacks), and static ``PipelineStage`` metadata with the warm-up vote skipped
+  (the vote reads a received tensor with ``.item()``, which a fake tensor cannot answer).
 * ``_StridedShard`` (``torch.distributed.tensor.placement_types``) is the placement of a plan's
   ``"SS(d,g)"`` (``backends/torch/tp.py``): each of ``g`` equal chunks of dim ``d`` sharded on its
   own, GPT-2's q|k|v weight split by heads. DTensor propagates it through ``addmm`` / ``view``
@@ -30,6 +37,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "TorchDispatchMode",
+    "active_fake_mode",
+    "fake_process_group",
+    "fake_tensor_mode",
+    "flop_formula",
+    "group_name",
+    "mem_tracker",
+    "pipeline_static_meta",
+    "private_propagation_fake_mode",
+    "reset_dtensor_caches",
     "export_program",
     "functional_collective_ops",
     "make_dim",
@@ -103,3 +119,143 @@ def strided_shard_spec(placement: Any) -> tuple[int, int] | None:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     return (int(placement.dim), int(placement.split_factor)) if isinstance(placement, _StridedShard) else None
+
+
+# ---- rehearsal (backends/torch/rehearse.py) ------------------------------------------------------
+def fake_process_group(rank: int, world_size: int) -> None:
+    """``dist.init_process_group("fake")`` as ``rank`` of ``world_size``: no communication at all."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def active_fake_mode() -> Any:
+    """The ``FakeTensorMode`` an op runs under (``torch._guards.active_fake_mode``), or None."""
+    from torch._guards import active_fake_mode as active
+
+    return active()
+
+
+def fake_tensor_mode() -> Any:
+    """A new ``FakeTensorMode`` (``torch._subclasses``): tensors with shapes, dtypes and devices, no data."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()
+
+
+def reset_dtensor_caches() -> None:
+    """Forget DTensor's sharding-propagation and redistribution caches.
+
+    They are keyed by meshes that compare equal across process-group incarnations, and hold the
+    old mesh's group names: a second rehearsal in the same process would resolve a destroyed group.
+    """
+    from torch.distributed.tensor import DTensor, _redistribute
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    FakeTensorMode.cache_clear()  # fake results of collectives are keyed by group name too
+
+
+def group_name(arg: Any) -> str | None:
+    """The group name of a collective's group argument: a string (``_c10d_functional``) or the
+    ScriptObject a ``c10d`` op receives (``ProcessGroup.unbox``); None for anything else."""
+    import torch.distributed as dist
+
+    if isinstance(arg, str):
+        return arg
+    if isinstance(arg, torch.ScriptObject):
+        try:
+            return str(dist.ProcessGroup.unbox(arg).group_name)
+        except (RuntimeError, TypeError, AttributeError):
+            return None
+    return None
+
+
+def mem_tracker() -> Any:
+    """A new ``torch.distributed._tools.mem_tracker.MemTracker`` (categories: Parameter, Buffer,
+    Gradient, Activation, Temp, Optstate, Other; ``get_tracker_snapshot("peak")``)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    return MemTracker()
+
+
+class private_propagation_fake_mode:  # noqa: N801 - used as a context manager like a function
+    """Within: DTensor's sharding propagation uses its own ``FakeTensorMode`` instead of the one
+    active around it, so a ``MemTracker`` entered under that mode skips propagation's temporaries."""
+
+    def __enter__(self) -> None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.distributed.tensor import _sharding_prop
+
+        self._mod, self._old = _sharding_prop, _sharding_prop.detect_fake_mode
+        mode = FakeTensorMode()
+        _sharding_prop.detect_fake_mode = lambda *a, **k: mode  # type: ignore[assignment]
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mod.detect_fake_mode = self._old  # type: ignore[assignment]
+
+
+def _cpu_flash(query: Any, key: Any, value: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    return int(sdpa_flop_count(query.shape, key.shape, value.shape))
+
+
+def _cpu_flash_backward(grad: Any, query: Any, key: Any, value: Any, *args: Any, out_val: Any = None, **kw: Any) -> int:
+    from torch.utils.flop_counter import sdpa_backward_flop_count
+
+    return int(sdpa_backward_flop_count(grad.shape, query.shape, key.shape, value.shape))
+
+
+def flop_formula(func: Any) -> Any:
+    """FLOP formula ``f(*args, out_val=out, **kwargs) -> int`` for an aten op, or None (0 FLOPs).
+
+    ``torch.utils.flop_counter``'s table (matmuls, convolutions, GPU attention kernels) plus the
+    CPU flash attention forward/backward it has no formula for (FACTS.md: they counted 0).
+    """
+    from torch.utils.flop_counter import flop_registry
+
+    packet = getattr(func, "overloadpacket", None)
+    aten = torch.ops.aten
+    if packet is aten._scaled_dot_product_flash_attention_for_cpu:
+        return _cpu_flash
+    if packet is aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        return _cpu_flash_backward
+    return flop_registry.get(packet)
+
+
+def pipeline_static_meta(schedule: Any, inputs: tuple[Any, ...], outputs: tuple[Any, ...]) -> None:
+    """Give a ``PipelineStage`` static input/output metadata and skip the schedule's warm-up vote.
+
+    Under a fake process group the vote (``schedule._warmup_p2p``) reads a received tensor with
+    ``.item()`` and dynamic shape inference receives Python objects; neither can work, and neither
+    changes the transfers of a step once the pipeline is set up.
+    """
+    from torch.distributed.pipelining._utils import InferenceMode, _StageMeta, extract_tensor_metas
+
+    stage = schedule._stage  # a single-stage schedule (ScheduleGPipe / Schedule1F1B)
+    stage._user_meta = _StageMeta(
+        inputs=extract_tensor_metas(tuple(inputs)),
+        outputs=extract_tensor_metas(tuple(outputs)),
+        input_grads=None,
+        output_grads=None,
+    )
+
+    def warmup(stages: Any, has_backward: bool, p2p_done: bool) -> None:
+        for st in stages:
+            st._inference_mode = InferenceMode.STATIC
+
+    schedule._warmup_p2p = warmup
+
+
+def pytree() -> Any:
+    """``torch.utils._pytree`` (flatten / unflatten / map over nested outputs): backends/torch/stages.py."""
+    from torch.utils import _pytree
+
+    return _pytree

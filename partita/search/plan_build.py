@@ -121,6 +121,61 @@ def _assign_ranks(c: Candidate) -> tuple[list[list[int]], list[int]]:
     return [[pos[r] for r in rs] for rs in per_stage], used
 
 
+def _stage_records(search: Any, best: Candidate, i: int, p: StagePick, a0: int, b0: int, z: int, r: str) -> dict:
+    """Per device and step, what ``partita rehearse`` compares the program with (issue 15).
+
+    ``memory_by_category``: the stage's ``memory_bytes`` split as ``search/stage_cost.stage_arrays``
+    builds it (parameters, gradients, optimizer state after ZeRO sharding; activations: the rest,
+    i.e. saved activations of the in-flight micro-batches plus the transient). ``flops``: the
+    layers' forward + backward FLOPs (``passes/annotate.layer_stats``, the numbers the cost model
+    prices) for this replica's ``m`` micro-batches, over ``tp`` ranks, plus the forward again
+    under full recompute (selective recompute is priced as none: issue 15 item 4).
+    """
+    dev0, tp, mb = p.option.devices[0][0], p.option.tp, p.option.devices[0][2]
+    costs = [search.costs.layer(li, dev0, tp, mb)[0] for li in range(a0, b0)]
+    dp = float(best.dp)
+    params = sum(c.param_bytes for c in costs) / (dp if z >= 3 else 1.0)
+    params += max((c.param_bytes for c in costs), default=0.0) if z >= 3 else 0.0
+    grads = sum(c.grad_bytes for c in costs) / (dp if z >= 2 else 1.0)
+    opt = sum(c.optimizer_bytes for c in costs) / (dp if z >= 1 else 1.0)
+    total = best.memory(i)
+    env = {"B": 1 if search.costs.linear_batch else mb, "S": search.training.seq_len}
+    stats = layer_stats(search.graph, env)[a0:b0]
+    fwd = float(sum(st.forward_flops for st in stats))
+    bwd = float(sum(st.backward_flops for st in stats))
+    scale = (mb if search.costs.linear_batch else 1) * best.m / tp
+    return {
+        "memory_by_category": {
+            "parameters": params,
+            "gradients": grads,
+            "optimizer": opt,
+            "activations": total - params - grads - opt,
+        },
+        "flops": (fwd + bwd + (fwd if r == "full" else 0.0)) * scale,
+    }
+
+
+def _sanity(search: Any, used_devs: list[str], flops: float, step: float) -> dict[str, Any]:
+    """MFU against the physical bound (every device of the cluster), idle devices and why, and the
+    precision the plan trains in (issue 18; ``search/precision.py``)."""
+    from partita.search.precision import idle_reasons, precision_note
+
+    cl, dtype = search.cluster, search.training.dtype
+    bound = cl.peak_flops(dtype)
+    used: dict[str, int] = {}
+    for name in used_devs:
+        used[name] = used.get(name, 0) + 1
+    return {
+        "mfu_cluster": flops / step / bound if bound else 0.0,
+        "devices_used": len(used_devs),
+        "devices_total": cl.num_devices,
+        "mostly_idle": 2 * len(used_devs) < cl.num_devices,
+        "idle_reasons": idle_reasons(cl, used, dtype),
+        "precision": {"dtype": dtype, "why": precision_note(cl, dtype)},
+        "network": cl.describe_network(),
+    }
+
+
 def build_plan(search: Any, cands: list[Candidate], elapsed_s: float) -> Plan:
     order = sorted(cands, key=lambda c: (round(c.step_time, 12), c.summary()))
     best = order[0]
@@ -148,6 +203,10 @@ def build_plan(search: Any, cands: list[Candidate], elapsed_s: float) -> Plan:
             gbytes = float(sum(search.costs.layer(li, dev0, p.option.tp, mb)[0].grad_bytes for li in range(a0, b0)))
             kind = "all_reduce" if z == 0 else "reduce_scatter"
             colls.append(Collective(kind, "dp", gbytes, 1 if z < 2 else best.m, "optimizer", "gradient sync (dp)"))
+        if getattr(tr, "grad_clip", None):  # the global-norm reduction: one float64 all-reduce over all ranks
+            colls.append(Collective("all_reduce", "world", 8.0, 1, "optimizer", "gradient clipping (global norm)"))
+        if tr.dtype == "f16":  # dynamic loss scaling: every rank's overflow flag, one float64 all-reduce
+            colls.append(Collective("all_reduce", "world", 8.0, 1, "optimizer", "loss-scale overflow check"))
         if i + 1 < len(best.stages):
             bnd = float(search.costs.layer(b0 - 1, dev0, p.option.tp, p.option.devices[0][2])[0].boundary_bytes)
             colls.append(Collective("p2p", "pp", bnd, best.m * best.v, "forward", f"activation to stage {i + 1}"))
@@ -177,6 +236,7 @@ def build_plan(search: Any, cands: list[Candidate], elapsed_s: float) -> Plan:
                     "tail_s": float(arr.tail[p.k, p.j]),
                     "memory_bytes": best.memory(i),
                     "in_flight": sched.in_flight(best.schedule, i, len(best.stages), best.m, best.v),
+                    **_stage_records(search, best, i, p, a0, b0, z, r),
                 },
             )
         )
@@ -248,6 +308,7 @@ def build_plan(search: Any, cands: list[Candidate], elapsed_s: float) -> Plan:
             "memory_per_device": mem,
             "tokens_per_s": tr.global_batch * tr.seq_len / step,
             "mfu": flops / step / peak if peak else 0.0,
+            **_sanity(search, used_devs, flops, step),
         },
         search=search_d,
         partita_version=__version__,

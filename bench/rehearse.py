@@ -1,0 +1,159 @@
+"""Rehearse real-size plans (issue 15's list) and print, per plan and stage, match or the exact mismatches.
+
+Each row compiles a plan (the search, ``partita compile``; or a hand Megatron layout priced by the
+same model, ``search/hand_plan.py``) into a directory under ``bench/results/rehearse/`` and runs
+``partita rehearse`` on it (``backends/torch/rehearse.py``): the emitted program at the plan's full
+world size and model size, on fake tensors and a fake process group, compared with the plan's
+records. Writes ``bench/results/rehearse.json``.
+
+    python bench/rehearse.py                     # every row (compiles take minutes each)
+    python bench/rehearse.py llama-7b-search     # rows whose name contains the argument
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent
+OUT = ROOT / "results" / "rehearse"
+
+# name: (model, cluster, global batch, seq, hand layout or None for the search)
+ROWS: dict[str, tuple[str, str, int, int, dict[str, Any] | None]] = {
+    "llama-7b-search": ("llama-7b", "64xH100-80G", 8, 2048, None),
+    "llama-7b-megatron-dp8-tp8": ("llama-7b", "64xH100-80G", 8, 2048, {"tp": 8, "pp": 1, "dp": 8, "micro_batch": 1}),
+    "llama-7b-megatron-pp4-dp2-tp8": (
+        "llama-7b", "64xH100-80G", 8, 2048, {"tp": 8, "pp": 4, "dp": 2, "micro_batch": 1},
+    ),
+    "llama-7b-megatron-by-hand-dp8-tp8": (
+        "llama-7b", "64xH100-80G", 8, 2048, {"placements": "megatron-by-hand", "tp": 8, "dp": 8, "micro_batch": 1},
+    ),
+    "gpt3-6.7b-search": ("gpt3-6.7b", "mixed-lab", 256, 2048, None),
+    "gpt3-13b-search": ("gpt3-13b", "16xA100-80G+16xV100-32G", 256, 2048, None),
+    "llama-70b-search": ("llama-70b", "128xH100-80G", 128, 2048, None),
+    "gpt3-175b-search": ("gpt3-175b", "512xH100-80G+256xA100-80G+256xV100-32G", 1536, 2048, None),
+    "mixtral-8x7b-search": ("mixtral-8x7b", "64xH100-80G", 64, 2048, None),
+}  # fmt: skip
+
+
+def make_dir(name: str, model: str, cluster: str, batch: int, seq: int, layout: dict[str, Any] | None) -> Path:
+    """Compile one row into ``OUT/name`` (plan.json + program_torch.py)."""
+    from partita.search.config import TrainingConfig
+
+    out = OUT / name
+    training = TrainingConfig(global_batch=batch, seq_len=seq)
+    if layout is not None and layout.get("placements") == "megatron-by-hand":
+        kw = {k: v for k, v in layout.items() if k != "placements"}
+        return write_plan(out, megatron_llama_plan(model, cluster, batch, seq, **kw), model)
+    if layout is None:
+        from partita.driver import compile_to_dir
+
+        compile_to_dir(model, cluster, training, out)
+        return out
+    write_hand_plan(out, model, cluster, training, **layout)
+    return out
+
+
+def write_hand_plan(out: Path, model: str, cluster: str, training: Any, **layout: Any) -> Path:
+    """A hand Megatron layout's plan and its emitted program in ``out``."""
+    from partita.backends.torch.emit import emit_torch
+    from partita.cluster import parse_cluster
+    from partita.driver import trace_model
+    from partita.frontends.trace import TRACE_BATCH
+    from partita.plan import Plan
+    from partita.search.hand_plan import hand_plan
+
+    traced = trace_model(model, batch=TRACE_BATCH, seq=training.seq_len)
+    plan = hand_plan(traced.graph, parse_cluster(cluster), training, **layout)
+    plan = Plan.from_json(plan.to_json())  # the program is emitted from what plan.json holds
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.json").write_text(plan.to_json())
+    (out / "program_torch.py").write_text(emit_torch(plan, model))
+    return out
+
+
+def megatron_llama_plan(model: str, cluster: str, batch: int, seq: int, *, tp: int, dp: int, micro_batch: int) -> Any:
+    """A one-stage plan with Megatron-LM's placements written by hand (no search, no records but the
+    gradient sync): q/k/v and gate/up column-parallel (``S(0)`` of ``nn.Linear``'s ``[out, in]``),
+    o and down row-parallel (``S(1)``), the LM head column-parallel. For the closed-form checks of
+    the runtime's tensor-parallel traffic at full size; the search's own layouts are the other rows."""
+    from partita.cluster import parse_cluster
+    from partita.models.zoo import resolve_model
+    from partita.plan import Collective, Plan, Stage
+
+    handle = resolve_model(model)
+    n = int(handle.config["num_layers"])
+    layers = ["embed", *(f"model.layers.{i}" for i in range(n)), "head"]
+    pl: dict[str, tuple[str, str]] = {"lm_head.weight": ("R", "S(0)")}
+    for i in range(n):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            pl[f"model.layers.{i}.{name}.weight"] = ("R", "S(0)")
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            pl[f"model.layers.{i}.{name}.weight"] = ("R", "S(1)")
+    cl = parse_cluster(cluster)
+    m = batch // (micro_batch * dp)
+    stage = Stage(
+        index=0, layers=tuple(layers), device_type=cl.device_types()[0].name, ranks=tuple(range(dp * tp)),
+        dp=dp, tp=tp, param_placements=pl,
+        collectives=(Collective("all_reduce", "dp", 0.0, 1, "optimizer", "gradient sync (dp)"),) if dp > 1 else (),
+    )  # fmt: skip
+    return Plan(
+        model={"name": model, "framework": "torch", "layers": layers},
+        cluster={"name": cl.name, "fingerprint": cl.fingerprint(), "spec": cl.to_dict()},
+        training={"global_batch": batch, "seq_len": seq, "dtype": "bf16", "optimizer": "adam"},
+        stages=(stage,),
+        schedule="1f1b",
+        micro_batch_size=micro_batch,
+        num_micro_batches=m,
+    )
+
+
+def write_plan(out: Path, plan: Any, model: str) -> Path:
+    from partita.backends.torch.emit import emit_torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.json").write_text(plan.to_json())
+    (out / "program_torch.py").write_text(emit_torch(plan, model))
+    return out
+
+
+def main(argv: list[str]) -> int:
+    from partita.backends.torch.rehearse import rehearse_dir
+
+    rows = {k: v for k, v in ROWS.items() if not argv or any(a in k for a in argv)}
+    results = {}
+    for name, (model, cluster, batch, seq, layout) in rows.items():
+        t0 = time.perf_counter()
+        try:
+            d = make_dir(name, model, cluster, batch, seq, layout)
+        except Exception as e:  # noqa: BLE001 - a row that cannot compile is reported, not fatal
+            results[name] = {"error": f"compile failed: {type(e).__name__}: {e}"}
+            print(f"{name}: compile failed: {type(e).__name__}: {e}", flush=True)
+            continue
+        t1 = time.perf_counter()
+        res = rehearse_dir(d)
+        res["compile_s"], res["rehearse_s"] = round(t1 - t0, 1), round(time.perf_counter() - t1, 1)
+        results[name] = res
+        print(f"{name}: {'MATCH' if res['match'] else 'mismatch'} (compile {res['compile_s']} s, "
+              f"rehearse {res['rehearse_s']} s)", flush=True)  # fmt: skip
+        for s in res["stages"]:
+            print(f"  stage {s['index']} ranks {s['ranks_rehearsed']}: peak {s['peak_memory_bytes']} B "
+                  f"(plan {s['planned_memory_bytes']}), FLOPs {s['flops']} (plan {s['planned_flops']})")  # fmt: skip
+            for key in sorted(set(s["collectives"]) | set(s["planned_collectives"])):
+                print(
+                    f"    {key:<20} rehearsed {s['collectives'].get(key)}  planned {s['planned_collectives'].get(key)}"
+                )
+            for m in s["mismatches"]:
+                print(f"    ! {m}")
+    path = ROOT / "results" / "rehearse.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    old = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**old, **results}, indent=1, sort_keys=True) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

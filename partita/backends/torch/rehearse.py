@@ -1,0 +1,560 @@
+"""Rehearsal: run the emitted torch program at the plan's full world size and model size on this CPU.
+
+``partita rehearse DIR`` (``driver.rehearse``) calls :func:`rehearse_dir`. Nothing is allocated and
+nothing is communicated: every rank role is played in its own process (``python -m
+partita.backends.torch.rehearse DIR RANK``, one after the other) on a fake process group
+(``dist.init_process_group("fake")``, world size = the plan's) with fake tensors. A *role* is a rank whose step can differ from its stage's first rank: the first replica of
+each distinct batch share, and, in a pipeline of stages of different shapes (``P2PPipeline``, where
+only tp rank 0 sends), also tp rank 1.
+
+Each role runs the program's own code: ``DIR/program_torch.py``'s ``PROGRAM``, ``SETUP_STAGE`` and
+``make_runner``, with the calls ``backends/torch/train._train`` makes, in its order (meshes of every
+stage, the pp group, tied-parameter group, ``StageRuntime``, ``setup_stage``, ``make_runner``,
+``make_optimizer``, ``forward_backward``, ``opt.step``). What differs, and only so that it can run here:
+
+* the model is built on the meta device and the stage is set up there (``split_stage``, tensor
+  parallelism, FSDP2), then ``to_empty(device="cpu")`` under ``FakeTensorMode`` (values never matter);
+* data are fake tensors of the real shapes (``make_batch`` under the fake mode);
+* ``torch.distributed.pipelining`` gets static stage metadata and skips its warm-up vote
+  (``torch_shim.pipeline_static_meta``): both exchange Python objects / read received values.
+
+The optimizer takes one step on zero gradients first (its state exists, as in any step after the
+first; no forward, no communication); then one training step is measured: every collective and p2p transfer (kind, mesh axis, bytes
+of the full tensor: all-gather output, reduce-scatter input), peak memory by category
+(``MemTracker``) and FLOPs (``torch.utils.flop_counter`` formulas, with CPU flash attention added).
+
+The comparison is with the Plan's own records and nothing else: ``Stage.collectives`` (per step,
+``kind@axis``: counts equal, total bytes within 2%), ``Stage.predicted["memory_bytes"]`` (peak within
+10%) and ``Stage.predicted["flops"]`` (per device and step, within 5%). A record the plan lacks is a
+mismatch that says so; this module never predicts anything itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from partita.backends.torch import fidelity, materialize, optim
+from partita.backends.torch import parallel as tpar
+from partita.backends.torch import train as torch_train
+from partita.errors import PlanError
+from partita.frontends import torch_shim
+from partita.plan import Plan, Stage
+
+BYTES_TOL, MEMORY_TOL, FLOPS_TOL = 0.02, 0.10, 0.05
+MEMORY_CATEGORIES = {
+    "parameters": ("Parameter", "Buffer"),
+    "gradients": ("Gradient",),
+    "optimizer": ("Optstate",),
+    "activations": ("Activation", "Temp", "Other"),
+}
+
+
+@dataclasses.dataclass
+class RankResult:
+    """What one rank did in its measured step."""
+
+    rank: int
+    stage: int
+    collectives: dict[str, dict[str, float]]  # "kind@axis" -> {count, bytes (total over the step)}
+    peak_memory_bytes: int
+    memory_by_category: dict[str, int]
+    flops: int
+    seconds: float = 0.0
+
+
+# ---- recording -------------------------------------------------------------------------------------
+def _bytes(t: Any) -> int:
+    if isinstance(t, torch.Tensor):
+        return t.numel() * t.element_size()
+    if isinstance(t, (list, tuple)):
+        return sum(_bytes(x) for x in t)
+    return 0
+
+
+def _op_bytes(op: str, args: Sequence[Any]) -> int:
+    """Bytes of the full tensor a collective moves: all-gather output, reduce-scatter input."""
+    if not args:
+        return 0
+    if op in ("_reduce_scatter_base_", "reduce_scatter_"):
+        return _bytes(args[1])
+    if op == "all_gather_into_tensor":  # (input, group_size, group_name)
+        return _bytes(args[0]) * int(args[1])
+    return _bytes(args[0])
+
+
+class StepRecorder(torch_shim.TorchDispatchMode):
+    """Records collectives (kind, process group, bytes) and FLOPs of every op it sees.
+
+    Steps aside for DTensor ops (``NotImplemented``) so that it sees the local ops and the
+    collectives DTensor issues, at local shapes, never a DTensor op at its global shape.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str, str | None, int]] = []
+        self.flops = 0
+        self.entry_mode: Any = None
+
+    def __enter__(self) -> StepRecorder:
+        self.entry_mode = torch_shim.active_fake_mode()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if DTensor in types:
+            return NotImplemented
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if torch_shim.active_fake_mode() is not self.entry_mode:
+            return out  # DTensor's sharding propagation (its own fake mode, global shapes): not the program's
+        ns = func.namespace
+        if ns in ("c10d", "_c10d_functional"):
+            op = str(func.overloadpacket.__name__)
+            kind = fidelity.KINDS.get(op, "")
+            if kind:
+                if ns == "_c10d_functional":  # the group name is the last argument, a string
+                    group = torch_shim.group_name(args[-1]) if args else None
+                else:  # the process group is a ScriptObject argument
+                    names = (torch_shim.group_name(a) for a in args if isinstance(a, torch.ScriptObject))
+                    group = next((n for n in names if n is not None), None)
+                self.events.append((kind, group, _op_bytes(op, args)))
+        else:
+            formula = torch_shim.flop_formula(func)
+            if formula is not None:
+                self.flops += int(formula(*args, **kwargs, out_val=out))
+        return out
+
+    def summary(self, axes: Mapping[str, str]) -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = {}
+        for kind, group, nbytes in self.events:
+            axis = "pp" if kind == "p2p" else axes.get(group or "", f"group:{group}")
+            e = out.setdefault(f"{kind}@{axis}", {"count": 0, "bytes": 0})
+            e["count"] += 1
+            e["bytes"] += nbytes
+        return dict(sorted(out.items()))
+
+
+# ---- one rank ----------------------------------------------------------------------------------------
+def rehearse_rank(program: Any, rank: int) -> RankResult:
+    """Play ``rank`` of the program for one warm-up and one measured step (module docstring)."""
+    import time
+
+    from partita.models.zoo import resolve_model
+
+    t0 = time.perf_counter()
+    prog = program.PROGRAM
+    stages, training = prog["stages"], prog["training"]
+    torch_shim.reset_dtensor_caches()  # they hold the group names of a previous rehearsal
+    torch_shim.fake_process_group(rank, int(prog["world_size"]))
+    try:
+        cpu = torch.device("cpu")
+        # as train._train: every rank builds every stage's mesh, in order, then the pp group
+        meshes = [tpar.build_mesh("cpu", s["ranks"], s["dp"], s["tp"]) for s in stages]
+        me = next(s for s in stages if rank in s["ranks"])
+        pp_group = None
+        if prog["runner"] == "torch_pipeline":
+            for c in range(me["dp"] * me["tp"]):
+                g = dist.new_group([s["ranks"][c] for s in stages])
+                if rank in [s["ranks"][c] for s in stages]:
+                    pp_group = g
+        handle = resolve_model(prog["model"])
+        x0, _ = torch_train.make_batch(handle, {**training, "global_batch": 1}, 0, 0)
+        # train._train's materialization (materialize.materialize): meta build, boundary shapes on meta,
+        # other stages' layers dropped. The stage is then set up on meta (split_stage, tp, FSDP2) and
+        # allocated by to_empty under the fake mode (FACTS.md's recipe); the initializer is skipped
+        model = handle.build("meta")
+        tied = tpar.tied_groups(model)
+        boundary = materialize.boundary_shapes(model, [s["layers"] for s in stages], x0)
+        materialize._drop_other_layers(model, me["layers"], [n for s in stages for n in s["layers"]])
+        tied_group, tied_n = torch_train._tied_group(model, tied, stages, rank)
+        fake = torch_shim.fake_tensor_mode()
+        with fake:
+            _, y1 = torch_train.make_batch(handle, {**training, "global_batch": 1}, 0, 0)
+        loss_fn = torch_train.make_loss(int(training["global_batch"]) * torch_train.num_targets(y1))
+        mesh = meshes[me["index"]]
+        meta = torch.device("meta")
+        rt = torch_train.StageRuntime(prog, me, rank, meta, mesh, loss_fn, boundary, (x0.shape[1:], x0.dtype))
+        rt.pp_group = pp_group
+        rt.module = program.SETUP_STAGE[me["index"]](model, rt)
+        with fake:
+            fake.allow_non_fake_inputs = True
+            rt.module.to_empty(device=cpu)
+            fake.allow_non_fake_inputs = False
+            rt.device = cpu
+            if isinstance(rt.module, tpar.StageModule):
+                rt.module.ctx.device = cpu
+            runner: Any = program.make_runner(rt)
+            if isinstance(runner, _torch_pipeline()):
+                x, out = rt.examples()
+                if out.is_floating_point():
+                    out.requires_grad_(True)
+                torch_shim.pipeline_static_meta(runner.schedule, (x,), (out,))
+            opt = torch_train.make_optimizer(rt.module.parameters(), training)
+            result = _measure(rt, me, runner, opt, handle, model, prog, (tied, tied_group, tied_n))
+        world: Any = dist.group.WORLD
+        axes = {world.group_name: "world"}
+        axes |= {mesh.get_group(d).group_name: d for d in ("dp", "tp")}
+        if pp_group is not None:
+            axes[pp_group.group_name] = "pp"
+        if tied_group is not None:
+            axes[tied_group.group_name] = "tied"
+        rec, peak, cats = result
+        return RankResult(
+            rank=rank,
+            stage=int(me["index"]),
+            collectives=rec.summary(axes),
+            peak_memory_bytes=peak,
+            memory_by_category=cats,
+            flops=rec.flops,
+            seconds=time.perf_counter() - t0,
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def _torch_pipeline() -> Any:
+    from partita.backends.torch.schedule import TorchPipeline
+
+    return TorchPipeline
+
+
+def _measure(
+    rt: Any, me: Mapping[str, Any], runner: Any, opt: Any, handle: Any, model: Any, prog: Any, tied: tuple
+) -> tuple[StepRecorder, int, dict[str, int]]:
+    """A warm-up step, then the measured one under the recorder and the memory tracker."""
+    training = prog["training"]
+    m, mb = int(prog["num_micro_batches"]), sum(me["shares"])
+    lo, hi = torch_train.tpar_ranges(me["shares"])[rt.coords[0]]
+
+    first, last = me["index"] == 0, me["index"] == len(prog["stages"]) - 1
+    clip = optim.grad_clip(training)
+    holders = torch_train._tied_holders(model, tied[0], prog["stages"], me) if clip else {}
+    host = torch_train.HostCollectives("fake")
+
+    def step(k: int) -> None:  # train._train's loop body: first stage gets inputs, last stage targets
+        x, y = torch_train.make_batch(handle, training, 0, k)
+        xs = [x[j * mb + lo : j * mb + hi] for j in range(m)] if first else []
+        ys = [y[j * mb + lo : j * mb + hi] for j in range(m)] if last else []
+        torch_train.forward_backward(runner, rt, me, xs, ys, tied)
+        if clip:  # the global-norm all-reduce; the scale itself is local (a fake norm has no value)
+            host.all_reduce_sum(optim.local_sq_sum(rt.module, len(me["ranks"]), holders))
+            optim.clip_(rt.module, clip, 1.0)
+        opt.step()
+        opt.zero_grad()
+
+    # steady state without a whole warm-up step: the optimizer's state exists (one step on zero
+    # gradients, no forward, no communication), as from the second step of a run on
+    with torch.no_grad():
+        for p in rt.module.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad()
+    mt = torch_shim.mem_tracker()
+    mt.track_external(rt.module, opt)
+    root = rt.module
+
+    def forget_root(module: torch.nn.Module, args: Any) -> None:
+        if module is root:  # the stage root runs once per micro-batch: not "a next iteration"
+            mt.memory_tracking.pop(module, None)
+
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(forget_root)
+    rec = StepRecorder()
+    try:
+        with torch_shim.private_propagation_fake_mode(), mt, rec:
+            step(1)
+    finally:
+        hook.remove()
+    snap: dict[str, int] = next(iter(mt.get_tracker_snapshot("peak").values()), {})
+    cats = {k: int(sum(snap.get(c, 0) for c in cs)) for k, cs in MEMORY_CATEGORIES.items()}
+    return rec, int(snap.get("Total", 0)), cats
+
+
+# ---- roles, comparison, the directory ---------------------------------------------------------------
+def roles(program: Mapping[str, Any]) -> dict[int, list[int]]:
+    """Stage index -> ranks to rehearse (module docstring); the first is the stage's ``ranks[0]``."""
+    out = {}
+    for s in program["stages"]:
+        picks: list[int] = []
+        seen: set[int] = set()
+        tps = [0, 1] if program["runner"] == "p2p" and s["tp"] > 1 else [0]
+        for i, share in enumerate(s["shares"]):
+            if share in seen:
+                continue
+            seen.add(share)
+            picks += [s["ranks"][i * s["tp"] + j] for j in tps]
+        out[int(s["index"])] = picks
+    return out
+
+
+def planned_collectives(stage: Stage) -> dict[str, dict[str, float]]:
+    """The plan's ``Stage.collectives`` per step as ``kind@axis`` -> {count, bytes (total)}."""
+    out: dict[str, dict[str, float]] = {}
+    for c in stage.collectives:
+        e = out.setdefault(f"{c.kind}@{c.axis}", {"count": 0, "bytes": 0.0})
+        e["count"] += int(c.count)
+        e["bytes"] += float(c.bytes) * int(c.count)
+    return dict(sorted(out.items()))
+
+
+def _within(got: float, want: float, tol: float) -> bool:
+    return abs(got - want) <= tol * abs(want) if want else got == 0
+
+
+def compare_stage(stage: Stage, results: Sequence[RankResult]) -> dict[str, Any]:
+    """The issue's per-stage record: measured beside planned, and every mismatch in words."""
+    first = results[0]
+    planned = planned_collectives(stage)
+    got = first.collectives
+    problems = []
+    for key in sorted(set(got) | set(planned)):
+        g, p = got.get(key), planned.get(key)
+        if p is None and g is not None:
+            problems.append(f"{key}: the program issues {g['count']} ({_fmt(g['bytes'])}), the plan records none")
+        elif g is None and p is not None:
+            problems.append(f"{key}: the plan records {p['count']} ({_fmt(p['bytes'])}), the program issues none")
+        elif g is None or p is None:
+            continue
+        elif g["count"] != p["count"]:
+            problems.append(f"{key}: count {g['count']} rehearsed, {p['count']} planned")
+        elif not _within(g["bytes"], p["bytes"], BYTES_TOL):
+            problems.append(
+                f"{key}: {_fmt(g['bytes'])} rehearsed, {_fmt(p['bytes'])} planned ({_pct(g['bytes'], p['bytes'])})"
+            )
+    peak = max(r.peak_memory_bytes for r in results)
+    mem_rank = max(results, key=lambda r: r.peak_memory_bytes)
+    planned_mem = stage.predicted.get("memory_bytes")
+    if planned_mem is None:
+        problems.append("memory: the plan records no memory_bytes for this stage")
+    elif not _within(peak, float(planned_mem), MEMORY_TOL):
+        problems.append(f"memory: peak {_fmt(peak)} rehearsed, {_fmt(planned_mem)} planned ({_pct(peak, planned_mem)})")
+    flops = max(r.flops for r in results)
+    planned_flops = stage.predicted.get("flops")
+    if planned_flops is None:
+        problems.append("flops: the plan records no flops for this stage")
+    elif not _within(flops, float(planned_flops), FLOPS_TOL):
+        problems.append(
+            f"flops: {flops:.4g} rehearsed, {float(planned_flops):.4g} planned ({_pct(flops, planned_flops)})"
+        )
+    planned_cats = stage.predicted.get("memory_by_category")
+    return {
+        "index": stage.index,
+        "ranks_rehearsed": [r.rank for r in results],
+        "collectives": got,
+        "planned_collectives": planned,
+        "peak_memory_bytes": peak,
+        "planned_memory_bytes": planned_mem,
+        "memory_by_category": mem_rank.memory_by_category,
+        "planned_memory_by_category": planned_cats,
+        "flops": flops,
+        "planned_flops": planned_flops,
+        "seconds": round(sum(r.seconds for r in results), 1),
+        "mismatches": problems,
+        "match": not problems,
+    }
+
+
+def _fmt(n: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.4g} {unit}"
+    return f"{n:.4g} B"
+
+
+def _pct(got: float, want: float) -> str:
+    return f"{(float(got) / float(want) - 1) * 100:+.1f}%" if want else "planned 0"
+
+
+def _close(a: Any, b: Any) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and abs(a - b) <= 1e-8 * max(abs(a), abs(b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    return bool(a == b)
+
+
+def _parts(src: str) -> tuple[str, str, str] | None:
+    """(text before the ``PROGRAM`` literal, the literal, text after it)."""
+    start, end = "PROGRAM = ", '\nPROGRAM["__file__"]'
+    i, j = src.find(start), src.find(end)
+    return (src[:i], src[i + len(start) : j], src[j:]) if 0 <= i < j else None
+
+
+def same_program(text: str, emitted: str) -> bool:
+    """``text`` is ``emitted`` up to the float digits of its ``PROGRAM`` literal.
+
+    ``partita compile`` emits from the search's in-memory plan, whose floats carry more digits than
+    plan.json keeps (9 significant), so the literal may differ in the last digits; every other
+    character must be the same.
+    """
+    import ast
+
+    a, b = _parts(text), _parts(emitted)
+    if a is None or b is None or a[0] != b[0] or a[2] != b[2]:
+        return False
+    try:
+        return _close(ast.literal_eval(a[1]), ast.literal_eval(b[1]))
+    except (ValueError, SyntaxError):
+        return False
+
+
+def check_program(plan: Plan, plan_dir: Path) -> dict[str, Any]:
+    """The ``PROGRAM`` of the program beside the plan, refused (PlanError) unless the file is
+    exactly what this Partita emits for the plan. Read as text, never executed here."""
+    import ast
+
+    from partita.backends.torch.emit import emit_torch
+    from partita.backends.torch.launch import PROGRAM_FILE
+
+    path = plan_dir / PROGRAM_FILE
+    if not path.exists():
+        raise PlanError(f"no PyTorch program at {path}.", "recompile with `partita compile ... --out DIR`.")
+    try:
+        text = path.read_text()
+        parts = _parts(text)
+        prog = ast.literal_eval(parts[1]) if parts else None
+    except (OSError, UnicodeDecodeError, ValueError, SyntaxError):
+        prog = None
+    spec = prog.get("model") if isinstance(prog, dict) else None
+    if not isinstance(spec, str) or not same_program(text, emit_torch(plan, spec)):
+        raise PlanError(
+            f"{path} is not the program this Partita emits for the plan.json beside it (edited by hand, or "
+            "emitted by another version).",
+            "recompile with `partita compile ... --out DIR`; to rehearse another layout, compile it as its own plan.",
+        )
+    return dict(prog)  # type: ignore[arg-type]
+
+
+def rehearse_dir(plan_dir: str | Path, *, progress: Any = None) -> dict[str, Any]:
+    """Rehearse every stage of the plan in ``plan_dir`` (issue 15's JSON). Writes nothing."""
+    from partita.plan import read_plan
+
+    plan_dir = Path(plan_dir)
+    path = plan_dir / "plan.json" if plan_dir.is_dir() else plan_dir
+    if not path.exists():
+        raise PlanError(f"no plan at {path}.", "run `partita compile MODEL --out DIR` first, then pass DIR.")
+    plan = read_plan(path)
+    if plan.model.get("framework", "torch") != "torch":
+        raise PlanError(f"{path} is a {plan.model.get('framework')} plan; this rehearsal runs torch programs.", "")
+    program = check_program(plan, path.parent)
+    return _rehearse(plan, path.parent, program, progress)
+
+
+def _rehearse(plan: Plan, plan_dir: Path, program: Mapping[str, Any], progress: Any) -> dict[str, Any]:
+    plan_roles = roles(program)
+    if progress is not None:
+        progress(f"rehearsing ranks {sorted(r for rs in plan_roles.values() for r in rs)} of {plan.world_size}")
+    got = run_roles(plan_dir, [r for rs in plan_roles.values() for r in rs])
+    stages = []
+    for index, ranks in plan_roles.items():
+        failure = next((got[r] for r in ranks if isinstance(got[r], str)), None)
+        if failure is not None:
+            stages.append(failed_stage(plan.stages[index], ranks, str(failure)))
+        else:
+            stages.append(compare_stage(plan.stages[index], [got[r] for r in ranks]))  # type: ignore[misc]
+    return {"match": all(s["match"] for s in stages), "stages": stages}
+
+
+_MARK = "PARTITA_REHEARSAL "
+
+
+def run_roles(plan_dir: Path, ranks: Sequence[int]) -> dict[int, RankResult | str]:
+    """Each role in its own fresh process (``python -m partita.backends.torch.rehearse DIR RANK``),
+    one after the other: DTensor keeps per-process caches keyed by meshes that compare equal across
+    ranks and plans, which handed one rank's process-group names to the next (gpt3-13b: "could not
+    resolve the process group 1" on the second role). A string is the failure on that rank, in words."""
+    out: dict[int, RankResult | str] = {}
+    for r in ranks:
+        out.update(_run_process(plan_dir, [r]))
+    return out
+
+
+def _run_process(plan_dir: Path, ranks: Sequence[int]) -> dict[int, RankResult | str]:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    cmd = [sys.executable, "-m", "partita.backends.torch.rehearse", str(plan_dir), *map(str, ranks)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    out: dict[int, RankResult | str] = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith(_MARK):
+            d = json.loads(line[len(_MARK) :])
+            out[int(d["rank"])] = d["failure"] if "failure" in d else RankResult(**d)
+    for r in ranks:
+        if r not in out:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+            out[r] = f"the rehearsal of rank {r} died (exit {proc.returncode}): {tail[0][:300]}"
+    return out
+
+
+def _child(plan_dir: str, ranks: Sequence[int]) -> int:
+    """The body of the rehearsal process: one marked JSON line per rank (a RankResult or a failure)."""
+    import json
+    import logging
+
+    from partita.backends.torch.launch import load_program
+
+    logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)  # a failure is reported once
+    program = load_program(plan_dir)
+    for rank in ranks:
+        try:
+            out: dict[str, Any] = dataclasses.asdict(rehearse_rank(program, rank))
+        except Exception as e:  # noqa: BLE001 - the program itself failed: that is the finding
+            why = f"the program fails on rank {rank}: {type(e).__name__}: {_first_line(e)} (at {_where(e)})"
+            out = {"rank": rank, "failure": why}
+        print(_MARK + json.dumps(out), flush=True)
+    return 0
+
+
+def failed_stage(stage: Stage, ranks: Sequence[int], failure: str) -> dict[str, Any]:
+    """The per-stage record of a stage whose program raised: nothing measured, one mismatch."""
+    return {
+        "index": stage.index,
+        "ranks_rehearsed": list(ranks),
+        "collectives": {},
+        "planned_collectives": planned_collectives(stage),
+        "peak_memory_bytes": None,
+        "planned_memory_bytes": stage.predicted.get("memory_bytes"),
+        "memory_by_category": {},
+        "planned_memory_by_category": stage.predicted.get("memory_by_category"),
+        "flops": None,
+        "planned_flops": stage.predicted.get("flops"),
+        "mismatches": [failure],
+        "match": False,
+    }
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[-1][:300] if text else ""
+
+
+def _where(e: BaseException) -> str:
+    """The innermost frame of the traceback in Partita or the model's own code."""
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)
+    mine = [
+        f
+        for f in frames
+        if ("partita" in f.filename or "transformers/models" in f.filename) and not f.filename.endswith("rehearse.py")
+    ]
+    f = (mine or frames)[-1]
+    return f"{Path(f.filename).name}:{f.lineno} {f.name}"
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_child(sys.argv[1], [int(r) for r in sys.argv[2:]]))

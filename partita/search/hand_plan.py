@@ -1,0 +1,61 @@
+"""A Plan for a hand-made Megatron layout (tp, pp, dp, micro-batch, ZeRO, recompute), priced by the search's model.
+
+The what-if path of issue 15 (``partita compile MODEL --tp T --pp P --dp D ...``): the layout is
+checked and priced exactly as ``search/evaluate.evaluate_config`` prices it (Megatron tensor
+parallelism: ``tp_style="megatron"``, blocks split evenly over stages, the cluster's first device
+type), and the winning-candidate path of the planner (``search/plan_build.build_plan``) writes the
+Plan, so its records (collectives per stage with bytes, memory by category, FLOPs) are the ones a
+searched plan carries. Used by ``bench/rehearse.py`` and the rehearsal tests.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from partita.cluster import Cluster
+from partita.ir import Graph
+from partita.plan import Plan
+from partita.search import schedule as sched
+from partita.search.config import SearchOptions, TrainingConfig
+from partita.search.evaluate import check_layout, megatron_split
+from partita.search.plan_build import Candidate, StagePick, build_plan
+from partita.search.planner import Option, Search
+from partita.search.stage_cost import SolverCosts
+
+
+def hand_plan(
+    graph: Graph,
+    cluster: Cluster,
+    training: TrainingConfig,
+    *,
+    tp: int,
+    pp: int,
+    dp: int,
+    micro_batch: int,
+    zero_stage: int = 0,
+    recompute: str = "none",
+    schedule: str = "1f1b",
+) -> Plan:
+    """The Plan of one Megatron layout (module docstring); ConfigError if it cannot be built."""
+    from partita.errors import ConfigError
+
+    t0 = time.perf_counter()
+    check_layout(graph, cluster, training, tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, schedule=schedule)
+    if zero_stage and dp == 1:
+        zero_stage = 0
+    opts = SearchOptions(zero_stages=(zero_stage,), recompute=(recompute,), max_layer_units=0, max_tp=tp)
+    costs = SolverCosts(graph, cluster, training, tp_style="megatron")
+    search = Search(graph, cluster, training, opts, costs, None)
+    dev = cluster.device_types()[0]
+    m = training.global_batch // (micro_batch * dp)
+    in_flight = np.array([0.0] + [sched.in_flight(schedule, 0, s, m, 1) for s in range(1, pp + 1)])
+    got = search.arrays(((dev, dp, micro_batch),), dp, tp, in_flight, sched.p2p_multiplier(schedule, 1))
+    if got is None:
+        raise ConfigError(f"the model cannot run with tp={tp} on {dev.name}.", "use another tp.")
+    per_combo, combos, stack = got
+    opt = Option(0, tp, tp, ((dev, dp, micro_batch),), (), per_combo, combos, stack)
+    picks = tuple(StagePick(a, b, opt, 0) for a, b in megatron_split(graph, pp))
+    cand = Candidate(dp, micro_batch, m, schedule, 1, picks, search)
+    return build_plan(search, [cand], time.perf_counter() - t0)
