@@ -21,7 +21,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -84,8 +84,13 @@ def run(
     nnodes: int = 1,
     extra_args: Sequence[str] = (),
     max_restarts: int | None = None,
+    hostfile: str | None = None,
 ) -> dict[str, Any]:
-    """Train ``steps`` steps of the plan in ``plan_dir``; return (and with ``json_out`` print) the result."""
+    """Train ``steps`` steps of the plan in ``plan_dir``; return (and with ``json_out`` print) the result.
+
+    ``hostfile``: place every plan rank on a node of its device type (``hosts.py``); returns (and
+    prints) one torchrun command per node and writes ``DIR/launch.sbatch``; it launches nothing here.
+    """
     plan_dir = Path(plan_dir)
     plan_path = plan_dir / "plan.json"
     if not plan_path.exists():
@@ -99,13 +104,18 @@ def run(
     restarts = _max_restarts(max_restarts)
     program = load_program(plan_dir)
     _check_program(plan, program, program_path)
+    extra_args = _check_data(plan, program, extra_args)
     args = ["--steps", str(steps), *extra_args]
+    if hostfile:
+        return _per_node(plan_dir, plan, program_path, args, hostfile, restarts, json_out)
     if dry_run or nnodes > 1:
         if not dry_run:
             raise PlanError(
                 f"`partita run` launches on this machine only; {nnodes} nodes were asked.",
                 "add --dry-run to print the torchrun command, then run it on every node with NODE_RANK set.",
             )
+        if nnodes > 1:
+            _check_uniform_nodes(plan, nnodes)
         cmd = torchrun_command(
             program_path, plan.world_size, args, nnodes=nnodes, multi_node=nnodes > 1, max_restarts=restarts
         )
@@ -120,18 +130,108 @@ def run(
         result_path = os.path.join(tmp, "result.json")
         cmd = torchrun_command(program_path, plan.world_size, [*args, "--json-out", result_path], max_restarts=restarts)
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(plan_dir))
+        proc = _run_streaming(cmd, env, plan_dir)
         if proc.returncode != 0 or not os.path.exists(result_path):
             _raise_failure(proc)
         result: dict[str, Any] = json.loads(Path(result_path).read_text())
     if reference:
         from partita.backends.torch.train import reference_run
 
-        ref = reference_run(program.PROGRAM["model"], program.PROGRAM["training"], steps, lr_lambda=program.lr_lambda)
+        precision = program.PROGRAM["stages"][0].get("precision", "f32")  # the plan's dtype, as stage 0 runs it
+        model, training = program.PROGRAM["model"], program.PROGRAM["training"]
+        xs = list(extra_args)
+        data = {k: xs[xs.index(f) + 1] if f in xs[:-1] else d for k, (f, d) in _DATA_FLAGS.items()}  # the run's data
+        ref = reference_run(
+            model, training, steps, lr_lambda=program.lr_lambda, precision=precision,
+            data_file=data["data_file"], data_dtype=data["data_dtype"], data_fn=data["data_fn"],
+        )  # fmt: skip
         result["reference_losses"] = ref["losses"]
     if json_out:
         print(json.dumps(result, indent=1, sort_keys=True))
     return result
+
+
+def _per_node(
+    plan_dir: Path, plan: Plan, program_path: Path, args: list[str], hostfile: str, restarts: int, json_out: bool
+) -> dict[str, Any]:
+    """One torchrun command per node of the hostfile (static rendezvous), and DIR/launch.sbatch."""
+    from partita.backends.torch import hosts
+
+    nodes = hosts.place(plan, hosts.parse_hostfile(hostfile))
+    cmds = [hosts.node_command(n, nodes, "python", str(program_path), args, restarts) for n in nodes]
+    sbatch = plan_dir / "launch.sbatch"
+    sbatch.write_text(hosts.sbatch_script(nodes, cmds))
+    out: dict[str, Any] = {
+        "nodes": [
+            {"node_rank": n.node_rank, "host": n.host, "device": n.device, "ranks": list(n.ranks), "command": c}
+            for n, c in zip(nodes, cmds)
+        ],
+        "sbatch": str(sbatch),
+    }
+    out["command_str"] = "\n".join(
+        f"# on {n.host} ({n.device}):\n" + " ".join(_quote(x) for x in c) for n, c in zip(nodes, cmds)
+    )
+    print(json.dumps(out, indent=1) if json_out else out["command_str"])
+    return out
+
+
+def _check_uniform_nodes(plan: Plan, nnodes: int) -> None:
+    """One command for every node places ranks by arrival order: right only for one device type."""
+    from partita.backends.torch import hosts
+
+    types = sorted(set(hosts.rank_devices(plan)))
+    if len(types) > 1:
+        raise PlanError(
+            f"the plan runs on {len(types)} device types ({', '.join(types)}); one torchrun command for all "
+            f"{nnodes} nodes cannot say which node runs which ranks.",
+            "pass --hostfile FILE (one `HOST device=TYPE` line per node) for one command per node.",
+        )
+
+
+def _check_data(plan: Plan, program: ModuleType, extra_args: Sequence[str]) -> list[str]:
+    """A token file passed to the program is checked here, before any process starts (exit 2);
+    returns the arguments with its path made absolute (the ranks run in DIR)."""
+    from partita.backends.torch import data as tdata
+
+    def flag(name: str, default: str) -> str:
+        xs = list(extra_args)
+        return xs[xs.index(name) + 1] if name in xs[:-1] else default
+
+    path = flag("--data-file", "")
+    if not path:
+        return list(extra_args)
+    vocab = None
+    try:
+        from partita.models.zoo import resolve_model
+
+        vocab = int(resolve_model(program.PROGRAM["model"]).config.get("vocab") or 0) or None
+    except Exception:  # noqa: BLE001 - a model spec that cannot be resolved here: the rank checks again
+        vocab = None
+    tr = plan.training
+    tdata.check_token_file(
+        path, flag("--data-dtype", "uint16"), int(tr.get("seq_len", 1)), int(tr["global_batch"]), vocab
+    )
+    xs = list(extra_args)
+    xs[xs.index("--data-file") + 1] = os.path.abspath(path)
+    return xs
+
+
+_DATA_FLAGS = {"data_file": ("--data-file", ""), "data_dtype": ("--data-dtype", "uint16"), "data_fn": ("--data-fn", "")}
+
+
+def _run_streaming(cmd: list[str], env: Mapping[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run torchrun, echoing rank 0's step lines (``partita: [###...] step k/N ...``) to stderr as they come."""
+    with subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(env), cwd=str(cwd)
+    ) as proc:
+        lines = []
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("partita: [") and " step " in line:
+                print(line, end="", file=sys.stderr, flush=True)
+        rc = proc.wait()
+    return subprocess.CompletedProcess(cmd, rc, stdout="".join(lines), stderr="")
 
 
 def _max_restarts(value: int | None) -> int:

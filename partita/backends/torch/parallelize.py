@@ -223,13 +223,13 @@ def build(
     cuda = torch.cuda.is_available()
     backend = tpar.check_launch(program["world_size"], [s["kind"] for s in stages], dist.get_world_size(), cuda)
     rank = dist.get_rank()
-    if backend == "nccl":
+    if "nccl" in backend:  # "cpu:gloo,cuda:nccl" (parallel.check_launch)
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
     if sync_weights:
-        broadcast_weights(model, device if backend == "nccl" else torch.device("cpu"))
+        broadcast_weights(model, device if "nccl" in backend else torch.device("cpu"))
     meshes = [tpar.build_mesh(device.type, s["ranks"], s["dp"], s["tp"]) for s in stages]
     me = next(s for s in stages if rank in s["ranks"])
     pp_group = None

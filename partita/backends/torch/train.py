@@ -6,15 +6,22 @@
 
 Semantics shared with :func:`reference_run` (so losses and gradients must agree):
 
-* model: ``resolve_model(spec).build("cpu", seed)``; dropout is off in the zoo;
-* data: step ``t`` uses ``torch.manual_seed(data_seed * 1_000_003 + t)`` then the handle's
+* model: built on the meta device, each rank allocating only its stage, every parameter filled from a
+  generator seeded by (seed, FQN) (``materialize.py``); the reference builds the whole model the same
+  way; dropout is off in the zoo;
+* training config (``optim.py``): the plan's optimizer, weight decay, warm-up + cosine learning rate,
+  gradient clipping by global norm (one all-reduce, counted with the step's collectives); under f16
+  dynamic loss scaling (``optim.LossScaler``: the overflow check is one more counted all-reduce);
+* process group: ``cpu:gloo,cuda:nccl`` for GPU plans (host-side collectives reach gloo), each rank
+  on GPU ``LOCAL_RANK``, checked against the plan's device type at start-up (``hosts.check_device``);
+* data (``data.py``): a token file or a callable, each rank reading only its rows; by default step
+  ``t`` uses ``torch.manual_seed(data_seed * 1_000_003 + t)`` then the handle's
   ``example_inputs(global_batch, seq)``; micro-batch ``k`` is rows ``[k*M, (k+1)*M)`` with
   ``M = sum(batch_shares)``, replica ``i`` takes its share of each micro-batch;
 * loss: summed cross-entropy (next-token for LMs) divided by the global number of targets, so the
   sum over replicas and micro-batches is the global mean; gradient syncs are sums (uneven batch
   shares weight the average for free);
-* optimizer: ``plan.training["optimizer"]`` (adam / adamw / sgd), ``lr`` from the plan or 1e-3,
-  with the program's ``lr_lambda`` as a LambdaLR schedule.
+* the learning-rate schedule is ``optim.lr_factor`` times the program's ``lr_lambda`` (1.0 unless edited).
 
 Reliability (``docs/reliability.md``): a :class:`~partita.errors.PartitaError` in a rank prints one
 ``partita: error:`` line and exits 2; when torchrun restarts a failed job (``--max-restarts``) the
@@ -31,6 +38,7 @@ import argparse
 import dataclasses
 import json
 import os
+import resource
 import signal
 import sys
 import time
@@ -42,7 +50,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from partita.backends.torch import checkpoint, fidelity
+from partita.backends.torch import checkpoint, fidelity, hosts, materialize, optim
+from partita.backends.torch import data as tdata
 from partita.backends.torch import parallel as tpar
 from partita.errors import PartitaError, PlanError
 
@@ -74,13 +83,26 @@ def make_loss(total: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor
 
 
 def make_optimizer(params: Any, training: Mapping[str, Any]) -> torch.optim.Optimizer:
-    name = str(training.get("optimizer", "adamw")).lower()
-    lr = float(training.get("lr", 1e-3))
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    """The plan's optimizer, learning rate and weight decay (``backends/torch/optim.py``)."""
+    return optim.make_optimizer(params, training)
+
+
+def make_data(
+    handle: Any,
+    training: Mapping[str, Any],
+    data_seed: int,
+    data_file: str = "",
+    data_dtype: str = "uint16",
+    data_fn: str = "",
+) -> tdata.DataSource:
+    """The run's data source: a token file, a user callable, or the seeded synthetic batches."""
+    seq = int(training.get("seq_len", 1))
+    tf = None
+    if data_file:
+        vocab = int(handle.config.get("vocab") or 0) or None
+        tf = tdata.TokenFile(data_file, data_dtype, seq, int(training["global_batch"]), vocab)
+    fn = tdata.load_callable(data_fn) if data_fn else None
+    return tdata.DataSource(lambda t: make_batch(handle, training, data_seed, t), tf, fn, seq)
 
 
 def reference_run(
@@ -92,26 +114,51 @@ def reference_run(
     data_seed: int = 0,
     lr_lambda: Callable[[int], float] | None = None,
     dump_steps: Sequence[int] = (),
+    data_file: str = "",
+    data_dtype: str = "uint16",
+    data_fn: str = "",
+    precision: str = "f32",
 ) -> dict[str, Any]:
-    """Single device, fp32, full global batch per step: ``{"losses": [...], "grads": {step: {fqn: t}}}``."""
+    """Single device, full global batch per step, f32 parameters computing as ``precision`` says
+    (``parallel.precision_of``: "f32", "autocast" or "fsdp" in ``training["dtype"]``), the plan's optimizer, learning-rate schedule and
+    clipping (``torch.nn.utils.clip_grad_norm_``): ``{"losses", "grads": {step: {fqn: t}}, "lrs", "grad_norms"}``;
+    under f16 the program's dynamic loss scaling too (``optim.LossScaler``: ``"loss_scales"``, ``"skipped_steps"``)."""
     from partita.models.zoo import resolve_model
 
     handle = resolve_model(model_spec)
-    model = handle.build("cpu", seed=seed).float()
+    model = materialize.materialize(handle, seed).model  # the initializer every parallel layout uses
     opt = make_optimizer(model.parameters(), training)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda or (lambda s: 1.0))
-    losses, grads = [], {}
+    sched = optim.make_scheduler(opt, training, steps, lr_lambda)
+    clip = optim.grad_clip(training)
+    scaler = optim.LossScaler.from_training(training) if optim.loss_scaling(training) else None
+    source = make_data(handle, training, data_seed, data_file, data_dtype, data_fn)
+    rows = list(range(int(training["global_batch"])))
+    losses, grads, lrs, norms, scales, skipped = [], {}, [], [], [], []
     for step in range(steps):
-        x, y = make_batch(handle, training, data_seed, step)
-        loss = make_loss(num_targets(y))(model(x), y)
+        x, y = source.rows(step, rows)
+        out = tpar.reference_forward(model, x, precision, str(training.get("dtype", "f32")))
+        loss_fn = make_loss(num_targets(y))
+        loss = (scaler.wrap(loss_fn) if scaler else loss_fn)(out, y)
         loss.backward()
+        overflow, used = False, 1.0
+        if scaler is not None:  # as the program: unscale, check, then clip; skip the step on overflow
+            used = scaler.scale
+            overflow = bool(scaler.unscale_(model.parameters()) > 0)
+            scales.append(used)
         if step + 1 in dump_steps:
             grads[step + 1] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        opt.step()
+        if clip:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        lrs.append(float(opt.param_groups[0]["lr"]))
+        if scaler is None:
+            opt.step()
+        elif not scaler.update(overflow, opt):
+            skipped.append(step)
         sched.step()
         opt.zero_grad()
-        losses.append(float(loss.detach()))
-    return {"losses": losses, "grads": grads}
+        losses.append(float(loss.detach()) / used)
+    result = {"losses": losses, "grads": grads, "lrs": lrs, "grad_norms": norms}
+    return result | ({"loss_scales": scales, "skipped_steps": skipped} if scaler else {})
 
 
 # ---- fault injection (tests) -----------------------------------------------------------------------
@@ -183,17 +230,31 @@ class StageRuntime:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="Partita generated training program (run under torchrun).")
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=0, help="steps to train (default: the plan's training steps, or 10)")
     ap.add_argument("--seed", type=int, default=0, help="model init seed (same as the reference)")
     ap.add_argument("--data-seed", type=int, default=0)
     ap.add_argument("--json-out", default="", help="rank 0 writes the result JSON here")
-    ap.add_argument("--checkpoint-every", type=int, default=0)
+    ap.add_argument("--checkpoint-every", type=int, default=-1, help="default: the plan's checkpoint_every, or 0")
     ap.add_argument("--checkpoint-dir", default="")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--dump-grads", default="", help="directory for full gradients at --dump-steps")
     ap.add_argument("--no-count", action="store_true", help="do not count collectives (no dispatch mode)")
     ap.add_argument("--dump-steps", default="", help="comma-separated 1-based steps, e.g. 1,3")
+    ap.add_argument("--backend", default="", help="process group backend (default: parallel.check_launch's)")
+    ap.add_argument("--data-file", default="", help="flat binary of token ids (nanoGPT's train.bin)")
+    ap.add_argument("--data-dtype", default="uint16", choices=sorted(tdata.DTYPES))
+    ap.add_argument("--data-fn", default="", help="module:function(step, rows, seq_len) -> (inputs, labels)")
+    ap.add_argument("--log-every", type=int, default=1, help="rank 0 prints a step line every N steps (0: none)")
     return ap.parse_args(argv)
+
+
+def resolve_args(args: argparse.Namespace, training: Mapping[str, Any]) -> argparse.Namespace:
+    """Fill ``--steps`` / ``--checkpoint-every`` from the plan's training record when not given."""
+    if args.steps <= 0:
+        args.steps = int(training.get("steps", 0) or 10)
+    if args.checkpoint_every < 0:
+        args.checkpoint_every = int(training.get("checkpoint_every", 0) or 0)
+    return args
 
 
 def main(
@@ -203,7 +264,7 @@ def main(
     lr_lambda: Callable[[int], float],
     argv: Sequence[str] | None = None,
 ) -> dict[str, Any] | None:
-    args = parse_args(argv)
+    args = resolve_args(parse_args(argv), program["training"])
     stages = program["stages"]
     try:
         backend = tpar.check_launch(
@@ -212,6 +273,9 @@ def main(
             int(os.environ.get("WORLD_SIZE", "1")),
             torch.cuda.is_available(),
         )
+        backend = args.backend or backend
+        optim.check_training(program["training"])
+        _check_gpu(program, int(os.environ.get("RANK", "0")))
     except PartitaError as err:
         print(f"partita: error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
@@ -273,7 +337,7 @@ def _train(
     from partita.models.zoo import resolve_model
 
     rank, stages, training = dist.get_rank(), program["stages"], program["training"]
-    if backend == "nccl":
+    if tpar.backend_for("cuda", backend) == "nccl":  # each rank binds its node-local GPU
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     else:
@@ -288,19 +352,26 @@ def _train(
                 pp_group = g
 
     handle = resolve_model(program["model"])
-    model = handle.build("cpu", seed=args.seed).float()
-    tied = tpar.tied_groups(model)
     x0, _ = make_batch(handle, {**training, "global_batch": 1}, args.data_seed, 0)
-    boundary = tpar.boundary_shapes(model, [s["layers"] for s in stages], x0)
+    # meta build, only this stage's layers allocated; boundary shapes from meta tensors (materialize.py)
+    built = materialize.materialize(handle, args.seed, [s["layers"] for s in stages], me["layers"], x0)
+    model, tied, boundary = built.model, built.tied, built.boundary
     tied_group, tied_n = _tied_group(model, tied, stages, rank)
-    _, y_all = make_batch(handle, training, args.data_seed, 0)
-    loss_fn = make_loss(num_targets(y_all))
+    _, y1 = make_batch(handle, {**training, "global_batch": 1}, args.data_seed, 0)
+    loss_fn = make_loss(int(training["global_batch"]) * num_targets(y1))
+    scaler = optim.LossScaler.from_training(training) if optim.loss_scaling(training) else None
+    if scaler is not None:  # f16: dynamic loss scaling (optim.LossScaler); the schedule sees the scaled loss
+        loss_fn = scaler.wrap(loss_fn)
     rt = StageRuntime(program, me, rank, device, meshes[me["index"]], loss_fn, boundary, (x0.shape[1:], x0.dtype))
     rt.pp_group = pp_group
     rt.module = setup_stage[me["index"]](model, rt)
     runner = make_runner(rt)
     opt = make_optimizer(rt.module.parameters(), training)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    sched = optim.make_scheduler(opt, training, args.steps, lr_lambda)
+    clip = optim.grad_clip(training)
+    holders = _tied_holders(model, tied, stages, me) if clip else {}
+    source = make_data(handle, training, args.data_seed, args.data_file, args.data_dtype, args.data_fn)
+    host = HostCollectives(backend)
     ckpt_dir = args.checkpoint_dir or os.path.join(os.path.dirname(os.path.abspath(program["__file__"])), "checkpoints")
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
@@ -322,33 +393,60 @@ def _train(
     i, j = rt.coords
     lo, hi = tpar_ranges(me["shares"])[i]
     m, mb = program["num_micro_batches"], sum(me["shares"])
-    losses, times, counts = [], [], []
+    first, last = me["index"] == 0, me["index"] == len(stages) - 1
+    rows = tdata.rank_rows(m, mb, lo, hi) if (first or last) else []  # this rank's share of the batch only
+    log = StepLog(program, args, rank)
+    losses, times, counts, norms, lrs, scales, skipped = [], [], [], [], [], [], []
     for step in range(start, args.steps):
-        x, y = make_batch(handle, training, args.data_seed, step)
-        xs = [x[k * mb + lo : k * mb + hi].to(device) for k in range(m)]
-        ys = [y[k * mb + lo : k * mb + hi].to(device) for k in range(m)]
+        x, y = source.rows(step, rows) if rows else (None, None)
+        n = hi - lo
+        xs = [x[k * n : (k + 1) * n].to(device) for k in range(m)] if first and x is not None else []
+        ys = [y[k * n : (k + 1) * n].to(device) for k in range(m)] if last and y is not None else []
         dist.barrier()
         t0 = time.perf_counter()
         # counting puts a dispatch mode under every op: only the run's first and last steps
         counter = fidelity.CollectiveCounter(
             enabled=not args.no_count and fidelity.counted_step(step, start, args.steps)
         )
+        used, overflow = scaler.scale if scaler else 1.0, False
         with counter:
             local = forward_backward(runner, rt, me, xs, ys, (tied, tied_group, tied_n))
+            if scaler is not None:  # the overflow check: one float64 all-reduce of every rank's flag (plan records it)
+                overflow = float(host.all_reduce_sum(scaler.unscale_(rt.module.parameters()))) > 0
+            if clip:  # the global-norm all-reduce is a collective of the step (plan records it)
+                norm = host.all_reduce_sum(optim.local_sq_sum(rt.module, len(me["ranks"]), holders)).sqrt()
+                optim.clip_(rt.module, clip, float(norm))
+                norms.append(float(norm))
         if fault is not None:
             fault.fire("step", step + 1, rank)
         if step + 1 in dump_steps:  # full gradients are gathered outside the counted window
             _dump_grads(args.dump_grads, step + 1, rt, tied)
-        opt.step()  # no collectives: every optimizer state lives beside its (sharded) parameter
+        lrs.append(float(opt.param_groups[0]["lr"]))
+        if scaler is None:
+            opt.step()  # no collectives: every optimizer state lives beside its (sharded) parameter
+        elif not scaler.update(overflow, opt):  # GradScaler: no step on overflow, the scheduler still steps
+            skipped.append(step)
         sched.step()
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
         counts.append(counter.summary() if counter.enabled else None)
-        losses.append(float(step_loss(local, j == 0, torch.device("cpu"))))
+        losses.append(float(step_loss(local, j == 0, torch.device("cpu"), host)) / used)
+        scales += [used] if scaler else []
+        log.step(step, losses[-1], times[-1])
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
             hook = (lambda k=step + 1: fault.fire("save", k, rank)) if fault is not None else None
             checkpoint.save(ckpt_dir, step + 1, rt.module, opt, {**meta, "losses": prior + losses}, hook)
     extra = {"losses_all": prior + losses, "restart_count": restart, "resumed_from": str(found[1]) if found else None}
+    extra |= {"grad_norms": norms, "lrs": lrs, "backend": backend, "data": source.kind, "materialized": built.how}
+    if scaler is not None:
+        extra |= {"loss_scales": scales, "skipped_steps": skipped}
+    extra["rank_info"] = {  # gathered per rank by _report
+        "peak_host_memory_bytes": peak_host_memory_bytes(),
+        "peak_device_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0,
+        "data_reads": source.reads(),
+        "host_collectives": host.records,
+        "num_params_local": sum(p.numel() for p in rt.module.parameters()),
+    }
     return _report(program, args, losses, times, counts, start, extra)
 
 
@@ -367,12 +465,102 @@ def forward_backward(runner: Any, rt: StageRuntime, me: Mapping[str, Any], xs: l
     return local
 
 
-def step_loss(local: list, first_tp_rank: bool, device: torch.device) -> torch.Tensor:
+def step_loss(
+    local: list, first_tp_rank: bool, device: torch.device, host: HostCollectives | None = None
+) -> torch.Tensor:
     """The step's global loss: each replica's last stage holds its pre-weighted share."""
     mine = sum(float(v) for v in local) if (local and first_tp_rank) else 0.0
     t = torch.tensor([mine], dtype=torch.float64, device=device)
+    if host is not None:
+        return host.all_reduce_sum(t)[0]
     dist.all_reduce(t)
     return t[0]
+
+
+class HostCollectives:
+    """The training loop's host-side (CPU tensor) collectives, each checked to reach a backend that
+    takes CPU tensors and recorded (``op``, tensor device, backend) for the run's result.
+
+    Under an NCCL-only group (``"nccl"``) a CPU all-reduce fails after the first step on a GPU
+    cluster; with ``"cpu:gloo,cuda:nccl"`` (``parallel.check_launch``) it reaches gloo. This refuses
+    the first case before calling into the backend.
+    """
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        self.records: list[dict[str, str]] = []
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        # torch's own device -> backend table of the initialized group ("cpu:gloo,cuda:nccl")
+        table = dist.get_backend_config() if dist.is_initialized() else self.backend
+        where = tpar.backend_for(t.device.type, table)
+        if where not in ("gloo", "fake") and t.device.type == "cpu":
+            raise PlanError(
+                f"a CPU collective would reach the {where or 'missing'} backend of process group {self.backend!r}.",
+                'initialize the process group with "cpu:gloo,cuda:nccl" (parallel.check_launch does).',
+            )
+        self.records.append({"op": "all_reduce", "device": t.device.type, "backend": where})
+        dist.all_reduce(t)
+        return t
+
+
+def peak_host_memory_bytes() -> int:
+    """This process's peak resident set size (``getrusage``; Linux reports KiB)."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _check_gpu(program: Mapping[str, Any], rank: int) -> None:
+    """On a CUDA machine, refuse a rank whose GPU is not the plan's device type for it (hosts.check_device)."""
+    if not torch.cuda.is_available():
+        return
+    expected = _rank_device(program, rank)
+    if expected is None or expected.get("kind", "gpu") != "gpu":
+        return
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    props = torch.cuda.get_device_properties(local)
+    hosts.check_device(expected, torch.cuda.get_device_name(local), int(props.total_memory), rank)
+
+
+def _plan_beside(program: Mapping[str, Any]) -> Any:
+    """The plan.json beside the program (``launch`` checked they match), or None."""
+    from partita.plan import read_plan
+
+    path = os.path.join(os.path.dirname(os.path.abspath(program.get("__file__", "."))), "plan.json")
+    return read_plan(path) if os.path.exists(path) else None
+
+
+def _rank_device(program: Mapping[str, Any], rank: int) -> Mapping[str, Any] | None:
+    """The plan's device spec for ``rank`` (None without a plan beside the program)."""
+    plan = _plan_beside(program)
+    return hosts.device_spec(plan, hosts.rank_devices(plan)[rank]) if plan is not None else None
+
+
+class StepLog:
+    """Rank 0's per-step line: loss, tokens/s, step time, MFU and the plan's predicted step time."""
+
+    def __init__(self, program: Mapping[str, Any], args: argparse.Namespace, rank: int) -> None:
+        tr = program["training"]
+        self.every, self.rank, self.steps = args.log_every, rank, args.steps
+        self.tokens = int(tr["global_batch"]) * int(tr.get("seq_len", 1))
+        self.predicted = program.get("predicted_step_time_s")
+        plan = _plan_beside(program) if rank == 0 else None
+        pred = dict(plan.predicted) if plan is not None else {}
+        # model FLOPs per step / peak FLOP/s of the used devices = predicted MFU x predicted step time
+        self.flops_over_peak = float(pred.get("mfu", 0.0) or 0.0) * float(pred.get("step_time_s", 0.0) or 0.0)
+
+    def line(self, step: int, loss: float, dt: float) -> str:
+        bar_n = 20
+        done = int(bar_n * (step + 1) / max(self.steps, 1))
+        parts = [f"[{'#' * done}{'.' * (bar_n - done)}] step {step + 1}/{self.steps}", f"loss {loss:.4f}"]
+        parts.append(f"{self.tokens / dt:,.0f} tok/s" if dt > 0 else "- tok/s")
+        parts.append(f"step {dt:.3f} s" + (f" (predicted {self.predicted:.3f} s)" if self.predicted else ""))
+        if self.flops_over_peak and dt > 0:
+            parts.append(f"MFU {100 * self.flops_over_peak / dt:.1f}%")
+        return " | ".join(parts)
+
+    def step(self, step: int, loss: float, dt: float) -> None:
+        if self.rank == 0 and self.every and ((step + 1) % self.every == 0 or step + 1 == self.steps):
+            print("partita: " + self.line(step, loss, dt), file=sys.stderr, flush=True)
 
 
 def tpar_ranges(shares: Sequence[int]) -> list[tuple[int, int]]:
@@ -398,6 +586,20 @@ def _tied_group(
     return (group if rank in ranks else None), n
 
 
+def _tied_holders(
+    model: nn.Module, tied: list[list[str]], stages: Sequence[Mapping[str, Any]], me: Mapping[str, Any]
+) -> dict[str, int]:
+    """Per FQN of a tied parameter: how many stages hold a copy (the clipping norm counts it once)."""
+    out: dict[str, int] = {}
+    for names in tied:
+        held = 0
+        for s in stages:
+            paths = [q for x in s["layers"] for q in tpar.layer_paths(model, x)]
+            held += any(any(n == p or n.startswith(p + ".") for p in paths) for n in names)
+        out |= {n: max(held, 1) for n in names}
+    return out
+
+
 def _dump_grads(root: str, step: int, rt: StageRuntime, tied: list[list[str]]) -> None:
     canon = {n: names[0] for names in tied for n in names}
     grads = {canon.get(n, n): g for n, g in tpar.full_grads(rt.module).items()}
@@ -416,7 +618,8 @@ def _report(
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any] | None:
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {"rank": dist.get_rank(), "counts": counts, "times": times})
+    info = dict((extra or {}).get("rank_info", {}))
+    dist.all_gather_object(gathered, {"rank": dist.get_rank(), "counts": counts, "times": times, **info})
     if dist.get_rank() != 0:
         return None
     stages = program["stages"]
@@ -439,8 +642,16 @@ def _report(
             if program["predicted_collectives"].get(k)
         },
         "predicted_step_time_s": program.get("predicted_step_time_s"),
-        **(extra or {}),
+        **{k: v for k, v in (extra or {}).items() if k != "rank_info"},
     }
+    for key in (
+        "peak_host_memory_bytes",
+        "peak_device_memory_bytes",
+        "data_reads",
+        "host_collectives",
+        "num_params_local",
+    ):
+        result[key] = {str(g["rank"]): g.get(key) for g in gathered}
     text = json.dumps(result, indent=1, sort_keys=True)
     if args.json_out:
         tmp = args.json_out + ".tmp"
