@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import partita
-from partita.errors import ConfigError, ModelError, PlanError
+from partita.errors import ConfigError, ModelError
 from partita.models.zoo import module_handle
 from tests.runtime.plans import LAYERS, make_plan
 
@@ -151,19 +151,20 @@ def test_refusals_name_the_fix(monkeypatch, tmp_path: Path) -> None:
         partita.parallelize(Chain(), cluster="4xCPU", example_inputs=torch.randn(2, 8))
 
 
-def test_only_chain_forwards_are_split() -> None:
-    """The runtime runs a generic model as its plan layers in order; a forward that is not that chain
-    (a functional relu between fc1 and fc2, a residual) would train a different model: refused."""
+def test_non_chain_forwards_are_split_by_their_own_forward() -> None:
+    """A model without a hand adapter runs its own forward in every stage, with the other stages'
+    modules swapped out (``backends/torch/stages.py``, issue 16): a functional relu between fc1 and fc2
+    survives the cut, where running the plan layers as a chain would drop it."""
+    import copy
+
+    from partita.backends.torch import parallel as tpar
     from partita.backends.torch.parallelize import _check_chain
 
-    class Modules(Chain):
-        def __init__(self) -> None:
-            super().__init__()
-            self.act = torch.nn.ReLU()
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.fc2(self.act(self.fc1(x)))
-
-    _check_chain(Modules(), ["fc1", "act", "fc2"], torch.randn(1, 8))  # accepted
-    with pytest.raises(PlanError, match="not the chain"):
-        _check_chain(Chain(), ["fc1", "fc2"], torch.randn(1, 8))
+    model, x = Chain(), torch.randn(4, 8)
+    _check_chain(model, ["fc1", "fc2"], x[:1])  # accepted: the plan layers in order are the model's forward
+    parts = []
+    for keep in (["fc1"], ["fc2"]):
+        m = copy.deepcopy(model)
+        tpar.boundary_shapes(m, [["fc1"], ["fc2"]], x[:1])
+        parts.append(tpar.split_stage(m, keep, ["fc1", "fc2"], torch.device("cpu")))
+    torch.testing.assert_close(parts[1](parts[0](x)), model(x))

@@ -9,6 +9,7 @@ are built from config classes (``transformers``), dropout off, SDPA attention.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import importlib
@@ -40,12 +41,16 @@ class ModelHandle:
     builder: Callable[[], torch.nn.Module]
     inputs_fn: Callable[[int, int, str], dict[str, Any]]
     description: str = ""
+    # the same model with n repeated blocks (a shallow copy of a Hugging Face config), for
+    # frontends/repeat.py: trace a few blocks, expand to the full depth
+    depth_builder: Callable[[int], torch.nn.Module] | None = None
 
     def build(self, device: str = "meta", seed: int = 0) -> torch.nn.Module:
         if device != "meta":
             torch.manual_seed(seed)
         with torch.device(device):
             module = self.builder()
+        _attach_inputs(module, self)
         return module
 
     def example_inputs(self, batch: int, seq: int, device: str = "meta") -> dict[str, Any]:
@@ -69,6 +74,13 @@ class ModelHandle:
     @property
     def info(self) -> ModelInfo:
         return ModelInfo(self.name, self.framework, self.num_params(), self.description)
+
+
+def _attach_inputs(module: torch.nn.Module, handle: ModelHandle) -> None:
+    """Let the torch runtime probe the module's call order (``backends/torch/stages.py``) with the
+    handle's own example inputs: stored in the instance ``__dict__``, not a parameter or submodule."""
+    if isinstance(module, torch.nn.Module):
+        module.__dict__["_partita_inputs"] = (handle.inputs_fn, int(handle.config.get("seq_len") or 0))
 
 
 # ---- Hugging Face builders -----------------------------------------------------------------
@@ -158,7 +170,16 @@ def _hf_handle(name: str, kind: str, description: str, **kw: Any) -> ModelHandle
         summary["seq_len"] = (size // g["patch_size"]) ** 2 + 1 if kind == "vit" else 0
     else:
         inputs = _token_inputs(summary["vocab"])
-    return ModelHandle(name, "torch", summary, lambda: _hf_model(kind, cfg), inputs, description)
+    depth = None if kind == "resnet" else (lambda n: _hf_model(kind, _with_depth(cfg, n)))
+    return ModelHandle(name, "torch", summary, lambda: _hf_model(kind, cfg), inputs, description, depth)
+
+
+def _with_depth(cfg: Any, num_layers: int) -> Any:
+    """A shallow copy of ``cfg`` with ``num_layers`` blocks (every HF config here maps
+    ``num_hidden_layers``; GPT-2 to ``n_layer``)."""
+    out = copy.copy(cfg)
+    out.num_hidden_layers = num_layers
+    return out
 
 
 def _gpt3(name: str, hidden: int, layers: int, heads: int) -> Callable[[], ModelHandle]:
@@ -368,28 +389,19 @@ def resolve_model(spec: str) -> ModelHandle:
         _register_jax_models()
     if spec in _FACTORIES:
         return _FACTORIES[spec]()
-    if spec.endswith(".json") or Path(spec).is_file():
-        return _from_config_file(Path(spec))
+    from partita.models import hf
+
+    if hf.is_config_spec(spec):
+        name, summary, builder, inputs_fn, description = hf.load(spec)
+        return ModelHandle(name, "torch", summary, builder, inputs_fn, description)
     if ":" in spec:
         return _from_factory(spec)
     close = difflib.get_close_matches(spec, list(_FACTORIES), n=3, cutoff=0.4)
     raise ModelError(
         f"unknown model {spec!r}" + (f"; did you mean {', '.join(close)}?" if close else ""),
-        f"use a zoo name ({', '.join(_FACTORIES)}), a path to a config.json, or 'package.module:factory'",
+        f"use a zoo name ({', '.join(_FACTORIES)}), a Hugging Face config.json (or its directory), or "
+        "'package.module:factory'",
     )
-
-
-def _from_config_file(path: Path) -> ModelHandle:
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise ModelError(f"cannot read model config {path}: {err}", "pass a readable HF config.json") from None
-    mt = raw.get("model_type", "")
-    kind = {"gpt2": "gpt2", "llama": "llama", "mixtral": "mixtral", "bert": "bert", "vit": "vit", "resnet": "resnet"}
-    if mt not in kind:
-        raise ModelError(f"config {path} has model_type {mt!r}", f"use one of {sorted(kind)}")
-    raw = {k: v for k, v in raw.items() if k not in ("model_type", "architectures", "transformers_version")}
-    return _hf_handle(path.stem, kind[mt], f"from {path}", **raw)
 
 
 def _from_factory(spec: str) -> ModelHandle:
@@ -442,6 +454,7 @@ class ModuleHandle(ModelHandle):
     def build(self, device: str = "meta", seed: int = 0) -> torch.nn.Module:
         assert self.module is not None
         if device != "meta":
+            _attach_inputs(self.module, self)
             return self.module  # the user's weights, not a re-initialisation
         import copy
 
@@ -516,6 +529,10 @@ def module_handle(module: torch.nn.Module, example_inputs: Any = None, name: str
     vocab = int(getattr(cfg, "vocab_size", 0) or 0)
     if callable(example_inputs) and not isinstance(example_inputs, torch.Tensor):
         inputs_fn = _adapt_inputs(example_inputs)
+    elif example_inputs is None and vocab and getattr(cfg, "is_encoder_decoder", False):
+        from partita.models import hf  # T5-style: the decoder's inputs too (labels shifted right)
+
+        inputs_fn = hf.inputs_for(cfg, "seq2seq-lm")
     elif example_inputs is None and vocab:
         inputs_fn = _token_inputs(vocab)
     elif example_inputs is None:

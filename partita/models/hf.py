@@ -1,0 +1,252 @@
+"""Hugging Face models from a ``config.json``, by the ecosystem's own rules (no network, no weights).
+
+Sits beside ``models/zoo.py``: ``resolve_model("path/config.json")`` (or a directory holding one)
+lands in :func:`load`. The config goes through ``transformers.AutoConfig.for_model``
+(any ``model_type`` transformers knows), the model class is the config's ``architectures[0]`` or
+the Auto mapping of the task (causal LM, masked LM, seq2seq LM, image classification), and the
+model is built on the meta device by ``ModelHandle.build``. When a ``model_type`` has several of
+these tasks and the config names no architecture, the task is chosen with a ``#task`` suffix on
+the spec (``partita trace DIR --task masked-lm`` writes it), so the launched program resolves the
+same model. The model's name is the config's ``_name_or_path``, else its architecture, else the
+directory name.
+
+Training semantics shared by every parallel run and its single-device reference: dropout and
+router jitter are off (a seeded run of any layout must equal the reference), ``use_cache`` is off;
+example inputs per task are ``input_ids``/``labels`` (LMs), ``pixel_values``/``labels`` (images),
+``input_ids``/``decoder_input_ids``/``labels`` (seq2seq; the decoder reads the labels shifted right).
+``config["shift_labels"]`` says whether the loss predicts the next token (causal LMs only).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from partita.errors import ModelError
+
+TASKS = ("causal-lm", "masked-lm", "seq2seq-lm", "image-classification")
+_MAPPINGS = {
+    "causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "seq2seq-lm": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "image-classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+}
+_DROPOUT_KEY = re.compile(r"(dropout|pdrop|drop_prob|dropout_rate|jitter_noise)")
+_META_KEYS = ("model_type", "transformers_version")
+
+
+def split_spec(spec: str) -> tuple[str, str | None]:
+    """``"dir/config.json#masked-lm"`` -> (path, task); no suffix -> (spec, None)."""
+    path, sep, task = spec.rpartition("#")
+    if sep and task in TASKS:
+        return path, task
+    return spec, None
+
+
+def is_config_spec(spec: str) -> bool:
+    """A path to a config.json (or any .json file), or a directory holding a config.json."""
+    path, _ = split_spec(spec)
+    p = Path(path)
+    return path.endswith(".json") or p.is_file() or (p.is_dir() and (p / "config.json").is_file())
+
+
+def _mapping(task: str) -> dict[str, Any]:
+    import transformers.models.auto.modeling_auto as auto
+
+    return dict(getattr(auto, _MAPPINGS[task]))
+
+
+def tasks_for(model_type: str) -> list[str]:
+    """The tasks of :data:`TASKS` that transformers has a model class for, for this ``model_type``."""
+    return [t for t in TASKS if model_type in _mapping(t)]
+
+
+def _read(path: Path) -> tuple[Path, dict[str, Any]]:
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, ValueError) as err:
+        raise ModelError(
+            f"cannot read model config {file}: {err}",
+            "pass a readable HF config.json (or the directory that holds one)",
+        ) from None
+    if not isinstance(raw, dict) or not raw.get("model_type"):
+        raise ModelError(
+            f"{file} has no model_type, so transformers cannot tell which architecture it describes",
+            'add "model_type" (e.g. "llama", "qwen2", "t5") as in the config.json of a Hugging Face checkpoint',
+        )
+    return file, raw
+
+
+def load_config(path: Path) -> tuple[Path, Any]:
+    """The transformers config object of a config.json (AutoConfig by ``model_type``), dropout off."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    file, raw = _read(path)
+    mt = raw["model_type"]
+    if mt not in CONFIG_MAPPING_NAMES:
+        close = difflib.get_close_matches(mt, list(CONFIG_MAPPING_NAMES), n=3, cutoff=0.6)
+        raise ModelError(
+            f"{file} has model_type {mt!r}, which transformers {_tf_version()} does not know"
+            + (f" (did you mean {', '.join(close)}?)" if close else ""),
+            "fix model_type, or upgrade transformers to a version that has this architecture",
+        )
+    try:
+        cfg = AutoConfig.for_model(mt, **{k: v for k, v in raw.items() if k not in _META_KEYS})
+    except (TypeError, ValueError, KeyError) as err:
+        raise ModelError(f"transformers rejects {file}: {err}", "fix the config values it names") from None
+    for key, value in cfg.to_dict().items():
+        if isinstance(value, float) and _DROPOUT_KEY.search(key):
+            setattr(cfg, key, 0.0)  # seeded runs of every layout must equal the reference
+    if hasattr(cfg, "use_cache"):
+        cfg.use_cache = False
+    return file, cfg
+
+
+def _tf_version() -> str:
+    import transformers
+
+    return str(transformers.__version__)
+
+
+def model_class(cfg: Any, task: str | None, file: Path) -> tuple[str, Any]:
+    """(task, transformers model class): ``architectures[0]`` when it is one of the tasks, else the
+    task's Auto mapping; ModelError when the model_type has several tasks and none was chosen."""
+    import transformers
+
+    archs = [a for a in (getattr(cfg, "architectures", None) or []) if hasattr(transformers, a)]
+    for arch in archs:
+        owners = [t for t in TASKS if arch in _mapping(t).values()]
+        if owners and (task is None or task in owners):
+            return (task or owners[0]), getattr(transformers, arch)
+    mt = cfg.model_type
+    have = tasks_for(mt)
+    if task is not None and task not in have:
+        raise ModelError(
+            f"{file}: transformers has no {task} model for model_type {mt!r}",
+            f"choose one of: {', '.join(have) or 'none (this architecture has no LM or image-classification head)'}",
+        )
+    if task is None:
+        if not have:
+            raise ModelError(
+                f"{file}: model_type {mt!r} has no causal-LM, masked-LM, seq2seq or image-classification model "
+                "in transformers, so there is no loss to train",
+                'name a training architecture in "architectures" (e.g. "...ForCausalLM"), or wrap the model in '
+                "a module that returns a loss and pass it as package.module:factory",
+            )
+        if len(have) > 1:
+            raise ModelError(
+                f"{file}: model_type {mt!r} can be trained as {', '.join(have)}, and the config names no "
+                "architecture to choose by",
+                f'pass --task ({" | ".join(have)}), or add "architectures": ["..."] to the config',
+            )
+        task = have[0]
+    return task, getattr(transformers, _mapping(task)[mt])
+
+
+def _first(cfg: dict[str, Any], *keys: str, default: Any = 0) -> Any:
+    return next((cfg[k] for k in keys if cfg.get(k)), default)
+
+
+def summary(cfg: Any, task: str) -> dict[str, Any]:
+    g = cfg.to_dict()
+    experts = _first(g, "num_local_experts", "num_experts", "n_routed_experts")
+    out = {
+        "kind": "moe" if experts else g.get("model_type", "hf"),
+        "model_type": g.get("model_type"),
+        "task": task,
+        "hidden": _first(g, "hidden_size", "n_embd", "d_model", "dim") or (g.get("hidden_sizes") or [0])[-1],
+        "num_layers": _first(g, "num_hidden_layers", "n_layer", "num_layers") or sum(g.get("depths") or []),
+        "heads": _first(g, "num_attention_heads", "n_head", "num_heads"),
+        "vocab": g.get("vocab_size", 0) or 0,
+        "seq_len": _first(g, "max_position_embeddings", "n_positions", "n_ctx", default=512),
+        "tokens": task != "image-classification",
+        "shift_labels": task == "causal-lm",
+        "num_experts": experts,
+    }
+    if task == "image-classification":
+        size, patch = g.get("image_size", 224), g.get("patch_size")
+        out["seq_len"] = (size // patch) ** 2 + 1 if patch else 0
+    return out
+
+
+def inputs_for(cfg: Any, task: str) -> Callable[[int, int, str], dict[str, Any]]:
+    """``fn(batch, seq, device)`` -> the model's example inputs and labels for ``task``."""
+    vocab = int(getattr(cfg, "vocab_size", 0) or 2)
+    if task == "image-classification":
+        size = int(getattr(cfg, "image_size", 224))
+        chans = int(getattr(cfg, "num_channels", 3))
+        labels_n = int(getattr(cfg, "num_labels", 2))
+
+        def image(batch: int, seq: int, device: str) -> dict[str, Any]:
+            if device == "meta":
+                x = torch.zeros(batch, chans, size, size, device=device)
+                return {"pixel_values": x, "labels": torch.zeros(batch, dtype=torch.long, device=device)}
+            x = torch.randn(batch, chans, size, size, device=device)
+            return {"pixel_values": x, "labels": torch.randint(0, labels_n, (batch,), device=device)}
+
+        return image
+    start = getattr(cfg, "decoder_start_token_id", None)
+    start = int(start if start is not None else (getattr(cfg, "pad_token_id", None) or 0))
+
+    def tokens(batch: int, seq: int, device: str) -> dict[str, Any]:
+        if device == "meta":
+            ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
+            labels = ids.clone()
+        else:
+            ids = torch.randint(0, vocab, (batch, seq), device=device)
+            labels = torch.randint(0, vocab, (batch, seq), device=device) if task == "seq2seq-lm" else ids.clone()
+        if task != "seq2seq-lm":
+            return {"input_ids": ids, "labels": labels}
+        dec = torch.full_like(labels, start)
+        dec[:, 1:] = labels[:, :-1]  # teacher forcing: the decoder reads the labels shifted right
+        return {"input_ids": ids, "decoder_input_ids": dec, "labels": labels}
+
+    return tokens
+
+
+def build_model(cls: Any, cfg: Any) -> torch.nn.Module:
+    """``cls(cfg)`` with SDPA attention where the architecture has it (eager otherwise); a config the
+    architecture rejects is a ModelError naming the class and transformers' reason."""
+    err: Exception | None = None
+    for impl in ("sdpa", "eager"):
+        cfg._attn_implementation = impl
+        try:
+            return cls(cfg)
+        except (ValueError, ImportError, AssertionError, TypeError, RuntimeError) as e:
+            err = e
+            if "attn" not in str(e).lower() and "attention" not in str(e).lower():
+                break
+    raise ModelError(
+        f"transformers cannot build {cls.__name__} from this config: {type(err).__name__}: {err}",
+        "fix the config value it names (e.g. pad_token_id must be below vocab_size)",
+    )
+
+
+def model_name(raw: dict[str, Any], file: Path) -> str:
+    """``_name_or_path``, else ``architectures[0]``, else the directory (or file) name."""
+    name = str(raw.get("_name_or_path") or "")
+    if name:
+        return name.rstrip("/").rsplit("/", 1)[-1] if Path(name).exists() else name
+    archs = raw.get("architectures") or []
+    if archs:
+        return str(archs[0])
+    return file.parent.name if file.name == "config.json" and file.parent.name else file.stem
+
+
+def load(spec: str) -> tuple[str, dict[str, Any], Callable[[], torch.nn.Module], Any, str]:
+    """(name, summary, builder, example-inputs fn, description) of ``spec`` (config.json or its
+    directory, optional ``#task``): the fields of ``zoo.ModelHandle``, which ``zoo.resolve_model`` builds."""
+    path_s, task = split_spec(spec)
+    file, raw = _read(Path(path_s))
+    file, cfg = load_config(file)
+    task, cls = model_class(cfg, task, file)
+    desc = f"{cls.__name__} ({task}) from {file}"
+    return model_name(raw, file), summary(cfg, task), lambda: build_model(cls, cfg), inputs_for(cfg, task), desc

@@ -1,0 +1,97 @@
+"""One torchrun launch that trains many (model, plan) jobs: the worker of ``test_model_matrix.py``.
+
+``python -m torch.distributed.run --nproc-per-node N tests/runtime/model_matrix_worker.py JOBS OUT``:
+every rank joins one gloo group; the seeded single-device references are split over the ranks
+(``train.reference_run``, job ``i`` on rank ``i % N``); then each job's plan is emitted
+(``backends/torch/emit.py``), executed in memory and trained by ``train._train``, exactly as the
+generated program's ``__main__`` would, one job after another on the same group. Rank 0 writes
+``{job id: {"losses", "reference", "seconds", "num_stages"}}`` to OUT.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+
+def main(jobs_file: str, out_file: str) -> None:
+    from partita.backends.torch import train as torch_train
+    from partita.backends.torch.emit import emit_torch
+    from partita.plan import Plan
+
+    jobs = json.loads(Path(jobs_file).read_text())
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=180))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {}
+    for i, job in enumerate(jobs):
+        if i % world == rank:
+            training = json.loads(job["plan"])["training"]
+            mine[job["id"]] = torch_train.reference_run(job["spec"], training, job["steps"])["losses"]
+    every: list = [None] * world
+    dist.all_gather_object(every, mine)
+    refs = {k: v for part in every for k, v in part.items()}
+    out = {}
+    for job in jobs:
+        plan = Plan.from_json(job["plan"], f"matrix job {job['id']}")
+        if job.get("api"):
+            t0 = time.perf_counter()
+            losses = _api_job(job, plan)
+            if rank == 0:
+                out[job["id"]] = {"losses": losses, "reference": refs[job["id"]], "seconds": time.perf_counter() - t0}
+                out[job["id"]]["num_stages"] = plan.num_stages
+            continue
+        where = Path(jobs_file).parent / job["id"]
+        where.mkdir(parents=True, exist_ok=True)
+        path = where / "program_torch.py"
+        ns = {"__name__": "partita_matrix", "__file__": str(path)}
+        exec(compile(emit_torch(plan, job["spec"]), str(path), "exec"), ns)  # noqa: S102 - our emitted source
+        args = torch_train.parse_args(["--steps", str(job["steps"]), "--no-count", "--checkpoint-every", "0"])
+        t0 = time.perf_counter()
+        res = torch_train._train(ns["PROGRAM"], ns["SETUP_STAGE"], ns["make_runner"], ns["lr_lambda"], args, "gloo")
+        if rank == 0 and res is not None:
+            out[job["id"]] = {
+                "losses": res["losses"],
+                "reference": refs[job["id"]],
+                "seconds": time.perf_counter() - t0,
+                "num_stages": plan.num_stages,
+            }
+            print(f"matrix: {job['id']} {out[job['id']]['seconds']:.2f}s", flush=True)
+    if rank == 0:
+        Path(out_file).write_text(json.dumps(out, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter finalization (gloo teardown aborts now and then: see train.main)
+
+
+def _api_job(job: dict, plan: object) -> list[float]:
+    """The user's way in: ``partita.parallelize(model, plan=...)`` on a live module, ``partita.step``,
+    the user's own optimizer loop; weights and batches as the reference draws them."""
+    import partita
+    from partita.backends.torch import materialize
+    from partita.backends.torch import train as torch_train
+    from partita.models import resolve_model
+
+    handle = resolve_model(job["spec"])
+    training = json.loads(job["plan"])["training"]
+    model = materialize.materialize(handle, 0).model
+    sample = {k: v for k, v in handle.example_inputs(1, int(training["seq_len"]), "cpu").items()}
+    pm = partita.parallelize(model, plan=plan, example_inputs=sample, verbose=False)
+    opt = torch_train.make_optimizer(pm.parameters(), training)
+    losses = []
+    for step in range(job["steps"]):
+        x, y = torch_train.make_batch(handle, training, 0, step)
+        losses.append(float(partita.step(pm, x, y)))
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
