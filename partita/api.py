@@ -213,9 +213,12 @@ def _report(plan: Plan) -> str:
 def _plan_line(plan: Plan, name: str) -> str:
     t = plan.predicted.get("step_time_s")
     pred = f"predicted step {float(t) * 1e3:.1f} ms" if t is not None else "no prediction"
+    from partita.report.fmt import plural
+
+    m = plural(plan.num_micro_batches, "micro-batch", "micro-batches")
     return (
-        f"plan for {name} on {plan.cluster.get('name', '?')}: {plan.world_size} ranks, {plan.num_stages} stage(s), "
-        f"{plan.schedule}, {plan.num_micro_batches} micro-batch(es) of {plan.micro_batch_size} per replica; {pred}"
+        f"plan for {name} on {plan.cluster.get('name', '?')}: {plan.world_size} ranks, "
+        f"{plural(plan.num_stages, 'stage')}, {plan.schedule}, {m} of {plan.micro_batch_size} per replica; {pred}"
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import textwrap
 import warnings
@@ -18,7 +19,7 @@ from typing import Any
 
 from partita.errors import ConfigError, PartitaError
 
-DEFAULT_MODEL = "gpt3-1.3b"
+DEFAULT_MODEL = "gpt3-6.7b"
 DEFAULT_CLUSTER = "mixed-lab"
 
 
@@ -85,15 +86,32 @@ def cmd_clusters(args: argparse.Namespace) -> int:
     return 0
 
 
+def _with_task(model: str, task: str | None) -> str:
+    """``--task`` rides on the spec (``DIR#masked-lm``) so the generated program resolves the same model."""
+    return f"{model}#{task}" if task else model
+
+
+def _add_task(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--task",
+        default=None,
+        choices=["causal-lm", "masked-lm", "seq2seq-lm", "image-classification"],
+        help="the head to train when a config.json's model_type has several (default: its architectures)",
+    )
+
+
 def cmd_trace(args: argparse.Namespace) -> int:
     from partita.driver import trace_model
 
-    traced = trace_model(args.model, batch=args.batch, seq=args.seq)
+    traced = trace_model(_with_task(args.model, args.task), batch=args.batch, seq=args.seq)
     summary = traced.summary(batch=args.batch, seq=args.seq)
     if args.json:
         _print_json(summary)
     else:
-        print(traced.as_text(batch=args.batch, seq=args.seq))
+        from partita.report import trace_text
+        from partita.report.trace_kinds import kind_labels
+
+        print(trace_text(summary, kind_labels(traced.graph)), end="")
     return 0
 
 
@@ -119,7 +137,7 @@ def _check_writable_target(path: str, flag: str, want_dir: bool) -> None:
 def cmd_compile(args: argparse.Namespace) -> int:
     from partita.driver import compile_to_dir
 
-    model = args.model or DEFAULT_MODEL
+    model = _with_task(args.model or DEFAULT_MODEL, args.task)
     cluster = args.cluster or DEFAULT_CLUSTER
     _check_writable_target(args.out, "--out", want_dir=True)
     result = compile_to_dir(
@@ -135,6 +153,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
         _print_json(result.summary())
     else:
         print(result.as_text())
+        from partita.driver import cache_dir
+
+        print(f"compile cache: {cache_dir()} (set PARTITA_CACHE_DIR to move it; --force recompiles)")
     return 0
 
 
@@ -153,16 +174,15 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         recompute=args.recompute,
         schedule=args.schedule,
         gpus_per_node=args.gpus_per_node,
+        num_virtual=args.virtual_stages,
     )
     out = ev.to_dict() if hasattr(ev, "to_dict") else dict(vars(ev))
     if args.json:
         _print_json(out)
     else:
-        fits = "fits" if out.get("fits") else "DOES NOT FIT"
-        print(f"predicted step time {out['predicted_step_time_s']:.3f} s ({fits})")
-        for k, v in out.items():
-            if k != "predicted_step_time_s":
-                print(f"  {k}: {v}")
+        from partita.report import evaluate_text
+
+        print(evaluate_text(out), end="")
     return 0
 
 
@@ -171,24 +191,41 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     res = run_plan(
         args.dir,
-        steps=args.steps,
+        steps=args.steps if args.steps is not None else _plan_steps(args.dir),
         reference=args.reference,
         dry_run=args.dry_run,
         nnodes=args.nnodes,
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
         max_restarts=args.max_restarts,
-        extra_args=tuple(args.extra),
+        extra_args=(*_data_args(args), *args.extra),
+        hostfile=args.hostfile,
     )
     if args.json:
         _print_json(res)
-    elif args.dry_run:
+    elif args.dry_run or args.hostfile:
         print(res.get("command_str", res.get("command")))
     else:
         for i, loss in enumerate(res.get("losses", [])):
             ref = res.get("reference_losses")
             print(f"step {i + 1}: loss {loss:.6f}" + (f"  reference {ref[i]:.6f}" if ref else ""))
     return 0
+
+
+def _plan_steps(plan_dir: str) -> int:
+    """`partita run` without --steps: the plan's training steps, or 3."""
+    from partita.driver import load_plan
+
+    try:
+        return int(load_plan(plan_dir).training.get("steps", 0) or 3)
+    except PartitaError:
+        return 3  # run_plan reads the plan again and names what is wrong with it
+
+
+def _data_args(args: argparse.Namespace) -> list[str]:
+    """The training data flags of `partita run`, passed on to the program (backends/torch/data.py)."""
+    out = ["--data-file", args.data_file, "--data-dtype", args.data_dtype] if args.data_file else []
+    return out + (["--data-fn", args.data_fn] if args.data_fn else [])
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -199,12 +236,64 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rehearse(args: argparse.Namespace) -> int:
+    from partita.driver import rehearse
+
+    progress = None if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    res = rehearse(args.dir, progress=progress)
+    if args.json:
+        _print_json(res)
+    else:
+        print(_rehearsal_text(res))
+    return 0 if res["match"] else 1
+
+
+def _rehearsal_text(res: dict[str, Any]) -> str:
+    def row(key: str, got: Any, want: Any) -> str:
+        g = f"{got['count']} x, {_fmt_bytes(got['bytes'])}" if got else "-"
+        w = f"{want['count']} x, {_fmt_bytes(want['bytes'])}" if want else "-"
+        return f"    {key:<22} {g:>24} {w:>24}"
+
+    lines = []
+    for s in res["stages"]:
+        lines.append(
+            f"stage {s['index']} (ranks rehearsed {s['ranks_rehearsed']}): {'match' if s['match'] else 'MISMATCH'}"
+        )
+        lines.append(f"    {'per step':<22} {'rehearsed':>24} {'planned':>24}")
+        for key in sorted(set(s["collectives"]) | set(s["planned_collectives"])):
+            lines.append(row(key, s["collectives"].get(key), s["planned_collectives"].get(key)))
+        pm, got = s["planned_memory_bytes"], s["peak_memory_bytes"]
+        lines.append(
+            f"    {'peak memory':<22} {_fmt_bytes(got) if got is not None else '-':>24} "
+            f"{_fmt_bytes(pm) if pm else '-':>24}"
+        )
+        pf, gf = s["planned_flops"], s["flops"]
+        lines.append(
+            f"    {'FLOPs':<22} {(f'{gf:.4g}' if gf is not None else '-'):>24} {(f'{pf:.4g}' if pf else '-'):>24}"
+        )
+        lines += [f"    ! {m}" for m in s["mismatches"]]
+    lines.append(
+        "rehearsal: " + ("the program matches the plan" if res["match"] else "the program differs from the plan")
+    )
+    return "\n".join(lines)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from partita.driver import report
 
     if args.html:
         _check_writable_target(args.html, "--html", want_dir=False)
-    print(report(args.dirs, html=args.html))
+    print(report(args.dirs, html=args.html).rstrip("\n"))
+    if args.html:
+        what = "the comparison of both plans" if len(args.dirs) == 2 else "the plan's page"
+        print(f"wrote {args.html} ({what}; open it in a browser)")
     return 0
 
 
@@ -221,6 +310,11 @@ def _add_training(p: argparse.ArgumentParser, defaults: bool = True) -> None:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "f16", "f32"])
     p.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
     p.add_argument("--gpus-per-node", type=int, default=None, help="devices per node for shorthand clusters")
+    p.add_argument(
+        "--no-calibration",
+        action="store_true",
+        help="ignore the calibration profiles shipped for some device types (same as PARTITA_CALIBRATION=off)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -236,6 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
               partita run out/ --steps 3 --reference --json
             """),
     )
+    p.add_argument(
+        "--verbose", action="store_true", help="show other libraries' warnings as they come (any command takes it)"
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("models", help="list the model zoo")
@@ -248,6 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("trace", help="trace a model into the IR and summarize it")
     s.add_argument("model", help="zoo name, path to a HF config.json, or package.module:factory")
+    _add_task(s)
     s.add_argument("--batch", type=int, default=1)
     s.add_argument("--seq", type=int, default=None)
     s.add_argument("--json", action="store_true")
@@ -255,6 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("compile", help="search a plan and write DIR/plan.json, the program and the report")
     s.add_argument("model", nargs="?", default=None, help=f"default: {DEFAULT_MODEL}")
+    _add_task(s)
     s.add_argument("--cluster", default=None, help=f"shorthand, preset or file (default: {DEFAULT_CLUSTER})")
     _add_training(s)
     s.add_argument("--out", default="out", help="output directory (default: out)")
@@ -273,12 +372,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
     s.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
     s.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved_1f1b"])
+    s.add_argument("--virtual-stages", type=int, default=1, help="model chunks per stage (interleaved_1f1b)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_evaluate)
 
     s = sub.add_parser("run", help="launch a compiled plan with torchrun (or JAX)")
     s.add_argument("dir")
-    s.add_argument("--steps", type=int, default=3)
+    s.add_argument("--steps", type=int, default=None, help="default: the plan's training steps, or 3")
     s.add_argument("--reference", action="store_true", help="also run the seeded single-device reference")
     s.add_argument("--dry-run", action="store_true", help="print the launch command only")
     s.add_argument("--nnodes", type=int, default=1)
@@ -290,6 +390,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="torchrun restarts after a rank fails; a restart resumes from the run's latest checkpoint",
     )
+    s.add_argument(
+        "--hostfile",
+        default=None,
+        help="`HOST device=TYPE [slots=N]` per node: print one torchrun command per node and write DIR/launch.sbatch",
+    )
+    s.add_argument("--data-file", default="", help="flat binary of token ids (nanoGPT train.bin), memory-mapped")
+    s.add_argument("--data-dtype", default="uint16", choices=["uint16", "uint32"])
+    s.add_argument("--data-fn", default="", help="module:function(step, rows, seq_len) -> (inputs, labels)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_run)
 
@@ -301,6 +409,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(fn=cmd_profile)
 
+    s = sub.add_parser(
+        "rehearse",
+        help="run the emitted program at full scale on fake tensors and compare it with the plan (exit 1: differs)",
+    )
+    s.add_argument("dir")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_rehearse)
+
     s = sub.add_parser("report", help="explain a plan (or compare two)")
     s.add_argument("dirs", nargs="+")
     s.add_argument("--html", default=None, help="write a self-contained HTML report here")
@@ -309,8 +425,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; Ctrl-C anywhere ends it with one line and exit code 130."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("partita: interrupted (Ctrl-C); files already written are complete, nothing was half-written.",
+              file=sys.stderr)  # fmt: skip
+        return 130
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    verbose = False
+    if "--verbose" in argv[: argv.index("--") if "--" in argv else len(argv)]:  # any position, any command
+        verbose = True
+        argv.remove("--verbose")
     extra: list[str] = []
     if "--" in argv:  # `partita run DIR [options] -- [training program arguments]`
         cut = argv.index("--")
@@ -320,7 +450,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             argv[k : k + 2] = [f"--cluster={argv[k + 1]}"]
     args = parser.parse_args(argv)
     args.extra = extra
-    positive = ("global_batch", "seq", "batch", "steps", "tp", "pp", "dp", "micro_batch", "gpus_per_node", "nproc")
+    positive: tuple[str, ...] = ("global_batch", "seq", "batch", "steps", "tp", "pp", "dp", "micro_batch")
+    positive += ("gpus_per_node", "nproc", "virtual_stages")
+    if getattr(args, "no_calibration", False):  # the whole process plans uncalibrated (cluster.calibration_default)
+        os.environ["PARTITA_CALIBRATION"] = "off"
     for name in (*positive, "nnodes", "checkpoint_every", "max_restarts"):
         v = getattr(args, name, None)
         least = 1 if name in (*positive, "nnodes") else 0
@@ -332,9 +465,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             print(f"partita: error: {err}", file=sys.stderr)
             return err.exit_code
+    noise = _ThirdPartyNoise(verbose, children=args.command in ("run", "profile"))
     try:
-        with warnings.catch_warnings():
-            warnings.showwarning = _show_warning
+        with noise:
             return int(args.fn(args) or 0)
     except PartitaError as err:
         # no breaks inside names such as A100-80G or a path, so the message can be copied back
@@ -343,17 +476,75 @@ def main(argv: Sequence[str] | None = None) -> int:
             text = textwrap.fill(text, 100, break_on_hyphens=False, break_long_words=False)
         print("partita: error: " + text, file=sys.stderr)
         return err.exit_code
+    finally:
+        noise.summarize()
 
 
-def _show_warning(
-    message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None, line: Any = None
-) -> None:
-    """Partita's own warnings as one ``partita: warning:`` line; others in Python's usual form."""
-    text = str(message)
-    if text.startswith("partita: "):
-        print("partita: warning: " + text[len("partita: ") :], file=sys.stderr)
-    else:
-        print(warnings.formatwarning(text, category, filename, lineno).rstrip(), file=sys.stderr)
+class _ThirdPartyNoise:
+    """Warnings and log records from other libraries (transformers' ``loss_type=None``, bos/eos ids,
+    torch.export) held back while a command runs, then one line: "N third-party warnings hidden;
+    --verbose shows them". Partita's own warnings and every ERROR record pass through at once.
+    With ``verbose`` everything passes through as it comes."""
+
+    def __init__(self, verbose: bool, children: bool = False) -> None:
+        self.verbose = verbose
+        self.children = children and not verbose and "TRANSFORMERS_VERBOSITY" not in os.environ
+        self.held: list[str] = []
+        self._emit: Any = None
+        self._warnings: Any = None
+        self.interrupted = False
+
+    def __enter__(self) -> _ThirdPartyNoise:
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.showwarning = self._show_warning
+        if self.children:  # ranks are child processes, out of reach of this hook: quiet their transformers
+            os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+        if not self.verbose:
+            import logging
+
+            self._emit = logging.StreamHandler.emit
+            held, emit = self.held, self._emit
+            last: list[Any] = [None]
+
+            def quiet_emit(handler: logging.StreamHandler, record: logging.LogRecord) -> None:
+                if record.name.split(".")[0] == "partita" or record.levelno >= logging.ERROR:
+                    emit(handler, record)
+                elif record is not last[0]:  # one record reaching several handlers counts once
+                    last[0] = record
+                    held.append(f"{record.name}: {record.getMessage()}")
+
+            logging.StreamHandler.emit = quiet_emit  # type: ignore[method-assign,assignment]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.interrupted = exc[0] is KeyboardInterrupt  # Ctrl-C ends with its one line, no summary
+        if self.children:
+            os.environ.pop("TRANSFORMERS_VERBOSITY", None)
+        if self._emit is not None:
+            import logging
+
+            logging.StreamHandler.emit = self._emit  # type: ignore[method-assign]
+            self._emit = None
+        self._warnings.__exit__(*exc)
+
+    def _show_warning(
+        self, message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
+        line: Any = None,
+    ) -> None:  # fmt: skip
+        text = str(message)
+        if text.startswith("partita: "):
+            print("partita: warning: " + text[len("partita: ") :], file=sys.stderr)
+        elif self.verbose:
+            print(warnings.formatwarning(text, category, filename, lineno).rstrip(), file=sys.stderr)
+        else:
+            self.held.append(f"{category.__name__}: {text}")
+
+    def summarize(self) -> None:
+        if self.held and not self.verbose and not self.interrupted:
+            n = len(self.held)
+            print(f"partita: {n} third-party warning{'s' if n != 1 else ''} hidden; --verbose shows them",
+                  file=sys.stderr)  # fmt: skip
 
 
 if __name__ == "__main__":

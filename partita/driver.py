@@ -148,6 +148,9 @@ class Compiled:
     cache_hit: bool
     files: dict[str, str]
     elapsed_s: float
+    # wall times and peak memory of this compile (trace_time_s, search_time_s, peak_rss_bytes):
+    # side data for --json, never in plan.json (plans stay byte-identical)
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         p = self.plan
@@ -155,7 +158,10 @@ class Compiled:
             "out_dir": str(self.out_dir),
             "cache_hit": self.cache_hit,
             "predicted_step_time_s": p.predicted.get("step_time_s"),
-            "search_time_s": p.search.get("time_s"),
+            "search_time_s": self.timings.get("search_time_s", p.search.get("time_s")),
+            "trace_time_s": self.timings.get("trace_time_s"),
+            "compile_time_s": round(self.elapsed_s, 3),
+            "peak_rss_bytes": self.timings.get("peak_rss_bytes", _peak_rss_bytes()),
             "schedule": p.schedule,
             "micro_batch_size": p.micro_batch_size,
             "num_micro_batches": p.num_micro_batches,
@@ -241,7 +247,12 @@ def spec_identity(spec: str) -> str | None:
 
     if ":" in spec and not Path(spec).exists():
         return None
-    path = Path(spec)
+    base, _, task = spec.rpartition("#") if "#" in spec else (spec, "", "")
+    path = Path(base)
+    if path.is_dir() and (path / "config.json").is_file():  # a model directory: its config.json (models/hf.py)
+        path = path / "config.json"
+    if task and path.is_file():  # `--task` rides on the spec: same file, another model
+        return json.dumps({"spec": spec_identity(str(path)), "task": task}, sort_keys=True)
     if path.suffix == ".json" or path.exists():
         if not path.is_file():
             return None
@@ -279,6 +290,19 @@ class CachedPlan:
     key: str
     path: Path  # the cache entry's plan.json
     elapsed_s: float
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)  # trace / search wall times
+
+
+def _peak_rss_bytes() -> int:
+    """This process's peak resident set size (``resource.getrusage``; Linux reports KiB)."""
+    try:
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(peak if sys.platform == "darwin" else peak * 1024)
+    except (ImportError, OSError):
+        return 0
 
 
 def plan_handle(
@@ -309,7 +333,8 @@ def plan_handle(
     planned = traced.plan(cl, training, progress=progress)
     cached.parent.mkdir(parents=True, exist_ok=True)
     _atomic_write(cached, planned.plan.to_json())
-    return CachedPlan(planned.plan, False, key, cached, time.perf_counter() - t0)
+    timings = {"trace_time_s": round(traced.trace_time_s, 3), "search_time_s": round(planned.search_time_s, 3)}
+    return CachedPlan(planned.plan, False, key, cached, time.perf_counter() - t0, timings)
 
 
 def compile_to_dir(
@@ -343,6 +368,7 @@ def compile_to_dir(
     for name in PROGRAM_FILES:  # keep the generated program with the cached plan (a hit copies it)
         if (done.out_dir / name).exists():
             _atomic_write(got.path.parent / name, (done.out_dir / name).read_text())
+    done.timings.update(got.timings, peak_rss_bytes=_peak_rss_bytes())
     return done
 
 
@@ -395,7 +421,7 @@ def _write_outputs(
     out.mkdir(parents=True, exist_ok=True)
     files = {"plan": str(out / PLAN_FILE), "report": str(out / "report.txt")}
     _atomic_write(out / PLAN_FILE, plan.to_json())
-    _atomic_write(out / "report.txt", plan_text(plan) + "\n")
+    _atomic_write(out / "report.txt", plan_text(plan, width=110) + "\n")  # fixed width: a file
     framework = plan.model.get("framework", "torch")
     if program is not None:
         _atomic_write(out / program[0], program[1])
@@ -440,6 +466,7 @@ def evaluate_model(
     recompute: str = "none",
     schedule: str = "1f1b",
     gpus_per_node: int | None = None,
+    num_virtual: int = 1,
 ) -> Any:
     _check_training(training)
     cl = parse_cluster(cluster, gpus_per_node)  # validate the cheap inputs before tracing
@@ -457,6 +484,7 @@ def evaluate_model(
         zero_stage=zero_stage,
         recompute=recompute,
         schedule=schedule,
+        num_virtual=num_virtual,
     )
 
 
@@ -471,15 +499,17 @@ def run_plan(
     resume: bool = False,
     max_restarts: int | None = None,
     extra_args: Sequence[str] = (),
+    hostfile: str | None = None,
 ) -> Mapping[str, Any]:
     from partita.report import run_log
 
     plan = load_plan(plan_dir)
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None  # run log: a loaded machine?
     if plan.model.get("framework") == "jax":
         from partita.backends.jax.run import run as jax_run
 
         result = jax_run(plan_dir, steps=steps, reference=reference)
-        run_log.write(plan_dir, run_log.build(plan, result, steps=steps, framework="jax"))
+        run_log.write(plan_dir, run_log.build(plan, result, steps=steps, framework="jax", load_before=load_before))
         return result
     from partita.backends.torch.launch import run
 
@@ -497,22 +527,39 @@ def run_plan(
             nnodes=nnodes,
             max_restarts=max_restarts,
             extra_args=tuple(extra),
+            hostfile=hostfile,
         )
-    if not dry_run:  # DIR/run_log.json: measured beside predicted, for `partita report DIR`
-        run_log.write(plan_dir, run_log.build(plan, result, steps=steps, framework="torch"))
+    if not dry_run and not hostfile:  # DIR/run_log.json: measured beside predicted, for `partita report DIR`
+        log = run_log.build(plan, result, steps=steps, framework="torch", load_before=load_before)
+        run_log.write(plan_dir, log)
     return result
+
+
+def rehearse(plan_dir: str, progress: Any = None) -> dict[str, Any]:
+    """``partita rehearse DIR``: run the emitted program at full scale on fake tensors and a fake
+    process group, and compare it with the plan (``backends/torch/rehearse.py``). Writes nothing."""
+    plan = load_plan(plan_dir)  # no plan / another version / malformed: PlanError before torch loads
+    if plan.model.get("framework", "torch") != "torch":
+        raise PlanError(
+            f"{plan_dir} holds a {plan.model.get('framework')} plan; `partita rehearse` runs PyTorch programs.",
+            "rehearse a plan compiled from a torch model.",
+        )
+    from partita.backends.torch.rehearse import rehearse_dir
+
+    return rehearse_dir(plan_dir, progress=progress)
 
 
 def report(dirs: Sequence[str], html: str | None = None) -> str:
     """Text report of one plan (with its run log's "Predicted vs measured" when DIR has one), or
-    the comparison of two; ``html`` also writes the first plan's page there."""
+    the comparison of two; ``html`` also writes the page there (of both plans when two)."""
     from partita import report as rep
     from partita.report import run_log
 
     plans = [load_plan(d) for d in dirs]
     logs = [run_log.load(d) for d in dirs]
-    if html:
-        Path(html).write_text(rep.plan_html(plans[0], logs[0]))
+    if html:  # two plans: the comparison page of both
+        page = rep.compare_html(plans, logs) if len(plans) == 2 else rep.plan_html(plans[0], logs[0])
+        _atomic_write(Path(html), page)
     if len(plans) == 2:
         return rep.compare_text(plans[0], plans[1])
     return "\n\n".join(rep.plan_text(p, log) for p, log in zip(plans, logs))

@@ -63,3 +63,118 @@ def test_bad_model_subprocess(model: str, match: str) -> None:
     assert r.returncode == 2, r.stderr[-3000:]
     err = " ".join(r.stderr.split())
     assert match in err and "Traceback" not in err and "partita: error:" in err
+
+
+# ---- the newcomer's first hour (issue 21): readable output, quiet third parties, Ctrl-C ----------
+def test_trace_names_layer_kinds_readably() -> None:
+    """`partita trace` shows what a layer kind contains, not its structural hash; --json keeps the hash."""
+    import re
+
+    r = run_cli("trace", "gpt2-tiny")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "attention, 4 matmuls, 2 norms" in r.stdout and "Repeated layers" in r.stdout
+    assert not re.search(r"\b[0-9a-f]{12}\b", r.stdout), r.stdout
+    # transformers' config warnings are held back and summarized in one line
+    assert "bos_token_id" not in r.stderr and "loss_type" not in r.stderr
+    assert re.search(r"partita: \d+ third-party warnings? hidden; --verbose shows them", r.stderr), r.stderr
+    loud = run_cli("trace", "gpt2-tiny", "--verbose", "--json")
+    assert loud.returncode == 0 and "bos_token_id" in loud.stderr and "hidden" not in loud.stderr
+    kinds = {lay["kind"] for lay in json.loads(loud.stdout)["layers"]}
+    assert all(re.fullmatch(r"[0-9a-f]{12}", k) for k in kinds)
+
+
+def test_third_party_noise_is_held_and_partita_warnings_pass(capsys) -> None:
+    import logging
+    import warnings
+
+    from partita.cli import _ThirdPartyNoise
+
+    lib = logging.getLogger("somelib.sub")
+    handler = logging.StreamHandler(sys.stderr)
+    lib.addHandler(handler)
+    try:
+        noise = _ThirdPartyNoise(verbose=False)
+        with noise:
+            lib.warning("library chatter")
+            lib.error("a real library error")
+            warnings.warn("deprecated thing", DeprecationWarning, stacklevel=1)
+            warnings.warn("partita: one of ours", UserWarning, stacklevel=1)
+        noise.summarize()
+        err = capsys.readouterr().err
+        assert "library chatter" not in err and "deprecated thing" not in err
+        assert "a real library error" in err and "partita: warning: one of ours" in err
+        assert "partita: 2 third-party warnings hidden; --verbose shows them" in err
+        assert len(noise.held) == 2
+        lib.warning("after the command")  # the patch is undone when the command ends
+        assert "after the command" in capsys.readouterr().err
+    finally:
+        lib.removeHandler(handler)
+
+
+def test_child_process_quieting_is_undone(monkeypatch) -> None:
+    """`partita run` / `profile` quiet transformers in their ranks for the command only."""
+    import os
+
+    from partita.cli import _ThirdPartyNoise
+
+    monkeypatch.delenv("TRANSFORMERS_VERBOSITY", raising=False)
+    with _ThirdPartyNoise(verbose=False, children=True):
+        assert os.environ["TRANSFORMERS_VERBOSITY"] == "error"
+    assert "TRANSFORMERS_VERBOSITY" not in os.environ
+    with _ThirdPartyNoise(verbose=True, children=True):
+        assert "TRANSFORMERS_VERBOSITY" not in os.environ
+
+
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path) -> None:
+    import os
+    import signal
+    import time
+
+    env = dict(os.environ, PARTITA_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    p = subprocess.Popen(
+        [sys.executable, "-m", "partita.cli", "compile", "--out", str(tmp_path / "out"), "--force"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    time.sleep(6)  # inside the compile: importing torch, tracing or searching
+    assert p.poll() is None, p.communicate()
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and [ln for ln in err.splitlines() if ln.strip()] == [
+        "partita: interrupted (Ctrl-C); files already written are complete, nothing was half-written."
+    ], err[-3000:]
+    assert not (tmp_path / "out" / "plan.json").exists()
+
+
+def test_evaluate_prints_memory_readably(capsys) -> None:
+    import re
+
+    argv = ["evaluate", "gpt2-tiny", "--cluster", "4xA100-80G", "--global-batch", "8", "--seq", "32", "--dp", "4"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "per step" in out and "GiB" in out and "time per micro-batch" in out
+    assert not re.search(r"\d{7,}\.\d", out), out  # no raw byte counts such as 38780805152.0
+    assert "memory_per_device" not in out
+
+
+def test_report_html_says_what_it_wrote_and_compares_both(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("PARTITA_CACHE_DIR", str(tmp_path / "cache"))
+    args = ["--cluster", "2xCPU", "--global-batch", "8", "--seq", "1", "--dtype", "f32"]
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert main(["compile", "mlp", *args, "--out", a]) == 0
+    first = capsys.readouterr().out
+    assert f"compile cache: {tmp_path / 'cache'}" in first and "cache hit" not in first
+    assert main(["compile", "mlp", *args, "--out", b]) == 0
+    assert "cache hit" in capsys.readouterr().out
+    page = tmp_path / "one.html"
+    assert main(["report", a, "--html", str(page)]) == 0
+    assert f"wrote {page}" in capsys.readouterr().out and 'id="timeline"' in page.read_text()
+    both = tmp_path / "both.html"
+    assert main(["report", a, b, "--html", str(both)]) == 0
+    out = capsys.readouterr().out
+    assert "Plan comparison" in out and f"wrote {both} (the comparison of both plans" in out
+    text = both.read_text()
+    assert 'id="A-timeline"' in text and 'id="B-timeline"' in text and 'id="compare"' in text

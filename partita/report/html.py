@@ -1,27 +1,77 @@
-"""The HTML view of a Plan: one self-contained page (pipeline timeline, memory against capacity,
-time breakdown, layer map, run log).
+"""The HTML view of a Plan: one self-contained page (summary, pipeline schedule with a time axis and
+legend, memory per device against capacity, time breakdown, layer-to-stage map, run log), or a
+comparison page of two plans.
 
-Part of ``report/``; uses the terminal view's formatting helpers so both say the same numbers.
+Part of ``report/``; formats through ``fmt.py`` like the terminal view, so both say the same
+numbers. The charts are HTML boxes laid out by CSS (percent widths, wrapping text), so nothing is
+clipped and the page reads at 700 px as at 1400 px; ``tests/test_report.py`` checks that in
+headless Chromium by measuring element boxes.
 """
 
 from __future__ import annotations
 
 import html
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from partita.plan import Plan
-from partita.report.terminal import _bytes, _count, _mem_cap, _pct, _s, plan_text, run_log_text
+from partita.report.fmt import (
+    cluster_devices,
+    counts_text,
+    devices_phrase,
+    gib,
+    mem_cap,
+    pct,
+    plural,
+    time_s,
+    used_devices,
+)
+from partita.report.run_log import gap_causes
+from partita.report.run_log_view import collective_rows
+from partita.report.terminal import compare_text, plan_text
 
-_COLORS = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7"]
+_STAGE_COLORS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#9c755f"]
+_FWD, _BWD = "#4e79a7", "#f28e2b"
+MAX_MICRO_BATCHES_DRAWN = 32
+
+_CSS = """
+*{box-sizing:border-box} body{font-family:system-ui,sans-serif;margin:0 auto;padding:16px;max-width:1400px;
+line-height:1.35;color:#222} h1{font-size:1.4em;overflow-wrap:anywhere} h2{font-size:1.15em;margin-top:1.6em}
+.cards{display:flex;flex-wrap:wrap;gap:8px} .card{border:1px solid #ddd;border-radius:6px;padding:6px 10px;
+min-width:140px;flex:1 1 140px} .card b{display:block;font-size:1.2em} .muted{color:#666;font-size:.9em}
+table{border-collapse:collapse;width:100%} td,th{border:1px solid #ccc;padding:3px 6px;font-size:13px;
+text-align:left;overflow-wrap:anywhere;vertical-align:top} figure.chart{margin:0}
+.row{display:flex;align-items:center;gap:8px;margin:3px 0} .lab{flex:0 0 90px;font-size:12px;overflow-wrap:anywhere}
+.track{position:relative;flex:1 1 auto;height:22px;background:#f1f1f1} .box{position:absolute;top:2px;bottom:2px}
+.axis{position:relative;height:18px;margin-left:98px;font-size:11px;color:#444}
+.tick{position:absolute;top:0;border-left:1px solid #888;padding-left:2px;height:18px;white-space:nowrap}
+.tick.end{border-left:0;border-right:1px solid #888;padding-right:2px;transform:translateX(-100%)}
+.legend{display:flex;flex-wrap:wrap;gap:4px 14px;font-size:12px;margin:6px 0}
+.sw{display:inline-block;width:12px;height:12px;margin-right:4px;vertical-align:-2px;border:1px solid #999}
+.memrow{margin:6px 0} .memrow .track{height:16px} .memtext{font-size:12px}
+.stack{display:flex;height:22px;margin:4px 0} .stack div{height:100%}
+.layers{display:flex;flex-wrap:wrap;gap:2px;margin:6px 0} .layer{width:14px;height:14px}
+pre{font-size:12px;background:#f6f6f6;padding:8px;white-space:pre-wrap;overflow-wrap:anywhere}
+.plans{display:grid;grid-template-columns:repeat(auto-fit,minmax(min(100%,560px),1fr));gap:24px}
+"""
 
 
-def _timeline_svg(plan: Plan) -> str:
-    """1F1B / GPipe schedule per stage and micro-batch from the predicted stage times."""
-    n, m = plan.num_stages, min(plan.num_micro_batches, 32)
-    fwd = [float(s.predicted.get("forward_s", s.predicted.get("compute_s", 1.0)) or 1.0) / 3 for s in plan.stages]
-    bwd = [2 * f for f in fwd]
-    # Simulate the schedule: each stage has an ordered list of (kind, micro-batch).
+def _e(x: Any) -> str:
+    return html.escape(str(x))
+
+
+def _schedule(plan: Plan) -> tuple[list[tuple[int, str, int, float, float]], float, int]:
+    """(stage, F|B, micro-batch, start, duration) boxes of one step's 1F1B / GPipe schedule from the
+    predicted per-micro-batch stage times (forward 1/3, backward 2/3 of compute), its end, and the
+    number of micro-batches drawn."""
+    n, m = plan.num_stages, min(plan.num_micro_batches, MAX_MICRO_BATCHES_DRAWN)
+    fwd = [
+        float(s.predicted.get("forward_s", float(s.predicted.get("compute_s", 0.0) or 0.0) / 3) or 0)
+        for s in plan.stages
+    ]
+    known = [f for f in fwd if f > 0]  # a stage without a predicted time is drawn at the others' mean
+    fwd = [f if f > 0 else (sum(known) / len(known) if known else 1.0) for f in fwd]
     orders = []
     for i in range(n):
         if plan.schedule == "gpipe":
@@ -29,18 +79,16 @@ def _timeline_svg(plan: Plan) -> str:
         else:
             warm = min(n - i, m)
             order = [("F", j) for j in range(warm)]
-            f_next, b_next = warm, 0
-            while b_next < m:
-                order.append(("B", b_next))
-                b_next += 1
+            f_next = warm
+            for b in range(m):
+                order.append(("B", b))
                 if f_next < m:
                     order.append(("F", f_next))
                     f_next += 1
         orders.append(order)
     done: dict[tuple[str, int, int], float] = {}
-    pos = [0] * n
-    clock = [0.0] * n
-    boxes = []
+    pos, clock = [0] * n, [0.0] * n
+    boxes: list[tuple[int, str, int, float, float]] = []
     progress = True
     while progress:
         progress = False
@@ -48,126 +96,234 @@ def _timeline_svg(plan: Plan) -> str:
             while pos[i] < len(orders[i]):
                 kind, j = orders[i][pos[i]]
                 dep = (
-                    ("F", i - 1, j)
-                    if kind == "F" and i > 0
-                    else ("B", i + 1, j)
-                    if kind == "B" and i < n - 1
-                    else ("F", i, j)
-                    if kind == "B"
-                    else None
+                    ("F", i - 1, j) if kind == "F" and i > 0 else ("B", i + 1, j) if kind == "B" and i < n - 1 else None
                 )
+                dep = ("F", i, j) if kind == "B" and dep is None else dep
                 if dep is not None and dep not in done:
                     break
                 start = max(clock[i], done.get(dep, 0.0) if dep else 0.0)
-                dur = fwd[i] if kind == "F" else bwd[i]
-                done[(kind, i, j)] = start + dur
-                clock[i] = start + dur
+                dur = fwd[i] if kind == "F" else 2 * fwd[i]
+                done[(kind, i, j)] = clock[i] = start + dur
                 boxes.append((i, kind, j, start, dur))
                 pos[i] += 1
                 progress = True
-    end = max(clock) or 1.0
-    w, row = 900, 28
-    sx = w / end
-    parts = [
-        f'<svg class="chart" id="timeline" width="{w + 90}" height="{n * row + 30}" xmlns="http://www.w3.org/2000/svg">'
-    ]
-    for i in range(n):
-        parts.append(f'<text x="0" y="{i * row + 18}" font-size="12">stage {i}</text>')
-    for i, kind, j, start, dur in boxes:
-        color = _COLORS[j % len(_COLORS)]
-        opacity = "1" if kind == "F" else "0.55"
-        parts.append(
-            f'<rect x="{80 + start * sx:.1f}" y="{i * row + 4}" width="{max(dur * sx - 1, 1):.1f}" '
-            f'height="{row - 8}" fill="{color}" fill-opacity="{opacity}"><title>{kind}{j} stage {i}'
-            f"</title></rect>"
+    return boxes, max(clock) or 1.0, m
+
+
+def _ticks(end: float, num: int = 5) -> list[float]:
+    """About ``num`` round tick values in [0, end]."""
+    raw = end / num
+    mag = 10 ** math.floor(math.log10(raw)) if raw > 0 else 1.0
+    step = next(k * mag for k in (1, 2, 2.5, 5, 10) if k * mag >= raw)
+    return [k * step for k in range(int(end / step) + 1)]
+
+
+def timeline_html(plan: Plan) -> str:
+    boxes, end, m = _schedule(plan)
+    rows = []
+    for i in range(plan.num_stages):
+        parts = []
+        for si, kind, j, start, dur in boxes:
+            if si != i:
+                continue
+            what = "forward" if kind == "F" else "backward"
+            parts.append(
+                f'<div class="box" style="left:{100 * start / end:.3f}%;width:{100 * dur / end:.3f}%;'
+                f'background:{_FWD if kind == "F" else _BWD};border-right:1px solid #fff" '
+                f'title="stage {i}, micro-batch {j}: {what} {time_s(dur)}"></div>'
+            )
+        dev = plan.stages[i].device_type
+        rows.append(
+            f'<div class="row"><div class="lab">stage {i}<br><span class="muted">{_e(dev)}</span></div>'
+            f'<div class="track">{"".join(parts)}</div></div>'
         )
-    parts.append(
-        f'<text x="80" y="{n * row + 22}" font-size="11">forward (solid) and backward (light) per '
-        f"micro-batch; {m} of {plan.num_micro_batches} micro-batches shown</text></svg>"
+    ticks = []
+    scale, unit = (1.0, "s") if end >= 2 else (1e3, "ms")
+    for t in _ticks(end):
+        frac = t / end
+        cls = "tick end" if frac > 0.85 else "tick"
+        v = round(t * scale, 6)
+        digits = 0 if v.is_integer() else 1 if round(v * 10, 6).is_integer() else 2
+        ticks.append(f'<div class="{cls}" style="left:{100 * frac:.3f}%">{v:,.{digits}f} {unit}</div>')
+    shown = f"all {plural(m, 'micro-batch', 'micro-batches')}"
+    if m < plan.num_micro_batches:
+        shown = f"the first {m} of {plan.num_micro_batches} micro-batches"
+    return (
+        '<figure class="chart" id="timeline">'
+        + "".join(rows)
+        + f'<div class="axis">{"".join(ticks)}</div>'
+        + '<div class="legend">'
+        f'<span><span class="sw" style="background:{_FWD}"></span>forward of one micro-batch</span>'
+        f'<span><span class="sw" style="background:{_BWD}"></span>backward of one micro-batch</span>'
+        '<span><span class="sw" style="background:#f1f1f1"></span>idle (pipeline bubble)</span></div>'
+        f'<figcaption class="muted">Time axis: the pipeline part of one step ({time_s(end)}, {shown}; '
+        f"{plan.schedule}); the step adds the exposed gradient sync at its end"
+        + (f" ({time_s(plan.predicted['tail_s'])})" if plan.predicted.get("tail_s") is not None else "")
+        + ". Hover a box for its micro-batch.</figcaption></figure>"
     )
-    return "".join(parts)
 
 
-def _bars_svg(ident: str, items: list[tuple[str, float, float | None]], unit: str) -> str:
-    w, row = 700, 26
-    top = max([max(v, c or 0) for _, v, c in items] + [1e-9])
-    parts = [
-        f'<svg class="chart" id="{ident}" width="{w + 260}" height="{len(items) * row + 10}" '
-        f'xmlns="http://www.w3.org/2000/svg">'
-    ]
-    for k, (label, v, cap) in enumerate(items):
-        y = k * row + 4
-        parts.append(f'<text x="0" y="{y + 14}" font-size="12">{html.escape(label)}</text>')
-        if cap:
-            parts.append(f'<rect x="180" y="{y}" width="{cap / top * w:.1f}" height="{row - 8}" fill="#ddd"/>')
-        parts.append(
-            f'<rect x="180" y="{y}" width="{v / top * w:.1f}" height="{row - 8}" fill="{_COLORS[k % len(_COLORS)]}"/>'
+def memory_html(plan: Plan) -> str:
+    rows = []
+    top = max([float(s.predicted.get("memory_bytes") or 0) for s in plan.stages] + [1.0])
+    for s in plan.stages:
+        used, cap = float(s.predicted.get("memory_bytes") or 0), mem_cap(plan, s.device_type)
+        full = cap or top
+        color = "#e15759" if cap and used > cap else _STAGE_COLORS[s.index % len(_STAGE_COLORS)]
+        text = f"{gib(used)} of {gib(cap)} per device ({pct(used / cap)})" if cap else f"{gib(used)} per device"
+        if not s.predicted.get("memory_bytes"):
+            text = "no memory prediction in the plan" + (f" (capacity {gib(cap)} per device)" if cap else "")
+        rows.append(
+            f'<div class="memrow"><div class="memtext">stage {s.index} ({_e(s.device_type)}): {text}</div>'
+            f'<div class="track"><div class="box" style="left:0;top:0;bottom:0;'
+            f'width:{min(100.0, 100 * used / full):.2f}%;background:{color}"></div></div></div>'
         )
-        txt = _s(v, unit) + (f" / {_s(cap, unit)}" if cap else "")
-        parts.append(f'<text x="{185 + max(v, cap or 0) / top * w:.1f}" y="{y + 14}" font-size="11">{txt}</text>')
-    parts.append("</svg>")
-    return "".join(parts)
+    return (
+        '<figure class="chart" id="memory">'
+        + "".join(rows)
+        + '<figcaption class="muted">Predicted peak memory per device; the grey track is the '
+        "device's usable capacity.</figcaption></figure>"
+    )
+
+
+def breakdown_html(plan: Plan) -> str:
+    p = plan.predicted
+    total = float(p.get("step_time_s") or 0) or 1.0
+    parts = [(k[:-2], float(p[k])) for k in ("compute_s", "communication_s", "bubble_s") if k in p]
+    colors = ["#4e79a7", "#e15759", "#bab0ac"]
+    bar = "".join(
+        f'<div style="width:{100 * v / total:.2f}%;background:{c}" title="{k}"></div>'
+        for (k, v), c in zip(parts, colors)
+    )
+    legend = "".join(
+        f'<span><span class="sw" style="background:{c}"></span>{k}: {time_s(v)} ({pct(v / total)})</span>'
+        for (k, v), c in zip(parts, colors)
+    )
+    return (
+        f'<figure class="chart" id="breakdown"><div class="stack">{bar}</div><div class="legend">{legend}</div>'
+        f'<figcaption class="muted">Per step, on the critical path; total {time_s(p.get("step_time_s"))}.'
+        "</figcaption></figure>"
+    )
+
+
+def layermap_html(plan: Plan) -> str:
+    cells, legend = [], []
+    for s in plan.stages:
+        c = _STAGE_COLORS[s.index % len(_STAGE_COLORS)]
+        cells += [
+            f'<div class="layer" style="background:{c}" title="{_e(lay)}: stage {s.index}"></div>' for lay in s.layers
+        ]
+        span = s.layers[0] if len(s.layers) == 1 else f"{s.layers[0]} .. {s.layers[-1]}"
+        legend.append(
+            f'<span><span class="sw" style="background:{c}"></span>stage {s.index}: {_e(span)} '
+            f"({plural(len(s.layers), 'layer')}) on {len(s.ranks)} x {_e(s.device_type)}, "
+            f"dp {s.dp} x tp {s.tp}, ZeRO-{s.zero_stage}, recompute {_e(s.recompute)}</span>"
+        )
+    return (
+        f'<figure class="chart" id="layermap"><div class="layers">{"".join(cells)}</div>'
+        f'<div class="legend">{"".join(legend)}</div><figcaption class="muted">One square per layer, '
+        "in model order, coloured by its pipeline stage (hover for the name).</figcaption></figure>"
+    )
+
+
+def _cards(plan: Plan) -> str:
+    p = plan.predicted
+    total, used = cluster_devices(plan), used_devices(plan)
+    idle = {k: n - used.get(k, 0) for k, n in total.items() if n > used.get(k, 0)}
+    cards = [
+        ("step time", f"{time_s(p.get('step_time_s'))}", "predicted, per step"),
+        ("tokens / s", f"{p.get('tokens_per_s', 0):,.0f}", "predicted"),
+        ("MFU", pct(p.get("mfu")), "vs peak of the devices used"),
+        ("devices", devices_phrase(plan), counts_text(used) + (f"; not used: {counts_text(idle)}" if idle else "")),
+        (
+            "schedule",
+            plan.schedule,
+            f"{plural(plan.num_stages, 'stage')}, {plural(plan.num_micro_batches, 'micro-batch', 'micro-batches')} "
+            f"of {plan.micro_batch_size} per replica",
+        ),
+    ]
+    return (
+        '<div class="cards">'
+        + "".join(
+            f'<div class="card"><span class="muted">{_e(a)}</span><b>{_e(b)}</b><span class="muted">{_e(c)}</span></div>'
+            for a, b, c in cards
+        )
+        + "</div>"
+    )
+
+
+def plan_section(plan: Plan, run_log: Mapping[str, Any] | None = None, key: str = "") -> str:
+    """One plan's charts and tables (ids suffixed with ``key`` on a comparison page)."""
+    body = (
+        f"{_cards(plan)}<h2>Pipeline schedule of one step</h2>{timeline_html(plan)}"
+        f"<h2>Memory per device against capacity</h2>{memory_html(plan)}"
+        f"<h2>Time breakdown per step</h2>{breakdown_html(plan)}"
+        f"<h2>Layer to stage map</h2>{layermap_html(plan)}"
+        + (run_log_html(run_log) if run_log else "")
+        + f"<details><summary>Full text report</summary><pre>{_e(plan_text(plan, run_log, width=80))}</pre></details>"
+    )
+    return body.replace('id="', f'id="{key}') if key else body
+
+
+_SELF_CHECK = """<script>
+// Self-check: every chart drew boxes; the result is readable in the DOM (tests/test_report.py).
+const charts = Array.from(document.querySelectorAll("figure.chart"));
+const ok = charts.length >= 4 && charts.every(c => c.querySelectorAll("div").length > 0);
+document.body.setAttribute("data-charts", ok ? "ok" : "missing");
+</script>"""
+
+
+def _page(title: str, body: str) -> str:
+    return (
+        '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>\n<h1>{_e(title)}</h1>\n{body}\n"
+        f"{_SELF_CHECK}\n</body></html>\n"
+    )
 
 
 def plan_html(plan: Plan, run_log: Mapping[str, Any] | None = None) -> str:
-    mem = [
-        (
-            f"stage {s.index} ({s.device_type})",
-            float(s.predicted.get("memory_bytes", 0) or 0),
-            _mem_cap(plan, s.device_type),
-        )
-        for s in plan.stages
-    ]
-    p = plan.predicted
-    brk = [(k[:-2], float(p[k]), None) for k in ("compute_s", "communication_s", "bubble_s") if k in p]
-    layer_rows = "".join(
-        f"<tr><td>{html.escape(lay)}</td><td>{s.index}</td><td>{html.escape(s.device_type)}</td>"
-        f"<td>{s.dp} x {s.tp}</td></tr>"
-        for s in plan.stages
-        for lay in s.layers
+    title = f"Partita plan: {plan.model.get('name')} on {plan.cluster.get('name')} ({devices_phrase(plan)})"
+    return _page(title, plan_section(plan, run_log))
+
+
+def compare_html(plans: Sequence[Plan], logs: Sequence[Mapping[str, Any] | None] = ()) -> str:
+    """Two plans on one page: the comparison table, then each plan's charts side by side (stacked
+    when the window is narrow)."""
+    a, b = plans[0], plans[1]
+    logs = list(logs) + [None] * (2 - len(logs))
+    cols = "".join(
+        f'<section id="plan-{k}"><h2>Plan {k}: {_e(p.model.get("name"))} on {_e(p.cluster.get("name"))}</h2>'
+        f"{plan_section(p, log, key=f'{k}-')}</section>"
+        for k, p, log in zip("AB", plans, logs)
     )
-    text = html.escape(plan_text(plan))
-    return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>Partita plan: {html.escape(str(plan.model.get("name")))}</title>
-<style>body{{font-family:sans-serif;margin:2em;max-width:1100px}} table{{border-collapse:collapse}}
-td,th{{border:1px solid #ccc;padding:2px 8px;font-size:13px}} pre{{font-size:12px;background:#f6f6f6;padding:1em}}
-</style></head><body>
-<h1>Partita plan: {html.escape(str(plan.model.get("name")))} on {html.escape(str(plan.cluster.get("name")))}</h1>
-<p>Predicted step time <b>{_s(p.get("step_time_s"))}</b>, {p.get("tokens_per_s", 0):,.0f} tokens/s,
-MFU {_s(p.get("mfu"), "%")}, {plan.world_size} devices, {plan.num_stages} stages, {plan.schedule}.</p>
-<h2>Pipeline schedule</h2>{_timeline_svg(plan)}
-<h2>Memory per device against capacity</h2>{_bars_svg("memory", mem, "B")}
-<h2>Time breakdown</h2>{_bars_svg("breakdown", brk, "s")}
-<h2>Layer to stage map</h2><table id="layermap"><tr><th>layer</th><th>stage</th><th>device</th><th>mesh</th></tr>
-{layer_rows}</table>
-{run_log_html(run_log) if run_log else ""}
-<h2>Full report</h2><pre>{text}</pre>
-<script>
-// Self-check: every chart must have drawn shapes; the result is readable in the DOM.
-const charts = Array.from(document.querySelectorAll("svg.chart"));
-const ok = charts.length >= 3 && charts.every(c => c.querySelectorAll("rect").length > 0);
-document.body.setAttribute("data-charts", ok ? "ok" : "missing");
-</script>
-</body></html>
-"""
+    return _page(
+        f"Partita: {a.model.get('name')} on {a.cluster.get('name')} (A) vs "
+        f"{b.model.get('name')} on {b.cluster.get('name')} (B)",
+        f'<pre id="compare">{_e(compare_text(a, b, width=80))}</pre><div class="plans">{cols}</div>',
+    )
+
+
+def _ticked(text: str) -> str:
+    """Escaped text with its `backticked` parts as <code>."""
+    parts = str(text).split("`")
+    return "".join(f"<code>{_e(p)}</code>" if k % 2 else _e(p) for k, p in enumerate(parts))
 
 
 def run_log_html(log: Mapping[str, Any]) -> str:
-    """The run log section of the HTML page: the same tables, as a table element per part."""
+    """The run log section: predicted vs measured, likely causes of a large gap, collectives."""
     st = log.get("step_time_s") or {}
-    rows = [("step time", _s(st.get("predicted")), _s(st.get("measured_median")), _pct(st.get("error")))]
-    coll = "".join(
-        f"<tr><td>{s['index']}</td><td>{html.escape(kind)}</td><td>{_count(r.get('predicted'))}</td>"
-        f"<td>{_count(r.get('measured')) if s.get('collectives_measured') else '-'}</td>"
-        f"<td>{_bytes(r.get('predicted'))}</td><td>{_bytes(r.get('measured'))}</td></tr>"
-        for s in log.get("stages", [])
-        for kind, r in s.get("collectives", {}).items()
+    head = (
+        f"<tr><td>step time (per step)</td><td>{time_s(st.get('predicted'))}</td>"
+        f"<td>{time_s(st.get('measured_median'))}</td><td>{pct(st.get('error'), signed=True)}</td></tr>"
     )
-    head = "".join(f"<tr><td>{a}</td><td>{b}</td><td>{c}</td><td>{d}</td></tr>" for a, b, c, d in rows)
+    causes = "".join(f"<li>{_ticked(c)}. Fix: {_ticked(f)}.</li>" for c, f in gap_causes(log))
+    coll = "".join("<tr>" + "".join(f"<td>{_e(x)}</td>" for x in r) + "</tr>" for r in collective_rows(log))
     return (
-        '<h2>Predicted vs measured</h2><table id="runlog"><tr><th>what</th><th>predicted</th><th>measured (median)'
-        f"</th><th>error</th></tr>{head}</table>"
-        '<h3>Collectives per step</h3><table id="runlog-collectives"><tr><th>stage</th><th>kind</th>'
-        "<th>predicted #</th><th>measured #</th><th>predicted bytes</th><th>measured bytes</th></tr>"
-        f"{coll}</table><pre>{html.escape(run_log_text(log))}</pre>"
+        '<h2>Predicted vs measured</h2><table id="runlog"><tr><th>what</th><th>predicted</th>'
+        f"<th>measured (median)</th><th>error</th></tr>{head}</table>"
+        + (f'<p>Likely causes of the gap:</p><ul id="runlog-causes">{causes}</ul>' if causes else "")
+        + '<h3>Collectives per step</h3><table id="runlog-collectives"><tr><th>stage</th><th>kind</th>'
+        "<th>predicted #</th><th>measured #</th><th>predicted bytes</th><th>measured bytes</th><th>match</th></tr>"
+        f"{coll}</table>"
     )

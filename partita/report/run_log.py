@@ -1,6 +1,6 @@
 """Run logs: what a ``partita run`` measured, beside what its plan predicted (``DIR/run_log.json``).
 
-Written by ``driver.run_plan`` after the launcher returns; read by ``report.py`` for the
+Written by ``driver.run_plan`` after the launcher returns; read by ``run_log_view.py`` for the
 "Predicted vs measured" section of ``partita report DIR``. Pure data (no torch / jax): the input is
 the launcher's result dict (``backends/torch/launch.run`` or ``backends/jax/run.run``) and the Plan.
 
@@ -16,6 +16,7 @@ What each framework's result holds, and so what the log can say:
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -74,23 +75,46 @@ def _per_stage(table: Mapping[str, Any]) -> dict[int, dict[str, dict[str, float]
     }
 
 
-def _measured_jax(result: Mapping[str, Any]) -> dict[int, dict[str, dict[str, float | None]]]:
+def _measured_jax(result: Mapping[str, Any]) -> dict[int, dict[str, dict[str, Any]]]:
     if result.get("collectives"):  # per kind@axis, ops and bytes, with the program's own prediction
         return dict(_per_stage(result["collectives"]))
-    out: dict[int, dict[str, dict[str, float | None]]] = {}
+    out: dict[int, dict[str, dict[str, Any]]] = {}
     for key, counts in (result.get("hlo_collectives") or {}).items():
         kinds = {_JAX_KINDS[k]: {"count": int(counts[k]), "bytes": None} for k in _JAX_KINDS if counts.get(k)}
         out[int(key)] = kinds
     return out
 
 
-def build(plan: Plan, result: Mapping[str, Any], *, steps: int, framework: str) -> dict[str, Any]:
-    """The run log for one ``partita run``: predicted vs measured step time and collectives per stage."""
+def _devices(plan: Plan) -> dict[str, dict[str, Any]]:
+    """Device type -> {kind, profile, num_ranks} for the types the plan's stages use."""
+    spec = {g["device"]["name"]: g["device"] for g in plan.cluster.get("spec", {}).get("groups", [])}
+    out: dict[str, dict[str, Any]] = {}
+    for s in plan.stages:
+        for name in set(s.replica_device_types) or {s.device_type}:
+            d = spec.get(name, {})
+            e = out.setdefault(name, {"kind": d.get("kind"), "profile": d.get("profile"), "num_ranks": 0})
+            e["num_ranks"] += len(s.ranks) if not s.replica_device_types else s.tp * s.replica_device_types.count(name)
+    return out
+
+
+def build(
+    plan: Plan,
+    result: Mapping[str, Any],
+    *,
+    steps: int,
+    framework: str,
+    load_before: float | None = None,
+) -> dict[str, Any]:
+    """The run log for one ``partita run``: predicted vs measured step time and collectives per stage.
+    ``load_before``: this machine's 1-minute load average just before the launch (a loaded machine
+    is one likely cause of a step-time gap; :func:`gap_causes`)."""
     times = [float(t) for t in result.get("step_time_s") or []]
     predicted_t = plan.predicted.get("step_time_s")
     med = median(times)
     err = (med - float(predicted_t)) / float(predicted_t) if med is not None and predicted_t else None
-    measured = _measured_jax(result) if framework == "jax" else _measured_torch(result)
+    measured: dict[int, dict[str, dict[str, Any]]] = dict(
+        _measured_jax(result) if framework == "jax" else _measured_torch(result)
+    )
     predicted = predicted_collectives(plan)
     runtime_says = bool(result.get("predicted_collectives"))
     if runtime_says:
@@ -106,7 +130,7 @@ def build(plan: Plan, result: Mapping[str, Any], *, steps: int, framework: str) 
         }
         mismatches = list((result.get("collective_mismatches") or {}).get(f"stage{s.index}", []))
         for k in kinds if meas is not None and not runtime_says else []:
-            m, p = int((meas.get(k) or {}).get("count") or 0), int(pred.get(k, {}).get("count", 0))
+            m, p = int(((meas or {}).get(k) or {}).get("count") or 0), int(pred.get(k, {}).get("count", 0))
             if m != p:
                 mismatches.append(f"{k}: measured {m}, predicted {p}")
         stages.append(
@@ -147,13 +171,77 @@ def build(plan: Plan, result: Mapping[str, Any], *, steps: int, framework: str) 
         "collective_source": "hlo" if framework == "jax" else "runtime",
         "stages": stages,
         "gaps": gaps,
+        "devices": _devices(plan),
+        "machine": {"num_cpus": os.cpu_count(), "load_avg_1m_before": load_before},
         "result": dict(result),
     }
+
+
+GAP_THRESHOLD = 0.25  # a step-time error beyond this carries its likely causes and fixes
+
+
+def gap_causes(log: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(likely cause, command or step that fixes it) for a predicted-vs-measured step-time gap over
+    :data:`GAP_THRESHOLD`; empty when the gap is smaller or nothing was measured. Reads only the log,
+    so a log from an older Partita (without ``devices`` / ``machine``) still gets an answer."""
+    err = (log.get("step_time_s") or {}).get("error")
+    if err is None or abs(float(err)) <= GAP_THRESHOLD:
+        return []
+    plan_dir = str(log.get("plan_dir") or "DIR")
+    world = sum(len(s.get("ranks", [])) for s in log.get("stages", [])) or 1
+    devices = log.get("devices") or {s.get("device_type"): {} for s in log.get("stages", [])}
+    machine = log.get("machine") or {}
+    causes: list[tuple[str, str]] = []
+    for name, d in devices.items():
+        if d.get("profile"):
+            continue
+        flag = "cpu" if (d.get("kind") or ("cpu" if str(name).upper() == "CPU" else "gpu")) == "cpu" else "cuda"
+        n, out = int(d.get("num_ranks") or world), f"profile-{str(name).lower()}.json"
+        causes.append(
+            (
+                f"no calibration profile for {name}: the prediction uses its datasheet numbers, not this machine's",
+                f"`partita profile --devices {flag} --nproc {n} --out {out}` on a {name} machine, add `profile: {out}`"
+                f" to the {name} node of a cluster file, and recompile with that file and --force",
+            )
+        )
+    cpus, load = machine.get("num_cpus"), machine.get("load_avg_1m_before")
+    cpu_ranks = sum(int(d.get("num_ranks") or 0) for d in devices.values() if d.get("kind") == "cpu")
+    if cpus and cpu_ranks > int(cpus):
+        causes.append(
+            (
+                f"{cpu_ranks} CPU ranks shared {cpus} cores, so they ran in turn, not in parallel",
+                f"run on a machine with at least {cpu_ranks} cores, or plan for {cpus} ranks "
+                f"(`partita compile ... --cluster {cpus}xCPU`)",
+            )
+        )
+    if cpus and load is not None and float(load) > 0.5 * int(cpus):
+        causes.append(
+            (
+                f"a loaded machine: load average {float(load):.1f} on {cpus} cores before the run",
+                f"rerun when the machine is idle: `partita run {plan_dir}`",
+            )
+        )
+    elif load is None:
+        causes.append(
+            (
+                "possibly a loaded machine (this run did not record the load)",
+                f"check `uptime`, then rerun when idle: `partita run {plan_dir}`",
+            )
+        )
+    if not causes:
+        causes.append(
+            (
+                "the calibration profile does not describe this machine now (another host, other thread counts)",
+                "re-measure it with `partita profile` on this machine and recompile with --force",
+            )
+        )
+    return causes
 
 
 def write(plan_dir: str | Path, log: Mapping[str, Any]) -> Path:
     path = Path(plan_dir) / RUN_LOG_FILE
     tmp = path.with_name(path.name + ".tmp")
+    log = {**log, "plan_dir": str(plan_dir)}
     tmp.write_text(json.dumps(log, indent=1, sort_keys=True, default=str) + "\n")
     tmp.replace(path)
     return path

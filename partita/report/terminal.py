@@ -1,254 +1,315 @@
-"""Terminal views of a Plan and of a run log: rich tables rendered to deterministic text.
+"""Terminal views of a Plan (and of ``partita evaluate`` / ``partita trace`` results): rich tables
+rendered to plain text.
 
 Part of ``report/`` (top of the flow, under the CLI and driver): reads only the Plan (and a run log
-next to it when one exists), so a report can be made on any machine from ``plan.json``. Text
-output is deterministic (fixed width, no colour) so it is golden-tested.
+next to it when one exists), so a report can be made on any machine from ``plan.json``. The text
+fits the terminal's width (``$COLUMNS``, else the TTY's size, else a fixed 110 columns, so files and
+goldens are deterministic); narrow columns wrap, never truncate. Every number says its unit and
+whether it is per micro-batch or per step.
 """
 
 from __future__ import annotations
 
-import io
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rich.console import Console
 from rich.table import Table
 
 from partita.plan import Plan
+from partita.report.fmt import (
+    cluster_devices,
+    counts_text,
+    devices_phrase,
+    gib,
+    mem_cap,
+    output_width,
+    pct,
+    plural,
+    time_s,
+    used_devices,
+)
+from partita.report.run_log_view import run_log_tables
+from partita.report.tables import render, table
 
-WIDTH = 110
-
-
-def _s(x: Any, unit: str = "s") -> str:
-    if x is None:
-        return "-"
-    x = float(x)
-    if unit == "s":
-        return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.3f} s"
-    if unit == "B":
-        return f"{x / 2**30:.2f} GiB"
-    if unit == "%":
-        return f"{100 * x:.1f}%"
-    return f"{x:.3g}"
-
-
-def _render(*tables: Any) -> str:
-    buf = io.StringIO()
-    con = Console(file=buf, width=WIDTH, color_system=None, force_terminal=False, legacy_windows=False)
-    for t in tables:
-        con.print(t)
-    return buf.getvalue().rstrip() + "\n"
+ONE_TABLE_WIDTH = 150  # at least this wide: the stages fit one table; narrower: two
 
 
-def _mem_cap(plan: Plan, device_type: str) -> float | None:
-    for g in plan.cluster.get("spec", {}).get("groups", []):
-        if g["device"]["name"] == device_type:
-            return float(g["device"]["memory_bytes"])
-    return None
-
-
+# ---- a plan ------------------------------------------------------------------------------------
 def summary_table(plan: Plan) -> Table:
-    p = plan.predicted
-    t = Table(
-        title=f"Plan for {plan.model.get('name')} on {plan.cluster.get('name')} ({plan.world_size} devices)",
-        show_header=False,
-    )
-    t.add_column("what")
-    t.add_column("value")
-    tr = plan.training
-    t.add_row("predicted step time", _s(p.get("step_time_s")))
-    t.add_row("tokens / s", f"{p.get('tokens_per_s', 0):,.0f}")
-    t.add_row("MFU (vs cluster peak)", _s(p.get("mfu"), "%"))
-    t.add_row(
-        "global batch x seq",
-        f"{tr.get('global_batch')} x {tr.get('seq_len')} ({tr.get('dtype')}, {tr.get('optimizer')})",
-    )
-    t.add_row(
-        "schedule",
-        f"{plan.schedule}, {plan.num_micro_batches} micro-batches of {plan.micro_batch_size}"
-        f" per replica" + (f", {plan.num_virtual_stages} virtual stages" if plan.num_virtual_stages > 1 else ""),
-    )
+    p, tr = plan.predicted, plan.training
+    rows = [
+        ["predicted step time", f"{time_s(p.get('step_time_s'))} per step"],
+        ["tokens / s", f"{p.get('tokens_per_s', 0):,.0f}"],
+        ["MFU (vs peak of the devices used)", pct(p.get("mfu"))],
+        [
+            "global batch x seq",
+            f"{tr.get('global_batch')} x {tr.get('seq_len')} ({tr.get('dtype')}, {tr.get('optimizer')})",
+        ],
+        [
+            "schedule",
+            f"{plan.schedule}, {plural(plan.num_micro_batches, 'micro-batch', 'micro-batches')} of "
+            f"{plural(plan.micro_batch_size, 'sample')} per replica, {plural(plan.num_stages, 'stage')}"
+            + (f", {plan.num_virtual_stages} virtual stages" if plan.num_virtual_stages > 1 else ""),
+        ],
+    ]
+    total, used = cluster_devices(plan), used_devices(plan)
+    idle = {k: n - used.get(k, 0) for k, n in total.items() if n > used.get(k, 0)}
+    dev = f"{counts_text(used)} used"
+    if idle:
+        dev += f"; not used: {counts_text(idle)} (the search found no faster plan that uses them)"
+    rows.append(["devices", dev])
+    if "mfu_cluster" in p:  # issue 18's cost model records these; one row each so each reads on its own
+        idle_note = " (over half the cluster idle)" if p.get("mostly_idle") else ""
+        rows.append(["MFU (vs peak of the whole cluster)", f"{pct(p['mfu_cluster'])}{idle_note}"])
+        rows.append(["precision", str((p.get("precision") or {}).get("why", "-"))])
+        rows.append(["network", str(p.get("network", "-"))])
     headroom = []
     for s in plan.stages:
-        cap, used = _mem_cap(plan, s.device_type), s.predicted.get("memory_bytes")
-        if cap and used:
-            headroom.append(f"stage {s.index}: {_s(cap - used, 'B')}")
-    t.add_row("memory headroom", ", ".join(headroom) or "-")
-    return t
+        cap, mem = mem_cap(plan, s.device_type), s.predicted.get("memory_bytes")
+        if cap and mem:
+            headroom.append(f"stage {s.index}: {gib(cap - mem)}")
+    rows.append(["memory headroom per device", ", ".join(headroom) or "-"])
+    name = f"Plan for {plan.model.get('name')} on {plan.cluster.get('name')} ({devices_phrase(plan)})"
+    return table(name, ["what", "value"], rows, show_header=False)
 
 
-def stages_table(plan: Plan) -> Table:
-    t = Table(title="Stages")
-    for c in (
-        "stage",
-        "layers",
-        "device",
-        "ranks",
-        "mesh dp x tp",
-        "ZeRO",
-        "recompute",
-        "batch shares",
-        "compute",
-        "comm",
-        "memory/device",
-    ):
-        t.add_column(c)
+def _stage_layers(layers: Sequence[str]) -> str:
+    return layers[0] if len(layers) == 1 else f"{layers[0]} .. {layers[-1]} ({len(layers)} layers)"
+
+
+def _stage_layout_rows(plan: Plan) -> list[list[str]]:
+    rows = []
     for s in plan.stages:
-        layers = s.layers[0] if len(s.layers) == 1 else f"{s.layers[0]} .. {s.layers[-1]} ({len(s.layers)})"
         ranks = f"{s.ranks[0]}-{s.ranks[-1]}" if len(s.ranks) > 1 else str(s.ranks[0])
-        cap = _mem_cap(plan, s.device_type)
-        mem = _s(s.predicted.get("memory_bytes"), "B") + (f" / {_s(cap, 'B')}" if cap else "")
-        t.add_row(
-            str(s.index),
-            layers,
-            s.device_type,
-            ranks,
-            f"{s.dp} x {s.tp}",
-            str(s.zero_stage),
-            s.recompute,
-            ":".join(map(str, s.batch_shares)) or "even",
-            _s(s.predicted.get("compute_s")),
-            _s(s.predicted.get("comm_s")),
-            mem,
+        rows.append(
+            [
+                str(s.index),
+                _stage_layers(s.layers),
+                s.device_type,
+                ranks,
+                f"{s.dp} x {s.tp}",
+                str(s.zero_stage),
+                s.recompute,
+                ":".join(map(str, s.batch_shares)) or "even",
+            ]
         )
-    return t
+    return rows
+
+
+def _stage_cost_rows(plan: Plan) -> list[list[str]]:
+    rows = []
+    for s in plan.stages:
+        cap = mem_cap(plan, s.device_type)
+        mem = gib(s.predicted.get("memory_bytes")) + (f" of {gib(cap)}" if cap else "")
+        rows.append(
+            [
+                time_s(s.predicted.get("compute_s")),
+                time_s(s.predicted.get("comm_s")),
+                time_s(s.predicted.get("tail_s")),
+                mem,
+            ]
+        )
+    return rows
+
+
+_LAYOUT = ["stage", "layers", "device", "ranks", "dp x tp", "ZeRO", "recompute", "batch shares"]
+_COST = ["compute per micro-batch", "comm per micro-batch", "grad sync at step end", "memory per device"]
+_STAGES_CAPTION = (
+    "per micro-batch: one forward + backward of one micro-batch on the stage; grad sync at step end: the "
+    "exposed part of the gradient sync, once per step."
+)
+
+
+def stages_tables(plan: Plan, width: int | None = None) -> list[Table]:
+    """The stages as one table when the output is wide, as two (layout; time and memory) when narrow."""
+    layout, cost = _stage_layout_rows(plan), _stage_cost_rows(plan)
+    if output_width(width) >= ONE_TABLE_WIDTH:
+        rows = [a + b for a, b in zip(layout, cost)]
+        return [table("Stages", _LAYOUT + _COST, rows, caption=_STAGES_CAPTION)]
+    rows = [[a[0], *b] for a, b in zip(layout, cost)]
+    return [
+        table("Stages: layout", _LAYOUT, layout),
+        table("Stages: predicted time and memory", ["stage", *_COST], rows, caption=_STAGES_CAPTION),
+    ]
 
 
 def breakdown_table(plan: Plan) -> Table:
     p = plan.predicted
     total = float(p.get("step_time_s") or 0) or 1.0
-    t = Table(title="Time breakdown (critical path)")
-    for c in ("part", "time", "share"):
-        t.add_column(c)
-    for k in ("compute_s", "communication_s", "bubble_s"):
-        if k in p:
-            t.add_row(k[:-2], _s(p[k]), _s(float(p[k]) / total, "%"))
-    return t
+    rows = [
+        [k[:-2], time_s(p[k]), pct(float(p[k]) / total)] for k in ("compute_s", "communication_s", "bubble_s") if k in p
+    ]
+    return table("Time breakdown per step (critical path)", ["part", "time per step", "share of step"], rows)
 
 
 def alternatives_table(plan: Plan) -> Table:
-    t = Table(title="Top alternatives and why they lost")
-    for c in ("alternative", "step time", "why it lost"):
-        t.add_column(c)
-    for a in plan.search.get("alternatives", []):
-        t.add_row(str(a.get("summary", "")), _s(a.get("step_time_s")), str(a.get("why", "")))
-    return t
+    rows = [
+        [str(a.get("summary", "")), time_s(a.get("step_time_s")), str(a.get("why", ""))]
+        for a in plan.search.get("alternatives", [])
+    ]
+    caption = (
+        "dp = data-parallel replicas, b = micro-batch size, m = micro-batches per step; each [...] is a stage: "
+        "layer units, device type, dp x tp, ZeRO stage (z), recompute."
+        if rows
+        else "the search recorded no alternatives."
+    )
+    return table(
+        "Top alternatives and why they lost", ["alternative", "step time", "why it lost"], rows, caption=caption
+    )
 
 
 def search_table(plan: Plan) -> Table:
-    s = plan.search
-    t = Table(title="Search statistics", show_header=False)
-    t.add_column("what")
-    t.add_column("value")
-    for k in sorted(s):
-        if k in ("alternatives",):
+    rows = []
+    for k in sorted(plan.search):
+        if k == "alternatives":
             continue
-        v = s[k]
+        v = plan.search[k]
         if isinstance(v, (list, dict)):
-            v = json.dumps(v, sort_keys=True)[:200]
-        t.add_row(k, str(v))
-    return t
+            v = json.dumps(v, sort_keys=True, separators=(", ", ": "))[:200]
+        rows.append([k.replace("_", " "), str(v)])
+    return table("Search statistics", ["what", "value"], rows or [["statistics", "none recorded"]], show_header=False)
 
 
-def plan_text(plan: Plan, run_log: Mapping[str, Any] | None = None) -> str:
+def plan_tables(plan: Plan, width: int | None = None) -> list[Table]:
+    return [
+        summary_table(plan),
+        *stages_tables(plan, width),
+        breakdown_table(plan),
+        alternatives_table(plan),
+        search_table(plan),
+    ]
+
+
+def plan_text(plan: Plan, run_log: Mapping[str, Any] | None = None, width: int | None = None) -> str:
     """The plan's tables; with a run log, its "Predicted vs measured" tables after them."""
-    tables = [summary_table(plan), stages_table(plan), breakdown_table(plan), alternatives_table(plan)]
-    tables.append(search_table(plan))
+    tables = plan_tables(plan, width)
     if run_log:
         tables += run_log_tables(run_log)
-    return _render(*tables)
+    return render(*tables, width=width)
 
 
-def compare_text(a: Plan, b: Plan) -> str:
-    t = Table(title="Plan comparison")
-    t.add_column("")
-    t.add_column("A")
-    t.add_column("B")
-    rows = [
-        ("model", a.model.get("name"), b.model.get("name")),
-        ("cluster", a.cluster.get("name"), b.cluster.get("name")),
-        ("step time", _s(a.predicted.get("step_time_s")), _s(b.predicted.get("step_time_s"))),
-        ("tokens / s", f"{a.predicted.get('tokens_per_s', 0):,.0f}", f"{b.predicted.get('tokens_per_s', 0):,.0f}"),
-        ("stages", str(a.num_stages), str(b.num_stages)),
-        ("schedule", f"{a.schedule} m={a.num_micro_batches}", f"{b.schedule} m={b.num_micro_batches}"),
-        (
-            "meshes",
-            " | ".join(f"{s.device_type} {s.dp}x{s.tp}" for s in a.stages),
-            " | ".join(f"{s.device_type} {s.dp}x{s.tp}" for s in b.stages),
-        ),
+def compare_text(a: Plan, b: Plan, width: int | None = None) -> str:
+    def meshes(p: Plan) -> str:
+        return " | ".join(f"{s.device_type} {s.dp}x{s.tp}" for s in p.stages)
+
+    rows: list[list[Any]] = [
+        ["model", a.model.get("name"), b.model.get("name")],
+        ["cluster", f"{a.cluster.get('name')} ({devices_phrase(a)})", f"{b.cluster.get('name')} ({devices_phrase(b)})"],
+        ["step time", time_s(a.predicted.get("step_time_s")), time_s(b.predicted.get("step_time_s"))],
+        ["tokens / s", f"{a.predicted.get('tokens_per_s', 0):,.0f}", f"{b.predicted.get('tokens_per_s', 0):,.0f}"],
+        ["stages", str(a.num_stages), str(b.num_stages)],
+        [
+            "schedule",
+            f"{a.schedule}, {plural(a.num_micro_batches, 'micro-batch', 'micro-batches')}",
+            f"{b.schedule}, {plural(b.num_micro_batches, 'micro-batch', 'micro-batches')}",
+        ],
+        ["meshes (dp x tp)", meshes(a), meshes(b)],
     ]
-    for r in rows:
-        t.add_row(*[str(x) for x in r])
+    text = render(table("Plan comparison", ["", "A", "B"], [[str(x) for x in r] for r in rows]), width=width)
     ta, tb = a.predicted.get("step_time_s"), b.predicted.get("step_time_s")
-    verdict = ""
     if ta and tb:
         faster, ratio = ("A", tb / ta) if ta <= tb else ("B", ta / tb)
-        verdict = f"{faster} is faster by {100 * (ratio - 1):.1f}%\n"
-    return _render(t) + verdict
+        by = f"{ratio:.1f}x as fast" if ratio >= 2 else f"faster by {100 * (ratio - 1):.1f}%"
+        text += f"{faster} is {by} per step\n"
+    return text
 
 
-# ---- HTML ----------------------------------------------------------------------------------
-def _pct(x: Any) -> str:
-    return "-" if x is None else f"{100 * float(x):+.1f}%"
-
-
-def _count(e: Mapping[str, Any] | None) -> str:
-    return "-" if not e else str(int(e.get("count") or 0))
-
-
-def _bytes(e: Mapping[str, Any] | None) -> str:
-    if not e or e.get("bytes") is None:
-        return "-"
-    b = float(e["bytes"])
-    return f"{b / 2**20:.2f} MiB" if b >= 2**20 else f"{b / 2**10:.1f} KiB"
-
-
-def run_log_tables(log: Mapping[str, Any]) -> list[Table]:
-    """ "Predicted vs measured" from a run log (``DIR/run_log.json``, written by ``partita run DIR``)."""
-    st = log.get("step_time_s") or {}
-    measured = st.get("measured") or []
-    t = Table(title=f"Predicted vs measured ({log.get('framework')} run, {log.get('steps')} steps)")
-    for c in ("what", "predicted", "measured", "error"):
-        t.add_column(c)
-    med = st.get("measured_median")
-    how = f" (median of {len(measured)})" if measured else " (not measured)"
-    t.add_row("step time", _s(st.get("predicted")), _s(med) + how, _pct(st.get("error")))
-    for s in log.get("stages", []):
-        m = s.get("measured_time_s")
-        err = (m - s["predicted_time_s"]) / s["predicted_time_s"] if m and s.get("predicted_time_s") else None
-        t.add_row(f"stage {s['index']} time", _s(s.get("predicted_time_s")), _s(m), _pct(err))
-    losses, ref = log.get("losses") or [], log.get("reference_losses")
-    if losses:
-        diff = max(abs(a - b) for a, b in zip(losses, ref)) if ref else None
-        t.add_row(
-            "losses",
-            f"reference {ref[0]:.4f} -> {ref[-1]:.4f}" if ref else "-",
-            f"{losses[0]:.4f} -> {losses[-1]:.4f}",
-            f"max |diff| {diff:.1e}" if diff is not None else "-",
+# ---- `partita evaluate` and `partita trace` ----------------------------------------------------
+def evaluate_text(ev: Mapping[str, Any], width: int | None = None) -> str:
+    """A fixed configuration's prediction (``search.evaluate.Evaluation.to_dict()``), readable:
+    times per step or per micro-batch, memory in GiB per device against capacity, by category."""
+    cap = ev.get("memory_capacity")
+    fits = "fits in memory" if ev.get("fits") else "DOES NOT FIT in memory"
+    lay = dict(ev.get("layout") or {})
+    rows = [["predicted step time", f"{time_s(ev.get('predicted_step_time_s'))} per step ({fits})"]]
+    if lay:
+        used, total = lay.get("devices_used"), lay.get("devices_total")
+        rows.append(
+            [
+                "layout",
+                f"dp {lay.get('dp')} x tp {lay.get('tp')} x pp {lay.get('pp')} on "
+                + (f"{used} of {plural(int(total), 'device')}" if used and total else "the cluster")
+                + f" ({lay.get('device')}); {plural(int(lay.get('num_micro_batches') or 0), 'micro-batch', 'micro-batches')}"
+                f" of {lay.get('micro_batch')} per replica, {lay.get('schedule')}, ZeRO-{lay.get('zero_stage')}, "
+                f"recompute {lay.get('recompute')}",
+            ]
         )
-    src = "in the compiled HLO" if log.get("collective_source") == "hlo" else "at run time, first rank per stage"
-    c = Table(title=f"Collectives per step, predicted vs measured (counted {src})")
-    for col in ("stage", "kind", "predicted #", "measured #", "predicted bytes", "measured bytes", "match"):
-        c.add_column(col)
-    for s in log.get("stages", []):
-        for kind, row in s.get("collectives", {}).items():
-            pred, meas = row.get("predicted"), row.get("measured")
-            same = (
-                "-"
-                if not s.get("collectives_measured")
-                else "yes"
-                if _count(pred) == (_count(meas) if meas else "0")
-                else "NO"
-            )
-            c.add_row(str(s["index"]), kind, _count(pred), _count(meas) if s.get("collectives_measured") else "-",
-                      _bytes(pred), _bytes(meas), same)  # fmt: skip
-    gaps = Table(title="Not measured by this run", show_header=False)
-    gaps.add_column("gap")
-    for g in log.get("gaps", []):
-        gaps.add_row(str(g))
-    return [t, c, gaps]
+        for k in ("calibration", "network"):
+            if lay.get(k):
+                rows.append([k, str(lay[k])])
+    rows += [
+        ["tokens / s", f"{float(ev.get('tokens_per_s') or 0):,.0f}"],
+        ["pipeline", f"{time_s(ev.get('pipeline_s'))} per step, of which bubble {time_s(ev.get('bubble_s'))}"],
+        ["grad sync at step end", f"{time_s(ev.get('tail_s'))} per step"],
+    ]
+    if ev.get("mfu"):
+        rows.append(["MFU (vs peak of the devices used)", pct(ev.get("mfu"))])
+    if ev.get("mfu_cluster"):
+        rows.append(["MFU (vs peak of the whole cluster)", pct(ev.get("mfu_cluster"))])
+    for note in ev.get("notes") or ():
+        rows.append(["note", str(note)])
+    times = list(ev.get("stage_times_s") or [])
+    mems = list(ev.get("memory_per_device") or [])
+    cats = list(ev.get("memory_by_category") or [])
+    stage_rows = []
+    for i in range(max(len(times), len(mems))):
+        mem = float(mems[i]) if i < len(mems) else None
+        used_of = gib(mem) + (f" of {gib(cap)}" if cap else "")
+        row = [
+            str(i),
+            time_s(times[i]) if i < len(times) else "-",
+            used_of if mem is not None else "-",
+            ("yes" if mem <= float(cap) else "NO") if cap and mem is not None else "-",
+        ]
+        if cats:
+            c = cats[i] if i < len(cats) else {}
+            row.append(", ".join(f"{k.replace('_', ' ')} {gib(v)}" for k, v in c.items() if float(v)) or "-")
+        stage_rows.append(row)
+    header = ["stage", "time per micro-batch", "memory per device", "fits"]
+    if cats:
+        header.append("memory by category (per device)")
+    return render(
+        table("Evaluated configuration", ["what", "value"], rows, show_header=False),
+        table("Per stage", header, stage_rows),
+        width=width,
+    )
 
 
-def run_log_text(log: Mapping[str, Any]) -> str:
-    return _render(*run_log_tables(log))
+def trace_text(summary: Mapping[str, Any], labels: Mapping[str, str], width: int | None = None) -> str:
+    """``partita trace``: the model's size and one row per layer, kinds named by what they contain
+    (``labels``: kind hash -> readable description, see ``report.trace_kinds``)."""
+    s = summary
+    head = (
+        f"{s['model']} ({s['framework']}): {s['num_nodes']:,} nodes, {s['num_params']:,} params "
+        f"({s['param_bytes'] / 1e9:.2f} GB), forward {s['forward_flops'] / 1e12:.3f} TFLOP at batch "
+        f"{s['batch']}, seq {s['seq']}; traced in {s['trace_time_s']:.1f} s"
+    )
+    rows = [
+        [
+            lay["name"],
+            labels.get(lay["kind"], lay["kind"]),
+            f"{lay['num_nodes']:,}",
+            f"{lay['num_params']:,}",
+            f"{lay['forward_flops'] / 1e9:,.2f}",
+            f"{lay['activation_bytes'] / 2**20:,.1f}",
+        ]
+        for lay in s["layers"]
+    ]
+    layers = table(
+        f"{plural(s['num_layers'], 'layer')} (pipeline units)",
+        ["layer", "kind", "nodes", "params", "forward GFLOP", "activations MiB"],
+        rows,
+    )
+    rep = [
+        [
+            str(r["count"]),
+            labels.get(r["kind"], r["kind"]),
+            f"{r['layers'][0]} .. {r['layers'][-1]}",
+        ]
+        for r in s["repeated_layers"]
+    ]
+    tables: list[Table] = [layers]
+    if rep:
+        tables.append(table("Repeated layers (solved once per kind)", ["count", "kind", "layers"], rep))
+    return head + "\n" + render(*tables, width=width)
