@@ -71,8 +71,7 @@ def test_place_puts_every_plan_rank_on_its_device_type(tmp_path: Path) -> None:
     plan = _three_type_plan()
     hf = tmp_path / "hosts"
     hf.write_text(
-        "l4-0 device=L4 slots=8\nv100-0 device=V100-32G\na100-0 device=A100-80G slots=8\nv100-1 device=V100-32G\n"
-        "a100-1 device=A100-80G\n"
+        "l4-0 device=L4 slots=8\na100-0 device=A100-40G\nh100-0 device=H100-80G slots=8\na100-1 device=A100-40G\n"
     )
     nodes = hosts.place(plan, hosts.parse_hostfile(hf))
     devs = hosts.rank_devices(plan)

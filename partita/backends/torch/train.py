@@ -505,7 +505,16 @@ class HostCollectives:
 
 
 def peak_host_memory_bytes() -> int:
-    """This process's peak resident set size (``getrusage``; Linux reports KiB)."""
+    """This process's peak resident set size: ``VmHWM`` of ``/proc/self/status`` where it exists
+    (Linux keeps ``ru_maxrss`` across fork + exec, so a rank started by a large parent would report
+    the parent's peak), else ``getrusage`` (KiB on Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
