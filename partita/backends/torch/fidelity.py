@@ -81,11 +81,12 @@ def _opname(func: Any) -> str:
     return str(func.overloadpacket.__name__)  # "allreduce_" for c10d.allreduce_.default
 
 
-def _bytes(t: Any) -> int:
+def tensor_bytes(t: Any) -> int:
+    """Bytes of a tensor or a (nested) list of tensors; 0 for anything else."""
     if isinstance(t, torch.Tensor):
         return t.numel() * t.element_size()
     if isinstance(t, (list, tuple)):
-        return sum(_bytes(x) for x in t)
+        return sum(tensor_bytes(x) for x in t)
     return 0
 
 
@@ -111,7 +112,7 @@ class CollectiveCounter(TorchDispatchMode):
         if kind is None:
             kind = _kind(func)
         if kind:
-            self.events.append((kind, _op_bytes(_opname(func), args)))
+            self.events.append((kind, op_bytes(_opname(func), args)))
         return func(*args, **(kwargs or {}))
 
     def summary(self) -> dict[str, dict[str, int]]:
@@ -123,14 +124,16 @@ class CollectiveCounter(TorchDispatchMode):
         return dict(sorted(out.items()))
 
 
-def _op_bytes(op: str, args: Sequence[Any]) -> int:
+def op_bytes(op: str, args: Sequence[Any]) -> int:
+    """Bytes of the full tensor a collective moves: all-gather output, reduce-scatter input (also used by
+    ``rehearse.py``, so the run and the rehearsal count bytes alike)."""
     if not args:
         return 0
     if op in ("_reduce_scatter_base_", "reduce_scatter_"):
-        return _bytes(args[1])
+        return tensor_bytes(args[1])
     if op in ("all_gather_into_tensor",):
-        return _bytes(args[0]) * int(args[1])
-    return _bytes(args[0])
+        return tensor_bytes(args[0]) * int(args[1])
+    return tensor_bytes(args[0])
 
 
 def predicted_summary(collectives: Sequence[Any]) -> dict[str, dict[str, float]]:

@@ -70,25 +70,6 @@ class RankResult:
 
 
 # ---- recording -------------------------------------------------------------------------------------
-def _bytes(t: Any) -> int:
-    if isinstance(t, torch.Tensor):
-        return t.numel() * t.element_size()
-    if isinstance(t, (list, tuple)):
-        return sum(_bytes(x) for x in t)
-    return 0
-
-
-def _op_bytes(op: str, args: Sequence[Any]) -> int:
-    """Bytes of the full tensor a collective moves: all-gather output, reduce-scatter input."""
-    if not args:
-        return 0
-    if op in ("_reduce_scatter_base_", "reduce_scatter_"):
-        return _bytes(args[1])
-    if op == "all_gather_into_tensor":  # (input, group_size, group_name)
-        return _bytes(args[0]) * int(args[1])
-    return _bytes(args[0])
-
-
 class StepRecorder(torch_shim.TorchDispatchMode):
     """Records collectives (kind, process group, bytes) and FLOPs of every op it sees.
 
@@ -123,7 +104,7 @@ class StepRecorder(torch_shim.TorchDispatchMode):
                 else:  # the process group is a ScriptObject argument
                     names = (torch_shim.group_name(a) for a in args if isinstance(a, torch.ScriptObject))
                     group = next((n for n in names if n is not None), None)
-                self.events.append((kind, group, _op_bytes(op, args)))
+                self.events.append((kind, group, fidelity.op_bytes(op, args)))
         else:
             formula = torch_shim.flop_formula(func)
             if formula is not None:
