@@ -452,8 +452,6 @@ def _main(argv: Sequence[str] | None = None) -> int:
     args.extra = extra
     positive: tuple[str, ...] = ("global_batch", "seq", "batch", "steps", "tp", "pp", "dp", "micro_batch")
     positive += ("gpus_per_node", "nproc", "virtual_stages")
-    if getattr(args, "no_calibration", False):  # the whole process plans uncalibrated (cluster.calibration_default)
-        os.environ["PARTITA_CALIBRATION"] = "off"
     for name in (*positive, "nnodes", "checkpoint_every", "max_restarts"):
         v = getattr(args, name, None)
         least = 1 if name in (*positive, "nnodes") else 0
@@ -465,6 +463,9 @@ def _main(argv: Sequence[str] | None = None) -> int:
             )
             print(f"partita: error: {err}", file=sys.stderr)
             return err.exit_code
+    saved_calibration = os.environ.get("PARTITA_CALIBRATION")
+    if getattr(args, "no_calibration", False):  # this command plans uncalibrated (cluster.calibration_default)
+        os.environ["PARTITA_CALIBRATION"] = "off"
     noise = _ThirdPartyNoise(verbose, children=args.command in ("run", "profile"))
     try:
         with noise:
@@ -478,6 +479,10 @@ def _main(argv: Sequence[str] | None = None) -> int:
         return err.exit_code
     finally:
         noise.summarize()
+        if saved_calibration is None:  # one command's --no-calibration must not outlive it (in-process callers)
+            os.environ.pop("PARTITA_CALIBRATION", None)
+        else:
+            os.environ["PARTITA_CALIBRATION"] = saved_calibration
 
 
 class _ThirdPartyNoise:

@@ -178,3 +178,14 @@ def test_report_html_says_what_it_wrote_and_compares_both(tmp_path, capsys, monk
     assert "Plan comparison" in out and f"wrote {both} (the comparison of both plans" in out
     text = both.read_text()
     assert 'id="A-timeline"' in text and 'id="B-timeline"' in text and 'id="compare"' in text
+
+
+def test_no_calibration_does_not_outlive_its_command(tmp_path, monkeypatch) -> None:
+    """`--no-calibration` sets PARTITA_CALIBRATION=off for its own command only: an in-process caller's
+    next command plans calibrated again (it used to leak into every later call)."""
+    monkeypatch.delenv("PARTITA_CALIBRATION", raising=False)
+    rc = main(["compile", "mlp", "--cluster", "3xNoSuchGPU", "--out", str(tmp_path / "o"), "--no-calibration"])
+    assert rc == 2
+    import os
+
+    assert "PARTITA_CALIBRATION" not in os.environ
