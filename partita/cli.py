@@ -547,6 +547,7 @@ class _ThirdPartyNoise:
 
     def summarize(self) -> None:
         if self.held and not self.verbose and not self.interrupted:
+            sys.stdout.flush()  # a block-buffered stdout (file, pipe) would otherwise split a line around it
             n = len(self.held)
             print(f"partita: {n} third-party warning{'s' if n != 1 else ''} hidden; --verbose shows them",
                   file=sys.stderr)  # fmt: skip
