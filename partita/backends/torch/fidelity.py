@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from partita.backends.torch.schedule import replica_ranges
 from partita.frontends.torch_shim import TorchDispatchMode
 
 KINDS = {
@@ -146,18 +147,10 @@ def predicted_summary(collectives: Sequence[Any]) -> dict[str, dict[str, float]]
     return dict(sorted(out.items()))
 
 
-def _replica_ranges(shares: Sequence[int]) -> list[tuple[int, int]]:
-    out, lo = [], 0
-    for n in shares:
-        out.append((lo, lo + n))
-        lo += n
-    return out
-
-
 def _num_peers(other: Mapping[str, Any], mine: tuple[int, int], all_tp: bool) -> int:
     """Ranks of ``other`` that exchange samples with replica range ``mine`` (P2PPipeline's rule)."""
     n = 0
-    for lo, hi in _replica_ranges(other["shares"]):
+    for lo, hi in replica_ranges(other["shares"]):
         if max(lo, mine[0]) < min(hi, mine[1]):
             n += int(other["tp"]) if all_tp else 1
     return n
@@ -208,7 +201,7 @@ def predict_stage(
     if n > 1 and runner == "torch_pipeline":
         add("p2p", 2 * m * ((index > 0) + (index < n - 1)))
     elif n > 1:
-        mine = _replica_ranges(s["shares"])[0]
+        mine = replica_ranges(s["shares"])[0]
         prev = stages[index - 1] if index > 0 else None
         nxt = stages[index + 1] if index < n - 1 else None
         if prev is not None:  # receive activations from tp0 of each replica, send gradients to all tp ranks

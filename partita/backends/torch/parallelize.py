@@ -41,6 +41,7 @@ from torch import nn
 from partita.backends.torch import fidelity
 from partita.backends.torch import parallel as tpar
 from partita.backends.torch import train as torch_train
+from partita.backends.torch.schedule import replica_ranges
 from partita.errors import ConfigError, PartitaError, PlanError
 from partita.plan import Plan
 
@@ -192,7 +193,7 @@ class ParallelModel(nn.Module):
             )
         self._loss.total, self._loss.rows, self._loss.user = torch_train.num_targets(labels), batch, loss_fn
         i, j = rt.coords
-        lo, hi = torch_train.tpar_ranges(me["shares"])[i]
+        lo, hi = replica_ranges(me["shares"])[i]
         m, mb = self.plan.num_micro_batches, sum(me["shares"])
         xs = [inputs[k * mb + lo : k * mb + hi].to(rt.device) for k in range(m)]
         ys = [labels[k * mb + lo : k * mb + hi].to(rt.device) for k in range(m)]

@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor
 from partita.backends.torch import fidelity, materialize, optim
 from partita.backends.torch import parallel as tpar
 from partita.backends.torch import train as torch_train
+from partita.backends.torch.schedule import replica_ranges
 from partita.errors import PlanError
 from partita.frontends import torch_shim
 from partita.plan import Plan, Stage
@@ -211,7 +212,7 @@ def _measure(
     """A warm-up step, then the measured one under the recorder and the memory tracker."""
     training = prog["training"]
     m, mb = int(prog["num_micro_batches"]), sum(me["shares"])
-    lo, hi = torch_train.tpar_ranges(me["shares"])[rt.coords[0]]
+    lo, hi = replica_ranges(me["shares"])[rt.coords[0]]
 
     first, last = me["index"] == 0, me["index"] == len(prog["stages"]) - 1
     clip = optim.grad_clip(training)

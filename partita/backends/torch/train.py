@@ -53,6 +53,7 @@ from torch import nn
 from partita.backends.torch import checkpoint, fidelity, hosts, materialize, optim
 from partita.backends.torch import data as tdata
 from partita.backends.torch import parallel as tpar
+from partita.backends.torch.schedule import replica_ranges
 from partita.errors import PartitaError, PlanError
 
 
@@ -391,7 +392,7 @@ def _train(
     meta["run_id"] = run_id
     dump_steps = {int(s) for s in args.dump_steps.split(",") if s}
     i, j = rt.coords
-    lo, hi = tpar_ranges(me["shares"])[i]
+    lo, hi = replica_ranges(me["shares"])[i]
     m, mb = program["num_micro_batches"], sum(me["shares"])
     first, last = me["index"] == 0, me["index"] == len(stages) - 1
     rows = tdata.rank_rows(m, mb, lo, hi) if (first or last) else []  # this rank's share of the batch only
@@ -570,12 +571,6 @@ class StepLog:
     def step(self, step: int, loss: float, dt: float) -> None:
         if self.rank == 0 and self.every and ((step + 1) % self.every == 0 or step + 1 == self.steps):
             print("partita: " + self.line(step, loss, dt), file=sys.stderr, flush=True)
-
-
-def tpar_ranges(shares: Sequence[int]) -> list[tuple[int, int]]:
-    from partita.backends.torch.schedule import replica_ranges
-
-    return replica_ranges(shares)
 
 
 def _tied_group(
