@@ -178,3 +178,109 @@ def test_live_encoder_decoder_gets_decoder_inputs() -> None:
     handle = module_handle(model)
     assert set(handle.example_inputs(2, 8, "meta")) == {"input_ids", "decoder_input_ids", "labels"}
     assert trace_handle(handle, batch=2, seq=8).num_params() == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert", "t5", "vit"])
+def test_loss_per_task_is_the_models_own(tmp_path, family: str) -> None:
+    """The runtime's loss (``train.make_loss`` on ``train.make_batch``) equals the loss transformers
+    computes itself from the labels: next-token for causal LMs, the masked positions only for BERT, the
+    decoder targets for T5 (whose decoder reads the labels shifted right by ``_shift_right``), class
+    labels for ViT. The reference run and every layout use this loss, so the matrix compares like with like."""
+    from partita.backends.torch import train
+    from partita.backends.torch.parallelize import local_step
+
+    handle = resolve_model(str(families.write_config(tmp_path / family, families.tiny(family))))
+    model = handle.build("cpu", seed=0)
+    training = {"global_batch": 4, "seq_len": 20}
+    x, y = train.make_batch(handle, training, 0, 3)
+    shift = train.shift_labels(handle)
+    assert shift == (family == "gpt2")
+    ours = train.make_loss(train.num_targets(y, shift), shift)(model(x), y)
+    key = "pixel_values" if family == "vit" else "input_ids"
+    theirs = model(**{key: x[:, 0] if family == "t5" else x}, labels=y).loss  # T5: decoder inputs from labels
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    # partita.step outside torchrun (a live module: its task from its transformers class)
+    torch.testing.assert_close(local_step(model, x, y), theirs.detach(), rtol=1e-5, atol=1e-6)
+    if family == "bert":  # hf.masked_count positions per row, replaced by the mask id, the only targets
+        k = hf.masked_count(20)
+        assert k == 3 and ((y != hf.IGNORE_INDEX).sum(dim=1) == k).all()
+        mask_id = handle.config["mask_token_id"]
+        assert mask_id == 127 and (x[y != hf.IGNORE_INDEX] == mask_id).all() and (x[y == hf.IGNORE_INDEX] < 127).all()
+        _, y1 = train.make_batch(handle, {**training, "global_batch": 1}, 0, 0)  # what the runner counts
+        assert training["global_batch"] * train.num_targets(y1, shift) == train.num_targets(y, shift) == 4 * k
+        x2, y2 = train.make_batch(handle, training, 0, 3)
+        assert torch.equal(x2, x) and torch.equal(y2, y)  # masked from the seed: every rank draws the same
+        assert not torch.equal(train.make_batch(handle, training, 0, 4)[1], y)
+    if family == "t5":  # one batch tensor: input_ids and decoder_input_ids stacked on dim 1
+        assert x.shape == (4, 2, 20) and torch.equal(x[:, 1], model._shift_right(y))
+    if family == "vit":
+        assert y.shape == (4,) and model(x).logits.shape == (4, 10)
+
+
+def test_search_never_pipelines_a_model_the_runtime_refuses(tmp_path) -> None:
+    """T5 takes two inputs, and a later pipeline stage would get only the boundary activation
+    (``stages.GenericStage`` refuses it): the tracer marks the graph and the search keeps to one
+    stage; where only a pipeline would fit, the infeasible message says why none was searched."""
+    import dataclasses
+
+    from partita.cluster import cluster_from_dict
+    from partita.errors import ConfigError, InfeasibleError
+    from partita.frontends.trace import trace_handle
+    from partita.search.config import TrainingConfig
+    from partita.search.hand_plan import hand_plan
+    from partita.search.planner import plan_graph
+
+    graph = trace_handle(resolve_model(str(families.write_config(tmp_path / "t5", families.tiny("t5")))), seq=16)
+    assert "takes 2 inputs (input_ids, decoder_input_ids)" in graph.meta["no_pipeline"]
+    free = dataclasses.replace(graph, meta={k: v for k, v in graph.meta.items() if k != "no_pipeline"})
+
+    def tiny(memory_gb: float) -> object:
+        return cluster_from_dict(
+            {
+                "nodes": [{"device": "Tiny", "num_nodes": 1, "gpus_per_node": 4}],
+                "device_types": [
+                    {"name": "Tiny", "peak_tflops": {"bf16": 10, "f32": 10}, "memory_GB": memory_gb, "hbm_GBps": 100}
+                ],
+            }
+        )
+
+    training = TrainingConfig(global_batch=2, seq_len=16)
+    assert plan_graph(free, tiny(0.002), training).num_stages >= 2  # without the mark the search pipelines
+    with pytest.raises(InfeasibleError, match="pipeline stages are not searched for this model: T5"):
+        plan_graph(graph, tiny(0.002), training)
+    one = plan_graph(graph, tiny(1.0), training)
+    assert one.num_stages == 1 and one.search["not_pipelined"] == graph.meta["no_pipeline"]  # the report says why
+    with pytest.raises(ConfigError, match="pp=2 cannot be built"):  # a hand layout (compile --pp 2) neither
+        hand_plan(graph, tiny(1.0), training, tp=1, pp=2, dp=2, micro_batch=1)
+    assert hand_plan(free, tiny(1.0), training, tp=1, pp=2, dp=2, micro_batch=1).num_stages == 2
+    gpt = trace_handle(resolve_model(str(families.write_config(tmp_path / "g", families.tiny("gpt2")))), seq=16)
+    assert "no_pipeline" not in gpt.meta
+
+
+def test_token_file_for_masked_and_seq2seq_models(tmp_path) -> None:
+    """A token file trains a masked LM on masked windows (each row masked from its own seed, so a rank
+    reading rows 2-3 masks them as the reference reading rows 0-3 does, with the per-row target count
+    the runner divides by); a seq2seq model needs (source, target) pairs and is refused."""
+    import numpy as np
+
+    from partita.backends.torch import data as tdata
+    from partita.backends.torch import train
+
+    tokens = tmp_path / "train.bin"
+    (np.arange(4000) % 120).astype(np.uint16).tofile(tokens)
+    training = {"global_batch": 4, "seq_len": 20}
+    bert = resolve_model(str(families.write_config(tmp_path / "bert", families.tiny("bert"))))
+    source = train.make_data(bert, training, 5, str(tokens), "uint16")
+    x, y = source.rows(1, [0, 1, 2, 3])
+    x2, y2 = source.rows(1, [2, 3])
+    assert torch.equal(x[2:], x2) and torch.equal(y[2:], y2)
+    plain = tdata.TokenFile(str(tokens), "uint16", 20, 4).rows(1, [0, 1, 2, 3])[0]
+    masked = y != hf.IGNORE_INDEX
+    assert (masked.sum(dim=1) == hf.masked_count(20)).all() and torch.equal(y[masked], plain[masked])
+    assert (x[masked] == bert.config["mask_token_id"]).all() and torch.equal(x[~masked], plain[~masked])
+    assert not torch.equal(masked, source.rows(2, [0, 1, 2, 3])[1] != hf.IGNORE_INDEX)  # new positions each step
+    _, y1 = train.make_batch(bert, {**training, "global_batch": 1}, 5, 0)
+    assert 4 * train.num_targets(y1, False) == train.num_targets(y, False)
+    t5 = resolve_model(str(families.write_config(tmp_path / "t5", families.tiny("t5"))))
+    with pytest.raises(tdata.DataError, match="pairs"):
+        train.make_data(t5, training, 0, str(tokens), "uint16")

@@ -89,11 +89,11 @@ def test_torchrun_trains_like_one_device(single) -> None:
     for name in ("mlp", "gpt2"):
         assert out[name]["ranks"] == 4
         assert out[name]["losses"] == pytest.approx(ref[name]["losses"], rel=1e-4, abs=1e-6)
-    # A dp-only stage's collectives are all counted (DTensor's tp redistributions are not: fidelity.py).
+    # A dp-only stage's collectives are all counted, with their mesh axis
     gpt = out["gpt2"]
     pred = gpt["predicted_collectives"]["stage0"]
-    if all(k == "all_reduce" for k in pred) and len(pred) == 1 and pred["all_reduce"]["count"] == 1:
-        assert {k: v["count"] for k, v in gpt["collectives"][0].items()} == {"all_reduce": 1}
+    if set(pred) == {"all_reduce@dp"} and pred["all_reduce@dp"]["count"] == 1:
+        assert {k: v["count"] for k, v in gpt["collectives"][0].items()} == {"all_reduce@dp": 1}
 
 
 @pytest.mark.multiprocess
@@ -112,7 +112,7 @@ def test_torchrun_with_a_pipeline_plan(single, tmp_path: Path) -> None:
     (tmp_path / "plan.json").write_text(plan.to_json())
     out, _ = _run(_torchrun(3, "--model", "gpt2", "--plan", str(tmp_path)), cache)
     assert out["gpt2"]["losses"] == pytest.approx(ref["gpt2"]["losses"], rel=1e-4, abs=1e-6)
-    p2p = out["gpt2"]["collectives"][0]["p2p"]["count"]
+    p2p = out["gpt2"]["collectives"][0]["p2p@pp"]["count"]
     assert p2p == 2 * plan.num_micro_batches  # tp rank 0 of stage 0: sends activations, receives grads
 
 

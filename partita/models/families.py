@@ -37,7 +37,11 @@ _FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "falcon": ("falcon", "FalconForCausalLM", {"new_decoder_architecture": False, "multi_query": True}),
     "bloom": ("bloom", "BloomForCausalLM", {"n_layer": "l", "n_head": "a"}),
     "bert": ("bert", "BertForMaskedLM", {}),
-    "t5": ("t5", "T5ForConditionalGeneration", {"d_model": "h", "d_ff": "f", "num_layers": "l", "num_heads": "a"}),
+    "t5": (  # as t5-small's config.json: the decoder starts from the pad id
+        "t5",
+        "T5ForConditionalGeneration",
+        {"d_model": "h", "d_ff": "f", "num_layers": "l", "num_heads": "a", "decoder_start_token_id": 0},
+    ),
     "vit": ("vit", "ViTForImageClassification", {"image_size": 32, "patch_size": 8, "num_labels": 10}),
 }
 FAMILIES = tuple(_FAMILIES)

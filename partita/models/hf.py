@@ -14,7 +14,19 @@ Training semantics shared by every parallel run and its single-device reference:
 router jitter are off (a seeded run of any layout must equal the reference), ``use_cache`` is off;
 example inputs per task are ``input_ids``/``labels`` (LMs), ``pixel_values``/``labels`` (images),
 ``input_ids``/``decoder_input_ids``/``labels`` (seq2seq; the decoder reads the labels shifted right).
-``config["shift_labels"]`` says whether the loss predicts the next token (causal LMs only).
+The loss per task (``backends/torch/train.make_loss`` reads ``config["shift_labels"]``):
+
+* causal LM: next-token cross-entropy (logits at position s against the token at s+1);
+* masked LM: :data:`MASK_FRACTION` of each row's positions, chosen from the data seed, are replaced by
+  the mask id and are the only targets (label -100 elsewhere, cross-entropy's ignore index); a fixed
+  count per row keeps the global target count known before the step (every rank divides by it);
+* seq2seq: the decoder's logits against the labels, position for position (no shift: the decoder
+  input is already the labels shifted right, by T5's own rule: start id, then labels[:-1]);
+* image classification: class-label cross-entropy of the (batch, classes) logits.
+
+A model with several inputs (seq2seq: ``input_ids`` and ``decoder_input_ids``) is fed one tensor per
+batch, the inputs stacked on dim 1 (:func:`pack`: the runtime slices rows and micro-batches of one
+tensor), and unpacked by a forward pre-hook the builder puts on the model (:func:`unpack_on_call`).
 """
 
 from __future__ import annotations
@@ -22,7 +34,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +49,8 @@ _MAPPINGS = {
     "seq2seq-lm": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
     "image-classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
 }
+MASK_FRACTION = 0.15  # BERT's masking rate
+IGNORE_INDEX = -100  # torch cross-entropy's default ignore_index: positions that are not targets
 _DROPOUT_KEY = re.compile(r"(dropout|pdrop|drop_prob|dropout_rate|jitter_noise)")
 _META_KEYS = ("model_type", "transformers_version")
 
@@ -151,6 +165,15 @@ def model_class(cfg: Any, task: str | None, file: Path) -> tuple[str, Any]:
     return task, getattr(transformers, _mapping(task)[mt])
 
 
+def task_of_model(model: Any) -> str | None:
+    """The task of a live transformers model by its class (``BertForMaskedLM`` -> "masked-lm"), or None
+    for a class of no task's Auto mapping (any other module)."""
+    name = type(model).__name__
+    if not type(model).__module__.startswith("transformers."):
+        return None
+    return next((t for t in TASKS if name in _mapping(t).values()), None)
+
+
 def _first(cfg: dict[str, Any], *keys: str, default: Any = 0) -> Any:
     return next((cfg[k] for k in keys if cfg.get(k)), default)
 
@@ -171,6 +194,10 @@ def summary(cfg: Any, task: str) -> dict[str, Any]:
         "shift_labels": task == "causal-lm",
         "num_experts": experts,
     }
+    if task == "seq2seq-lm":
+        out["packed_inputs"] = list(PACKED_SEQ2SEQ)
+    if task == "masked-lm":  # set mask_token_id in config.json to the tokenizer's [MASK] (BERT's is 103)
+        out["mask_token_id"] = mask_id_of(cfg)
     if task == "image-classification":
         size, patch = g.get("image_size", 224), g.get("patch_size")
         out["seq_len"] = (size // patch) ** 2 + 1 if patch else 0
@@ -195,14 +222,18 @@ def inputs_for(cfg: Any, task: str) -> Callable[[int, int, str], dict[str, Any]]
         return image
     start = getattr(cfg, "decoder_start_token_id", None)
     start = int(start if start is not None else (getattr(cfg, "pad_token_id", None) or 0))
+    mask_id = mask_id_of(cfg)
 
     def tokens(batch: int, seq: int, device: str) -> dict[str, Any]:
         if device == "meta":
             ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
             labels = ids.clone()
         else:
-            ids = torch.randint(0, vocab, (batch, seq), device=device)
+            top = vocab - 1 if task == "masked-lm" and mask_id == vocab - 1 else vocab
+            ids = torch.randint(0, top, (batch, seq), device=device)
             labels = torch.randint(0, vocab, (batch, seq), device=device) if task == "seq2seq-lm" else ids.clone()
+        if task == "masked-lm":
+            return mask_tokens(ids, mask_id)
         if task != "seq2seq-lm":
             return {"input_ids": ids, "labels": labels}
         dec = torch.full_like(labels, start)
@@ -210,6 +241,74 @@ def inputs_for(cfg: Any, task: str) -> Callable[[int, int, str], dict[str, Any]]
         return {"input_ids": ids, "decoder_input_ids": dec, "labels": labels}
 
     return tokens
+
+
+def masked_count(seq: int) -> int:
+    """Masked positions per row of ``seq`` tokens: :data:`MASK_FRACTION` of them, at least one."""
+    return max(1, round(MASK_FRACTION * seq))
+
+
+def mask_tokens(ids: torch.Tensor, mask_id: int) -> dict[str, torch.Tensor]:
+    """Masked-LM inputs of token rows ``ids``: :func:`masked_count` positions per row, drawn from the
+    current torch seed (the runtime seeds each step), become ``mask_id``; labels hold the original
+    token there and :data:`IGNORE_INDEX` elsewhere."""
+    b, s = ids.shape
+    if ids.device.type == "meta":
+        return {"input_ids": ids, "labels": ids.clone()}
+    where = torch.rand(b, s, device=ids.device).argsort(dim=1)[:, : masked_count(s)]
+    masked = torch.zeros(b, s, dtype=torch.bool, device=ids.device).scatter_(1, where, True)
+    labels = torch.where(masked, ids, torch.full_like(ids, IGNORE_INDEX))
+    return {"input_ids": torch.where(masked, torch.full_like(ids, mask_id), ids), "labels": labels}
+
+
+def mask_rows(ids: torch.Tensor, mask_id: int, seeds: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`mask_tokens` for rows read from data (a token file): row ``i``'s positions are drawn
+    from a generator seeded by ``seeds[i]``, so a row is masked alike whichever rank reads it."""
+    k, s = masked_count(ids.shape[1]), ids.shape[1]
+    masked = torch.zeros(ids.shape, dtype=torch.bool)
+    for i, seed in enumerate(seeds):
+        masked[i, torch.randperm(s, generator=torch.Generator().manual_seed(int(seed)))[:k]] = True
+    labels = torch.where(masked, ids, torch.full_like(ids, IGNORE_INDEX))
+    return torch.where(masked, torch.full_like(ids, mask_id), ids), labels
+
+
+def mask_id_of(cfg: Any) -> int:
+    """The config's ``mask_token_id``, else ``vocab_size - 1`` (synthetic ids are drawn below it)."""
+    got = getattr(cfg, "mask_token_id", None)
+    return int(got) if got is not None else int(getattr(cfg, "vocab_size", 0) or 2) - 1
+
+
+PACKED_SEQ2SEQ = ("input_ids", "decoder_input_ids")
+
+
+def pack(inputs: Mapping[str, torch.Tensor], names: Sequence[str]) -> torch.Tensor:
+    """The model inputs ``names`` as one tensor, stacked on dim 1 (they must share shape and dtype);
+    one name: that input as it is."""
+    if len(names) < 2:
+        return inputs[names[0]] if names else next(iter(inputs.values()))
+    ts = [inputs[n] for n in names]
+    if any(t.shape != ts[0].shape or t.dtype != ts[0].dtype for t in ts):
+        raise ModelError(
+            f"inputs {', '.join(names)} differ in shape or dtype, so they cannot travel as one batch tensor",
+            "give the model inputs of one shape and dtype (e.g. pad decoder inputs to the encoder's length)",
+        )
+    return torch.stack(ts, dim=1)
+
+
+def unpack_on_call(model: torch.nn.Module, names: Sequence[str]) -> torch.nn.Module:
+    """Let ``model(x)`` take the :func:`pack` of ``names`` (a forward pre-hook splits dim 1 into the
+    named keyword inputs); calls with the inputs given separately are unchanged."""
+
+    def hook(mod: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        x = args[0] if len(args) == 1 and isinstance(args[0], torch.Tensor) else None
+        if x is None or any(n in kwargs for n in names) or x.dim() < 3 or x.shape[1] != len(names):
+            return None
+        return (), {**kwargs, **{n: x[:, i] for i, n in enumerate(names)}}
+
+    if model.__dict__.get("_partita_packed") != tuple(names):  # once per module (parallelize may run twice)
+        model.register_forward_pre_hook(hook, with_kwargs=True)
+        model.__dict__["_partita_packed"] = tuple(names)
+    return model
 
 
 def build_model(cls: Any, cfg: Any) -> torch.nn.Module:
@@ -249,4 +348,11 @@ def load(spec: str) -> tuple[str, dict[str, Any], Callable[[], torch.nn.Module],
     file, cfg = load_config(file)
     task, cls = model_class(cfg, task, file)
     desc = f"{cls.__name__} ({task}) from {file}"
-    return model_name(raw, file), summary(cfg, task), lambda: build_model(cls, cfg), inputs_for(cfg, task), desc
+    info = summary(cfg, task)
+    names = info.get("packed_inputs") or []
+
+    def builder() -> torch.nn.Module:
+        model = build_model(cls, cfg)
+        return unpack_on_call(model, names) if names else model
+
+    return model_name(raw, file), info, builder, inputs_for(cfg, task), desc

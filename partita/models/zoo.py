@@ -562,5 +562,11 @@ def module_handle(module: torch.nn.Module, example_inputs: Any = None, name: str
     kind = "gpt" if type(module).__name__.startswith("GPT2") else "custom"
     seq = int(getattr(cfg, "n_positions", 0) or getattr(cfg, "max_position_embeddings", 0) or 0)
     summary = {"kind": kind, "hidden": 0, "num_layers": 0, "heads": 0, "vocab": vocab, "seq_len": seq}
+    if getattr(cfg, "is_encoder_decoder", False):  # the runtime feeds both inputs stacked on dim 1 (models/hf.py)
+        from partita.models import hf
+
+        if [k for k in inputs_fn(1, 2, "meta") if k != "labels"] == list(hf.PACKED_SEQ2SEQ):
+            summary["packed_inputs"] = list(hf.PACKED_SEQ2SEQ)
+            hf.unpack_on_call(module, hf.PACKED_SEQ2SEQ)
     label = name or f"{type(module).__name__}(user module)"
     return ModuleHandle(label, "torch", summary, lambda: module, inputs_fn, f"in-memory {label}", module=module)

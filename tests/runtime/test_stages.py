@@ -90,6 +90,11 @@ def test_encoder_decoder_single_stage_and_refused_pipeline(tmp_path: Path) -> No
     one = tpar.split_stage(model, layers, layers, CPU)
     one.feed([{"decoder_input_ids": inputs["decoder_input_ids"]}])
     torch.testing.assert_close(one(x), want)
+    # the runtime's batch tensor: both inputs stacked on dim 1 (hf.pack), unpacked by the model's pre-hook
+    packed = torch.stack([x, inputs["decoder_input_ids"]], dim=1)
+    model = handle.build("cpu", seed=0)
+    tpar.boundary_shapes(model, [layers], packed[:1])
+    torch.testing.assert_close(tpar.split_stage(model, layers, layers, CPU)(packed), want)
     model = handle.build("cpu", seed=0)
     tpar.boundary_shapes(model, [layers[:3], layers[3:]], x[:1])
     with pytest.raises(PlanError, match="takes 2 inputs"):

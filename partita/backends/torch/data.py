@@ -12,9 +12,13 @@ for the rows of its replica (first stage: the inputs; last stage: the labels; mi
   nanoGPT's ``train.bin``, memory-mapped; global row ``b`` of step ``t`` is the window of ``seq_len``
   tokens starting at token ``((t * global_batch + b) * seq_len) mod (usable tokens)``; labels are the
   same window (the loss shifts by one). Only those windows are read; :attr:`TokenFile.reads` records
-  their token offsets so a test can check that each rank read only its share;
+  their token offsets so a test can check that each rank read only its share. A masked LM masks each
+  window (``prepare``: ``models/hf.py``'s ``mask_rows``, seeded per (data seed, step, global row), so
+  every rank and the reference mask a row alike); a seq2seq model needs (source, target) pairs, which
+  one token stream does not hold: ``train.make_data`` refuses it (use a callable);
 * a callable (``--data-fn module:function``): ``function(step, rows, seq_len) -> (inputs, labels)``
-  for the global row indices ``rows``; it must return the same values for the same arguments.
+  for the global row indices ``rows``; it must return the same values for the same arguments (a model
+  with several inputs, seq2seq, takes them stacked on dim 1: ``models/hf.py``'s ``pack``).
 """
 
 from __future__ import annotations
@@ -124,8 +128,10 @@ class DataSource:
         token_file: TokenFile | None = None,
         fn: Callable[..., Any] | None = None,
         seq_len: int = 1,
+        prepare: Callable[[int, Sequence[int], torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         self.synthetic, self.token_file, self.fn, self.seq_len = synthetic, token_file, fn, seq_len
+        self.prepare = prepare  # token windows -> (inputs, labels) of the model's task (default: ids, ids)
         self._cache: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
@@ -134,7 +140,8 @@ class DataSource:
 
     def rows(self, step: int, rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         if self.token_file is not None:
-            return self.token_file.rows(step, rows)
+            ids, labels = self.token_file.rows(step, rows)
+            return self.prepare(step, rows, ids) if self.prepare is not None else (ids, labels)
         if self.fn is not None:
             x, y = self.fn(step, list(rows), self.seq_len)
             return torch.as_tensor(x), torch.as_tensor(y)

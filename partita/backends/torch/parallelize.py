@@ -43,6 +43,7 @@ from partita.backends.torch import parallel as tpar
 from partita.backends.torch import train as torch_train
 from partita.backends.torch.schedule import replica_ranges
 from partita.errors import ConfigError, PartitaError, PlanError
+from partita.models import hf
 from partita.plan import Plan
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -101,10 +102,11 @@ class _GlobalLoss:
 
     def __init__(self) -> None:
         self.total, self.rows, self.user = 1, 1, None  # set by ParallelModel.step
+        self.shift = True  # next-token loss (train.shift_labels of the handle; set by build)
 
     def __call__(self, out: Any, labels: torch.Tensor) -> torch.Tensor:
         if self.user is None:
-            return torch_train.make_loss(self.total)(out, labels)
+            return torch_train.make_loss(self.total, self.shift)(out, labels)
         return self.user(out, labels) * (labels.shape[0] / self.rows)
 
 
@@ -191,7 +193,8 @@ class ParallelModel(nn.Module):
                 f"(seq_len={self.plan.training.get('seq_len')}): pipeline stages exchange fixed-shape activations.",
                 "pass inputs of the planned shape, or parallelize again with this seq_len.",
             )
-        self._loss.total, self._loss.rows, self._loss.user = torch_train.num_targets(labels), batch, loss_fn
+        total = torch_train.num_targets(labels, self._loss.shift)
+        self._loss.total, self._loss.rows, self._loss.user = total, batch, loss_fn
         i, j = rt.coords
         lo, hi = replica_ranges(me["shares"])[i]
         m, mb = self.plan.num_micro_batches, sum(me["shares"])
@@ -203,7 +206,7 @@ class ParallelModel(nn.Module):
             local = torch_train.forward_backward(self.runner, rt, me, xs, ys, self._tied)
         self.step_times.append(time.perf_counter() - t0)
         if self._count:
-            self.collectives.append(counter.summary())
+            self.collectives.append(counter.summary(fidelity.axis_names(rt.mesh, rt.pp_group, self._tied[1])))
         return torch_train.step_loss(local, j == 0, rt.device).to(torch.float32).cpu()
 
 
@@ -239,12 +242,15 @@ def build(
             g = dist.new_group([s["ranks"][c] for s in stages])
             if rank in [s["ranks"][c] for s in stages]:
                 pp_group = g
-    x0 = next(v for k, v in handle.example_inputs(1, seq_len, "cpu").items() if k != "labels")
+    example = {k: v for k, v in handle.example_inputs(1, seq_len, "cpu").items() if k != "labels"}
+    packed = handle.config.get("packed_inputs")  # an encoder-decoder's inputs, stacked on dim 1 (models/hf.py)
+    x0 = hf.pack(example, packed) if packed else next(iter(example.values()))
     _check_chain(model, list(program["layers"]), x0)
     tied = tpar.tied_groups(model)
     boundary = tpar.boundary_shapes(model, [s["layers"] for s in stages], x0)
     tied_group, tied_n = torch_train._tied_group(model, tied, stages, rank)
     loss = _GlobalLoss()
+    loss.shift = torch_train.shift_labels(handle)
     rt = torch_train.StageRuntime(
         program, me, rank, device, meshes[me["index"]], loss, boundary, (x0.shape[1:], x0.dtype)
     )
@@ -258,7 +264,8 @@ def local_step(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, los
     """The same step on one device (the plain model outside torchrun): forward, loss, backward."""
     out = model(inputs)
     if loss_fn is None:
-        loss = torch_train.make_loss(torch_train.num_targets(labels))(out, labels)
+        shift = hf.task_of_model(model) in (None, "causal-lm")  # as train.shift_labels for a live module
+        loss = torch_train.make_loss(torch_train.num_targets(labels, shift), shift)(out, labels)
     else:
         loss = loss_fn(out, labels)
     loss.backward()

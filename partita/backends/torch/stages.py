@@ -25,7 +25,9 @@ A boundary is the one tensor a block passes to the next (pipelining needs fixed 
 shapes); a block output with several tensors (T5 carries its position bias from block to block)
 cannot be cut there and is refused with a :class:`~partita.errors.PlanError`. Later stages read the
 model's raw inputs only for shapes (masks, position ids): they get zeros of the probed shape.
-Extra model inputs (``decoder_input_ids``) reach a single-stage plan through :meth:`GenericStage.feed`.
+Extra model inputs (``decoder_input_ids``) reach a single-stage plan in the batch tensor (the inputs
+stacked on dim 1, ``models/hf.py``'s ``pack``, which the model's own pre-hook unpacks), or through
+:meth:`GenericStage.feed`.
 """
 
 from __future__ import annotations
@@ -103,11 +105,19 @@ def _example(model: nn.Module, x: torch.Tensor | None) -> dict[str, Any]:
             )
         return {"__x__": x}
     fn, seq = got
-    seq = int(x.shape[1]) if x is not None and x.dim() == 2 and not x.is_floating_point() else min(seq or 8, 8)
+    names = [k for k in fn(1, 2, "meta") if k != "labels"]
+    packed = x is not None and len(names) > 1 and x.dim() == 3 and x.shape[1] == len(names)  # models/hf.py pack
+    if x is not None and not x.is_floating_point() and (x.dim() == 2 or packed):
+        seq = int(x.shape[-1])
+    else:
+        seq = min(seq or 8, 8)
     device = str(x.device) if x is not None else str(next(model.parameters()).device)
     inputs = {k: v for k, v in fn(1, seq, device).items() if k != "labels"}
-    if x is not None:
-        inputs[next(iter(inputs))] = x
+    if packed:
+        assert x is not None
+        inputs.update({n: x[:, i] for i, n in enumerate(names)})
+    elif x is not None:
+        inputs[names[0]] = x
     return inputs
 
 
