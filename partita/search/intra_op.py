@@ -27,6 +27,14 @@ as in Alpa); ``S_v`` their strategy lists (``search/strategies.py``), pruned of 
 * ``m_v,i`` = parameter + gradient + optimizer-state shards of the vertex's parameters + the
   activations its nodes save for backward (producer layout).
 
+Tensors that need no gradient (no parameter upstream: masks, rotary tables) have no backward
+resharding. ``tp_style="torch"`` (torch graphs) keeps the search to the programs the torch runtime
+builds: on the ``tp`` axis each op has only ``strategies.torch_tp_strategies``' choices (module roles
+for linears and embeddings, local ops on a kept label elsewhere), and an edge or layer boundary that
+would reshard on ``tp`` costs ``FORBIDDEN`` (the runtime issues no collective between ops), except a
+column module's partial input gradient, which its Replicate input DTensor all-reduces (one per
+parent module and tensor); the solution's ``tp_plan`` is the program's ``roles``.
+
 Solved exactly by ``search/ilp.py``: a tree DP when the vertex graph is a forest (chains), else
 OR-Tools HiGHS. Times are per micro-batch; gradient sync is counted once (weight 1) in the
 objective but reported separately so the inter-op search can overlap or amortise it.
@@ -42,12 +50,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import numpy as np
 import sympy
 
-from partita.errors import ConfigError
+from partita.errors import ConfigError, InfeasibleError
 from partita.ir import Graph, Layer, Node, Prim, Role, dim_size, label_sizes
 from partita.passes.annotate import VIEW_PRIMS
 from partita.plan import Collective
@@ -56,7 +63,7 @@ from partita.search.cost_model import CostModel, state_bytes_per_param
 from partita.search.ilp import IlpStats
 from partita.search.mesh import LogicalMesh
 from partita.search.reshard import Layout, grad_requirement, reshard_steps, shard_dim, shard_factor
-from partita.search.strategies import Strategy, enumerate_strategies
+from partita.search.strategies import Strategy, enumerate_strategies, linear_operands, torch_tp_strategies
 
 FOLLOWER_PRIMS = (Prim.ELEMENTWISE, Prim.RESHAPE, Prim.PERMUTE, Prim.DROPOUT, Prim.EXPAND, Prim.SPLIT, Prim.SLICE)
 
@@ -83,6 +90,9 @@ class LayerSolution:
     collectives: tuple[Collective, ...]
     stats: IlpStats
     boundary: tuple[str, ...] = ()
+    tp_plan: Mapping[str, str] = dataclasses.field(default_factory=dict)  # module path -> torch tp role (torch)
+    selective_keep_bytes: float = 0.0  # saved bytes under selective recompute (matmul + collective outputs)
+    selective_forward_s: float = 0.0  # forward compute selective recompute runs again (non-matmul ops)
 
     @property
     def memory_bytes(self) -> float:
@@ -108,11 +118,16 @@ class _Costs:
     grad_bytes: float = 0.0
     opt_bytes: float = 0.0
     act_bytes: float = 0.0
+    forbidden: float = 0.0  # FORBIDDEN per tp transition the torch runtime cannot build (tp_style torch)
+    # selective recompute as the torch runtime runs it (backends/torch/parallel._save_matmuls): matmul
+    # outputs and tp collectives' outputs are kept, every other op's forward runs again in the backward
+    sel_keep: float = 0.0
+    sel_fwd: float = 0.0
     colls: list[tuple[str, int, float, str, str]] = dataclasses.field(default_factory=list)
 
     @property
     def total(self) -> float:
-        return self.fwd_compute + self.bwd_compute + self.fwd_comm + self.bwd_comm + self.grad_sync
+        return self.fwd_compute + self.bwd_compute + self.fwd_comm + self.bwd_comm + self.grad_sync + self.forbidden
 
     @property
     def memory(self) -> float:
@@ -148,6 +163,11 @@ class _LayerProblem:
         self._ev: dict[sympy.Expr, int] = {}
         self._rs: dict[tuple[Layout, Layout, float], tuple[float, tuple]] = {}
         self.outputs = set(layer.outputs)
+        self.needs_grad = needs_grad(graph)
+        # tp_style torch = the torch runtime's tensor parallelism (strategies.torch_tp_strategies): on the
+        # tp axis only the module roles it builds, and no resharding between ops but the roles' own
+        self.tp = mesh.axis_names.index("tp") if tp_style == "torch" and "tp" in mesh.axis_names else None
+        self.shared_grad: dict[tuple[str, str], int] = {}  # (tensor, parent module) -> column modules reading it
         self.strategies: dict[str, list[Strategy]] = {}
         self.costs: dict[str, list[_Costs]] = {}
         first_use: set[str] = set()
@@ -155,8 +175,20 @@ class _LayerProblem:
             exprs = label_sizes(n, graph)
             sizes = {c: self.ev(d) for c, d in exprs.items()}
             strats = enumerate_strategies(n, sizes, mesh)
+            tokens = {c for c, d in exprs.items() if {str(x) for x in getattr(d, "free_symbols", ())} & _TOKENS}
             if tp_style == "megatron":
-                strats = _megatron_only(strats, exprs, mesh)
+                strats = _megatron_only(strats, tokens, mesh)
+            if self.tp is not None:
+                is_param = [graph.tensors[t].role is Role.PARAMETER for t in n.inputs]
+                tied = [p and bool(graph.tensors[t].aliases) for p, t in zip(is_param, n.inputs)]
+                sizes_of = [graph.tensors[t].itemsize for t in (*n.inputs, *n.outputs[:1])]
+                strats = torch_tp_strategies(
+                    n, strats, sizes, mesh, is_param=is_param, itemsizes=sizes_of, tokens=tokens, tied=tied
+                )
+                lin = linear_operands(n, is_param)
+                if lin is not None:  # column modules of one parent reading one tensor share its grad all-reduce
+                    key = (n.inputs[lin[0]], n.module.rpartition(".")[0])
+                    self.shared_grad[key] = self.shared_grad.get(key, 0) + 1
             params = [t for t in n.inputs if graph.tensors[t].role is Role.PARAMETER and t not in first_use]
             first_use.update(params)
             self.strategies[n.name] = strats
@@ -234,6 +266,8 @@ class _LayerProblem:
             nb = 0.0  # views move no data
         c.fwd_compute = self.cm.compute_time(n.prim, flops, nb, self.dtype) if flops or nb else 0.0
         c.bwd_compute = self.cm.backward_compute_time(n.prim, flops, nb, self.dtype) if flops or nb else 0.0
+        if n.prim is not Prim.MATMUL:
+            c.sel_fwd = c.fwd_compute
         for oc in s.op_collectives:
             dt = self.cm.collective_time(oc.kind, oc.bytes, mesh.link(oc.axis))
             c.fwd_comm += dt if oc.phase == "forward" else 0.0
@@ -256,18 +290,26 @@ class _LayerProblem:
             elif t not in self.producer and ten.role is not Role.PARAMETER:  # layer boundary input
                 src = self.boundary_layout(t)
                 self._add_reshard(c, src, lay, t, "forward", f"layer input {t} -> {n.name}")
-                if ten.role is Role.ACTIVATION:
-                    self._add_reshard(c, glay, grad_requirement(src), t, "backward", f"grad of layer input {t}")
+                c.forbidden += self.tp_forbidden(src, lay)
+                if ten.role is Role.ACTIVATION and t in self.needs_grad:
+                    why = self.grad_reason(t, n, s, f"grad of layer input {t}")
+                    self._add_reshard(c, glay, grad_requirement(src), t, "backward", why)
+                    c.forbidden += self.tp_forbidden(glay, grad_requirement(src), s)
                 if self._saves(n):
                     c.act_bytes += self.nbytes(t) / shard_factor(lay, mesh)
         for t, lay in zip(n.outputs, s.out_layouts):
             saved = n.prim is Prim.ATTENTION or any(self._saves(m) for m in self.consumers.get(t, []))
             if saved:
                 c.act_bytes += self.nbytes(t) / shard_factor(lay, mesh)
+            if n.prim is Prim.MATMUL:  # its output, and the all-reduced copy of a partial one, stay saved
+                reduced = "P" in lay or any(oc.phase == "forward" for oc in s.op_collectives)  # tp rowwise / gather
+                c.sel_keep += self.nbytes(t) / shard_factor(lay, mesh) * (2 if reduced else 1)
             if t in self.outputs and tensors[t].rank > 0:
                 dst = self.boundary_layout(t)
                 self._add_reshard(c, lay, dst, t, "forward", f"layer output {t} <- {n.name}")
-                self._add_reshard(c, dst, grad_requirement(lay), t, "backward", f"grad of layer output {t}")
+                c.forbidden += self.tp_forbidden(lay, dst)
+                if t in self.needs_grad:
+                    self._add_reshard(c, dst, grad_requirement(lay), t, "backward", f"grad of layer output {t}")
         return c
 
     def _saves(self, n: Node) -> bool:
@@ -280,14 +322,46 @@ class _LayerProblem:
         return True
 
     def edge_cost(self, t: str, u: Node, su: Strategy, v: Node, sv: Strategy) -> tuple[float, list, float, float]:
-        """(seconds, collectives, forward s, backward s) of tensor ``t`` flowing from ``u`` to ``v``."""
+        """(seconds, collectives, forward s, backward s) of tensor ``t`` flowing from ``u`` to ``v``.
+
+        A tensor that needs no gradient (a mask, rotary tables: no parameter upstream) has no backward.
+        Under ``tp_style="torch"`` a transition the torch runtime cannot build costs FORBIDDEN, and
+        the column modules of one parent reading one tensor share its gradient's all-reduce (the
+        runtime gives them one Replicate DTensor): each edge is charged its share, and
+        :func:`solve_layer` records one.
+        """
         lay_u = su.out_layouts[u.outputs.index(t)]
         k = v.inputs.index(t)
         f, fs = self.reshard(lay_u, sv.in_layouts[k], t)
-        b, bs = self.reshard(sv.in_grad_layouts[k], grad_requirement(lay_u), t)
+        bad = self.tp_forbidden(lay_u, sv.in_layouts[k])
         colls = [(s.kind, s.axis, s.bytes, "forward", f"reshard {t} -> {v.name}") for s in fs]
-        colls += [(s.kind, s.axis, s.bytes, "backward", f"reshard grad of {t} <- {v.name}") for s in bs]
-        return f + b, colls, f, b
+        b = 0.0
+        if t in self.needs_grad:
+            need = grad_requirement(lay_u)
+            b, bs = self.reshard(sv.in_grad_layouts[k], need, t)
+            bad += self.tp_forbidden(sv.in_grad_layouts[k], need, sv)
+            why = self.grad_reason(t, v, sv, f"reshard grad of {t} <- {v.name}")
+            if why.startswith("tp input grad"):
+                b /= self.shared_grad.get((t, v.module.rpartition(".")[0]), 1)
+            colls += [(s.kind, s.axis, s.bytes, "backward", why) for s in bs]
+        return f + b + bad, colls, f, b
+
+    def tp_forbidden(self, src: Layout, dst: Layout, consumer: Strategy | None = None) -> float:
+        """FORBIDDEN when the torch runtime cannot turn ``src`` into ``dst`` on the tp axis, else 0.
+
+        The only tp transition between ops it builds is a column module's input gradient: partial on
+        tp, all-reduced by the Replicate DTensor its input was wrapped in.
+        """
+        if self.tp is None or src[self.tp] == dst[self.tp]:
+            return 0.0
+        column = consumer is not None and consumer.tp_role in ("colwise", "colwise_gather")
+        return 0.0 if column and (src[self.tp], dst[self.tp]) == ("P", "R") else FORBIDDEN
+
+    def grad_reason(self, t: str, v: Node, sv: Strategy, default: str) -> str:
+        """The record reason of ``t``'s gradient resharding into ``v``; one per (tensor, parent) for column modules."""
+        if self.tp is not None and sv.tp_role in ("colwise", "colwise_gather"):
+            return f"tp input grad of {t} <- {v.module.rpartition('.')[0] or v.name} (column-parallel)"
+        return default
 
     # ---- follower groups, pruning, ILP ------------------------------------------------------
     def _follower_input(self, n: Node) -> str | None:
@@ -442,17 +516,37 @@ def _collectives(raw: Sequence[tuple[str, int, float, str, str]], mesh: LogicalM
     return tuple(Collective(k, a, b, n, p, r) for (k, a, b, p, r), n in counts.items())
 
 
-TP_STYLES = ("auto", "megatron")
-_TOKEN_SYMBOLS = frozenset({"B", "S"})
+TP_STYLES = ("auto", "megatron", "torch")
+_TOKENS = frozenset({"B", "S"})  # symbols of batch and sequence dims: never sharded on tp (megatron, torch)
 
 
-def _megatron_only(strats: list[Strategy], exprs: Mapping[str, Any], mesh: LogicalMesh) -> list[Strategy]:
+def _megatron_only(strats: list[Strategy], tokens: set[str], mesh: LogicalMesh) -> list[Strategy]:
     """Strategies whose ``tp`` axis shards no batch or sequence dim (Megatron-LM without sequence
     parallelism: weights are split, activations stay whole on the tensor-parallel group)."""
-    tokens = {c for c, d in exprs.items() if {str(x) for x in getattr(d, "free_symbols", ())} & _TOKEN_SYMBOLS}
     tp = [i for i, name in enumerate(mesh.axis_names) if name == "tp"]
     keep = [s for s in strats if not any(s.axis_labels[i] in tokens for i in tp)]
     return keep or strats[:1]
+
+
+FORBIDDEN = 1e3  # seconds: a tp transition the torch runtime cannot build (never the optimum: all-R is free of it)
+_FLOAT_DTYPES = frozenset({"f64", "f32", "bf16", "f16", "f8"})
+_NEEDS_GRAD: dict[int, tuple[list[Node], frozenset[str]]] = {}
+
+
+def needs_grad(g: Graph) -> frozenset[str]:
+    """Tensors of ``g`` whose gradient the backward computes: parameters and the floating-point
+    results of ops that read one (a mask or rotary table built from inputs and buffers has none)."""
+    hit = _NEEDS_GRAD.get(id(g))
+    if hit is None or hit[0] is not g.nodes:
+        out = {t for t, ten in g.tensors.items() if ten.role is Role.PARAMETER}
+        for n in g.nodes:
+            if any(t in out for t in n.inputs):
+                out.update(o for o in n.outputs if g.tensors[o].dtype in _FLOAT_DTYPES)
+        if len(_NEEDS_GRAD) > 16:
+            _NEEDS_GRAD.clear()
+        hit = (g.nodes, frozenset(out))
+        _NEEDS_GRAD[id(g)] = hit
+    return hit[1]
 
 
 def solve_layer(
@@ -471,8 +565,12 @@ def solve_layer(
 ) -> LayerSolution:
     """Cheapest sharding of ``layer`` on ``mesh`` per micro-batch (module docstring for conventions).
 
-    ``tp_style="megatron"`` restricts the ``tp`` mesh axis to Megatron-LM's tensor parallelism
-    (no batch/sequence sharding on it), which ``partita evaluate`` uses to price hand-made configs.
+    ``tp_style="megatron"`` keeps batch and sequence dims off the ``tp`` axis (Megatron-LM's engine:
+    ``partita evaluate`` and the baselines price hand-made configs so; its vocab-parallel loss and
+    the rest of the generic rule stay). ``tp_style="torch"`` restricts the ``tp`` axis to what the
+    torch runtime builds (``strategies.torch_tp_strategies``: weights split column- or row-wise,
+    heads sharded, no other tp resharding between ops); torch graphs are searched so, and the
+    solution's ``tp_plan`` names each tp module's role for the program.
     """
     if tp_style not in TP_STYLES:
         raise ConfigError(f"tp_style {tp_style!r} is unknown.", f"use one of {TP_STYLES}.")
@@ -503,11 +601,19 @@ def solve_layer(
         for t in n.inputs:
             u = lp.producer.get(t)
             if u is not None:
-                _, colls, fw, bw = lp.edge_cost(
+                total, colls, fw, bw = lp.edge_cost(
                     t, u, lp.strategies[u.name][chosen[u.name]], n, lp.strategies[n.name][chosen[n.name]]
                 )
                 tot.fwd_comm, tot.bwd_comm = tot.fwd_comm + fw, tot.bwd_comm + bw
+                tot.forbidden += total - fw - bw
                 raw.extend(colls)
+    if tot.forbidden > FORBIDDEN / 2:
+        raise InfeasibleError(
+            f"layer {layer.name} fits in {budget / 2**30:.2f} GiB per device on a {mesh.shape} mesh only with a "
+            "tensor-parallel layout the torch runtime cannot build (backends/torch/tp.py).",
+            "give the layer more devices (a larger tp or more pipeline stages) or more memory.",
+        )
+    raw = _shared_once(raw)
     placements: dict[str, tuple[str, ...]] = {}
     for n in lp.nodes:
         s = lp.strategies[n.name][chosen[n.name]]
@@ -539,4 +645,34 @@ def solve_layer(
         collectives=_collectives(raw, mesh),
         stats=sol.stats,
         boundary=bnd,
+        selective_keep_bytes=tot.sel_keep,
+        selective_forward_s=tot.sel_fwd,
+        tp_plan=_tp_plan(lp, chosen),
     )
+
+
+def _shared_once(raw: list[tuple[str, int, float, str, str]]) -> list[tuple[str, int, float, str, str]]:
+    """``raw`` with one all-reduce per (tensor, parent module) of column modules' input grads (edge_cost)."""
+    seen: set[tuple] = set()
+    out = []
+    for r in raw:
+        if r[4].startswith("tp input grad of "):
+            if r in seen:
+                continue
+            seen.add(r)
+        out.append(r)
+    return out
+
+
+def _tp_plan(lp: _LayerProblem, chosen: Mapping[str, int]) -> dict[str, str]:
+    """``{module path: role}`` of the tp modules the solution shards (``strategies.TP_ROLES``): the
+    module is the one owning the weight (tied weights are never sharded on tp, so it is unique)."""
+    out = {}
+    for n in lp.nodes:
+        s = lp.strategies[n.name][chosen[n.name]]
+        if s.tp_role:
+            is_param = [lp.g.tensors[t].role is Role.PARAMETER for t in n.inputs]
+            lin = linear_operands(n, is_param)
+            w = n.inputs[lin[1] if lin is not None else 0]
+            out[(lp.g.tensors[w].fqn or w).rpartition(".")[0]] = s.tp_role
+    return out

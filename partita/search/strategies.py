@@ -19,6 +19,8 @@ Explicit rules, only where a signature cannot say it:
 * vocab-parallel cross entropy: the class dim ``v`` (fixed for the generic rule) may be sharded on
   one axis; the loss then needs three small all-reduces (max, sum of exp, target logit) of one
   f32 per token, and the logits' gradient stays sharded;
+* the torch runtime's tensor parallelism (:func:`torch_tp_strategies`, used for torch graphs):
+  the ``tp`` axis may shard only what ``backends/torch/tp.py`` builds, one *tp role* per module;
 * embedding vocab sharding and MoE expert parallelism need no rule: ``v`` is reduced (partial
   lookup result, all-reduce) and the expert label ``e`` is an ordinary label of the dispatch
   einsum and the expert matmuls, so sharding it is expert parallelism and the ``S(b) -> S(e)``
@@ -30,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence, Set
 
 from partita.ir import Node, Prim
 from partita.search.mesh import LogicalMesh
@@ -57,6 +59,7 @@ class Strategy:
     in_grad_layouts: tuple[Layout, ...]
     work_divisor: int  # iteration space / per-device iteration space
     op_collectives: tuple[OpCollective, ...] = ()
+    tp_role: str = ""  # torch_tp_strategies: the module role the torch runtime builds ("" = none)
 
 
 def strategy_name(axis_labels: tuple[str, ...], mesh: LogicalMesh) -> str:
@@ -93,10 +96,15 @@ def _make(node: Node, axis_labels: tuple[str, ...], mesh: LogicalMesh) -> Strate
     ins = tuple(_operand_layout(s, axis_labels, sig.reduced, False) for s in sig.inputs)
     outs = tuple(_operand_layout(s, axis_labels, sig.reduced, True) for s in sig.outputs)
     grads = tuple(_grad_layout(s, axis_labels) for s in sig.inputs)
-    if node.prim is Prim.MATMUL and len(sig.inputs) == 3 and set(sig.inputs[2]) <= set(sig.outputs[0]):
-        # a linear's bias is added after the contraction: its grad sums the (replicated) output grad
-        bias = grads[2]
-        grads = (*grads[:2], tuple("R" if lab in sig.reduced and lab else p for p, lab in zip(bias, axis_labels)))
+    if node.prim is Prim.MATMUL and len(sig.inputs) == 3:
+        # a linear's bias (``aten.linear``: the last operand; ``aten.addmm``: the first) is added after
+        # the contraction: its grad sums the (replicated) output grad, never a partial one
+        out = set(sig.outputs[0])
+        for b in (2, 0):
+            if set(sig.inputs[b]) <= out and not set(sig.inputs[b]) & set(sig.reduced):
+                fixed = tuple("R" if lab in sig.reduced and lab else p for p, lab in zip(grads[b], axis_labels))
+                grads = (*grads[:b], fixed, *grads[b + 1 :])
+                break
     div = math.prod(s for lab, s in zip(axis_labels, mesh.shape) if lab)
     return Strategy(strategy_name(axis_labels, mesh), axis_labels, ins, outs, grads, div)
 
@@ -144,3 +152,163 @@ def _vocab_parallel_cross_entropy(
             name = s.name.replace(f"{cls}@", "vocab@")
             out.append(dataclasses.replace(s, name=name, out_layouts=outs, in_grad_layouts=grads, op_collectives=colls))
     return out
+
+
+# ---- the torch runtime's tensor parallelism -------------------------------------------------------
+LINEAR_TARGETS = ("aten.linear", "aten.addmm")  # nn.Linear, transformers' Conv1D
+EMBEDDING_TARGETS = ("aten.embedding",)
+TP_ROLES = ("colwise", "colwise_gather", "rowwise", "rowwise_replicated", "vocab", "embed_dim")
+
+
+def linear_operands(node: Node, is_param: Sequence[bool]) -> tuple[int, int, int | None] | None:
+    """``(activation, weight, bias)`` operand indices of an ``nn.Linear`` / ``Conv1D`` node, else None.
+
+    A traced torch op must be ``aten.linear`` / ``aten.addmm`` (a matmul with another parameter is
+    no module the runtime can shard); any graph's node must read one activation and a weight whose
+    labels are the contracted one and output features only (an expert weight's ``e`` is not).
+    """
+    if node.prim is not Prim.MATMUL or (node.target.startswith("aten.") and not node.target.startswith(LINEAR_TARGETS)):
+        return None
+    sig = node.sig
+    acts = [i for i, p in enumerate(is_param) if not p]
+    weights = [i for i, p in enumerate(is_param) if p and set(sig.inputs[i]) & set(sig.reduced)]
+    biases = [i for i, p in enumerate(is_param) if p and i not in weights]
+    if len(acts) != 1 or len(weights) != 1 or len(biases) > 1:
+        return None
+    lw, la = sig.inputs[weights[0]], sig.inputs[acts[0]]
+    if len(set(lw) & set(sig.reduced)) != 1 or any(c in la for c in lw if c not in sig.reduced):
+        return None
+    return acts[0], weights[0], (biases[0] if biases else None)
+
+
+def torch_tp_strategies(
+    node: Node,
+    strats: list[Strategy],
+    sizes: Mapping[str, int],
+    mesh: LogicalMesh,
+    *,
+    is_param: Sequence[bool],
+    itemsizes: Sequence[float],
+    tokens: Set[str],
+    tied: Sequence[bool] = (),
+) -> list[Strategy]:
+    """``strats`` restricted on the ``tp`` axis to what ``backends/torch/tp.py`` builds.
+
+    The torch runtime keeps activations between modules as plain local tensors: an op that is not
+    a tp module runs on its local piece, so it may shard on ``tp`` only a label it keeps whole and
+    reduces over nothing (heads of attention, features of an activation function), with every
+    parameter replicated. The tp modules (``nn.Linear``, ``Conv1D``, ``nn.Embedding``) take one role:
+
+    ======================  ============================  ===========================  ==================
+    role                    tp axis shards                input -> output on tp        collectives
+    ======================  ============================  ===========================  ==================
+    ``colwise``             the out-feature label         R -> S(out)                  bwd: input grad P
+    ``colwise_gather``      the out-feature label         R -> R                       fwd all_gather
+    ``rowwise``             the contracted label          S(in) -> R                   fwd all_reduce
+    ``rowwise_replicated``  the contracted label          R (sliced) -> R              fwd all_reduce,
+                                                                                       bwd all_gather
+    ``vocab``               ``nn.Embedding``'s vocabulary ids -> R                     fwd all_reduce
+    ``embed_dim``           ``nn.Embedding``'s hidden dim ids -> R                     fwd all_gather
+    ======================  ============================  ===========================  ==================
+
+    The column input grad (partial on ``tp``) becomes the edge's backward all-reduce
+    (``search/intra_op.py``). Left out because the runtime cannot build them (they leave the
+    search until it can): the batch or sequence on ``tp`` (``tokens``: sequence parallelism, data
+    parallelism inside tp), a reduce-scattered row output, vocab-parallel cross entropy, a sharded
+    norm weight, and expert or other non-``nn.Linear`` weights sharded on ``tp`` (MoE experts run
+    replicated on ``tp``), and a parameter tied to another (``tied``: GPT-2's ``wte`` / ``lm_head``:
+    two layers' solutions could ask two placements of one tensor).
+    """
+    if "tp" not in mesh.axis_names or mesh.shape[mesh.axis_names.index("tp")] == 1:
+        return strats
+    tp = mesh.axis_names.index("tp")
+    out: list[Strategy] = []
+    for s in strats:
+        lab = s.axis_labels[tp]
+        if not lab:
+            if not s.op_collectives:  # vocab-parallel loss variants shard the class dim of another axis
+                out.append(s)
+            continue
+        if lab in tokens or s.op_collectives or any(tied):
+            continue
+        out.extend(_torch_tp_roles(node, s, tp, lab, sizes, mesh, is_param, itemsizes))
+    return out or strats[:1]
+
+
+def _torch_tp_roles(
+    node: Node,
+    s: Strategy,
+    tp: int,
+    lab: str,
+    sizes: Mapping[str, int],
+    mesh: LogicalMesh,
+    is_param: Sequence[bool],
+    itemsizes: Sequence[float],
+) -> list[Strategy]:
+    sig = node.sig
+    o = sig.outputs[0] if sig.outputs else ""
+
+    def per_device(labels: str, layout: Layout, itemsize: float) -> float:
+        """Bytes of one device's piece after the tp collective (sharded on the other axes only)."""
+        full = math.prod(sizes[c] for c in labels) * itemsize
+        return full / math.prod(n for i, (p, n) in enumerate(zip(layout, mesh.shape)) if i != tp and p != "R")
+
+    def on_tp(lay: Layout, p: str) -> Layout:
+        return lay[:tp] + (p,) + lay[tp + 1 :]
+
+    def named(role: str) -> str:
+        return s.name.replace(f"{lab}@{mesh.axis_names[tp]}", f"{lab}@{mesh.axis_names[tp]}:{role}")
+
+    def coll(kind: str, nbytes: float, phase: str, role: str) -> OpCollective:
+        return OpCollective(kind, tp, nbytes, phase, f"{role} {node.module or node.name}")
+
+    lin = linear_operands(node, is_param)
+    if lin is not None:
+        a, w, _ = lin
+        la, lw = sig.inputs[a], sig.inputs[w]
+        if lab in lw and lab in o and lab not in la:
+            kept = dataclasses.replace(s, name=named("colwise"), tp_role="colwise")
+            gathered_out = (on_tp(s.out_layouts[0], "R"), *s.out_layouts[1:])
+            ag = coll("all_gather", per_device(o, s.out_layouts[0], itemsizes[-1]), "forward", "colwise_gather")
+            gather = dataclasses.replace(
+                s,
+                name=named("colwise_gather"),
+                tp_role="colwise_gather",
+                out_layouts=gathered_out,
+                op_collectives=(ag,),
+            )
+            return [kept, gather]
+        if lab in sig.reduced and lab in lw and lab in la:
+            outs = (on_tp(s.out_layouts[0], "R"), *s.out_layouts[1:])
+            ar = coll("all_reduce", per_device(o, s.out_layouts[0], itemsizes[-1]), "forward", "rowwise")
+            row = dataclasses.replace(
+                s, name=named("rowwise"), tp_role="rowwise", out_layouts=outs, op_collectives=(ar,)
+            )
+            ins = tuple(on_tp(lay, "R") if i == a else lay for i, lay in enumerate(s.in_layouts))
+            grads = tuple(on_tp(lay, "R") if i == a else lay for i, lay in enumerate(s.in_grad_layouts))
+            ag = coll("all_gather", per_device(la, s.in_layouts[a], itemsizes[a]), "backward", "rowwise_replicated")
+            rep = dataclasses.replace(
+                row,
+                name=named("rowwise_replicated"),
+                tp_role="rowwise_replicated",
+                in_layouts=ins,
+                in_grad_layouts=grads,
+                op_collectives=(dataclasses.replace(ar, reason=f"rowwise_replicated {node.module or node.name}"), ag),
+            )
+            return [row, rep]
+        return []
+    embedding = not node.target.startswith("aten.") or node.target.startswith(EMBEDDING_TARGETS)
+    if node.prim is Prim.EMBEDDING and embedding and is_param[0]:
+        outs = (on_tp(s.out_layouts[0], "R"),)
+        if lab in sig.reduced:
+            ar = coll("all_reduce", per_device(o, s.out_layouts[0], itemsizes[-1]), "forward", "vocab")
+            return [
+                dataclasses.replace(s, name=named("vocab"), tp_role="vocab", out_layouts=outs, op_collectives=(ar,))
+            ]
+        ag = coll("all_gather", per_device(o, s.out_layouts[0], itemsizes[-1]), "forward", "embed_dim")
+        return [
+            dataclasses.replace(s, name=named("embed_dim"), tp_role="embed_dim", out_layouts=outs, op_collectives=(ag,))
+        ]
+    if lab in sig.reduced or any(p and lab in labels for p, labels in zip(is_param, sig.inputs)):
+        return []
+    return [s]

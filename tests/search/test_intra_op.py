@@ -155,6 +155,9 @@ def test_megatron_style_keeps_batch_whole_on_tp() -> None:
     assert set(auto.op_strategies.values()) == {"a@tp"}
     assert any(c.phase == "optimizer" for c in auto.collectives)
     assert meg.op_strategies == {"mlp.fc": "n@tp", "mlp.gelu": "b@tp", "mlp.proj": "k@tp"}
+    torch_ = solve_layer(g, g.layers[0], mesh, env=env, dtype="bf16", cost_model=CM, tp_style="torch")
+    assert torch_.op_strategies == {"mlp.fc": "n@tp:colwise", "mlp.gelu": "b@tp", "mlp.proj": "k@tp:rowwise"}
+    assert torch_.tp_plan == {"mlp.fc": "colwise", "mlp.proj": "rowwise"} and not meg.tp_plan
     assert {(c.kind, c.phase) for c in meg.collectives} == {("all_reduce", "forward")}
     assert meg.forward_time_s + meg.backward_time_s > auto.forward_time_s + auto.backward_time_s
     with pytest.raises(Exception, match="tp_style"):

@@ -59,3 +59,42 @@ def test_vocab_parallel_cross_entropy_explicit_rule() -> None:
 def test_opaque_only_replicates() -> None:
     n = node(Prim.OPAQUE, prims.opaque([2], [2]), 1)
     assert [s.name for s in enumerate_strategies(n, {c: 8 for c in "abcd"}, MESH)] == ["R"]
+
+
+def test_torch_tp_roles_of_a_linear_and_what_other_ops_may_shard() -> None:
+    """``torch_tp_strategies``: a linear gets the runtime's four roles (each with its own collective and
+    layouts on tp), a token label never goes on tp, a norm keeps its weight replicated on tp, and
+    GPT-2's ``addmm`` bias (first operand) gets a replicated gradient under row parallelism."""
+    from partita.search.strategies import torch_tp_strategies
+
+    n = Node("fc", Prim.MATMUL, ("x", "w", "b"), ("y",), prims.linear(3, has_bias=True), target="aten.linear.default")
+    sizes = {"a": 8, "b": 2048, "k": 1024, "n": 4096}
+    generic = enumerate_strategies(n, sizes, MESH2)
+    kw = dict(is_param=[False, True, True], itemsizes=[2, 2, 2, 2], tokens={"a", "b"})
+    s = by_name(torch_tp_strategies(n, generic, sizes, MESH2, **kw))
+    assert not [x for x in s if "a@tp" in x or "b@tp" in x]
+    col, gat, row, rep = (
+        s[f"b@dp,{lab}@tp:{r}"]
+        for lab, r in [("n", "colwise"), ("n", "colwise_gather"), ("k", "rowwise"), ("k", "rowwise_replicated")]
+    )
+    assert (col.tp_role, col.out_layouts[0], col.op_collectives) == ("colwise", ("S(1)", "S(2)"), ())
+    assert col.in_grad_layouts[0] == ("S(1)", "P")  # the edge all-reduces it (intra_op.edge_cost)
+    out_bytes = 8 * 2048 * 4096 * 2 / 2  # the gathered output, still split over dp
+    assert gat.out_layouts[0] == ("S(1)", "R") and [(c.kind, c.phase, c.bytes) for c in gat.op_collectives] == [
+        ("all_gather", "forward", out_bytes)
+    ]
+    assert row.in_layouts[0] == ("S(1)", "S(2)") and row.out_layouts[0] == ("S(1)", "R")
+    assert [(c.kind, c.phase, c.bytes) for c in row.op_collectives] == [("all_reduce", "forward", out_bytes)]
+    in_bytes = 8 * 2048 * 1024 * 2 / 2
+    assert rep.in_layouts[0] == rep.in_grad_layouts[0] == ("S(1)", "R")
+    assert [(c.kind, c.phase, c.bytes) for c in rep.op_collectives] == [
+        ("all_reduce", "forward", out_bytes),
+        ("all_gather", "backward", in_bytes),
+    ]
+    norm = Node("ln", Prim.NORM, ("x", "w", "b"), ("y",), prims.norm(3, 1, 2))
+    nsizes = {"a": 8, "b": 16, "c": 64}
+    kept = torch_tp_strategies(norm, enumerate_strategies(norm, nsizes, MESH2), nsizes, MESH2, **kw)
+    assert {x.axis_labels[1] for x in kept} == {""}
+    addmm = Node("p", Prim.MATMUL, ("b", "x", "w"), ("y",), DimSig(("n", "mk", "kn"), ("mn",), "k"))
+    r = by_name(enumerate_strategies(addmm, {"m": 64, "k": 64, "n": 64}, MESH))["k@tp"]
+    assert r.in_grad_layouts[0] == ("R",)  # the bias grad sums a replicated output grad: no tp sync

@@ -317,9 +317,12 @@ def distribute_params(
     return torch_tp.tensor_parallel(module, tp_mesh, placements, ad.fused, roles, ad.strided_attrs)
 
 
-def tp_roles(model: nn.Module, placements: Mapping[str, str]) -> dict[str, str]:
-    """The roles :func:`distribute_params` gives ``model``'s modules (``model`` may live on meta)."""
-    return torch_tp.module_roles(model, placements, adapter_for(model).fused)
+def tp_roles(
+    model: nn.Module, placements: Mapping[str, str], plan_roles: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The roles :func:`distribute_params` gives ``model``'s modules (``model`` may live on meta):
+    the plan's ``tp_plan`` when it has one (checked), else derived from the placements."""
+    return torch_tp.module_roles(model, placements, adapter_for(model).fused, plan_roles)
 
 
 # ---- gradients -------------------------------------------------------------------------------

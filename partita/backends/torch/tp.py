@@ -1,4 +1,4 @@
-"""Megatron-style tensor parallelism for one pipeline stage, from the plan's parameter placements.
+"""Megatron-style tensor parallelism for one pipeline stage, from the plan's tp plan and placements.
 
 Called through ``torch_parallel.distribute_params`` by the generated program
 (``backends/torch/emit.py`` writes the placements and the module roles this file derives), and by
@@ -6,9 +6,13 @@ the emitter itself (:func:`module_roles` on the model built on the meta device, 
 :func:`tp_collectives` for the program's predicted collectives).
 
 Activations between modules stay plain local tensors, as in Megatron-LM and torchtitan; DTensor
-runs only inside the modules whose parameters the plan shards over ``tp``. Each such module gets
-a *role* from its weight's sharded dim (``nn.Linear`` keeps weight ``[out, in]``, transformers'
-``Conv1D`` ``[in, out]``) and its siblings (modules with the same parent):
+runs only inside the modules whose parameters the plan shards over ``tp``. Each such module has a
+*role*, the ILP's choice for it: a searched plan carries them as data (``Stage.tp_plan``, written by
+``search/intra_op.py`` from the strategies of ``search/strategies.torch_tp_strategies``, which
+are exactly the roles below), the program writes them literally (``roles={...}``) and
+:func:`module_roles` checks each against the module's parameter placements (``nn.Linear`` keeps
+weight ``[out, in]``, transformers' ``Conv1D`` ``[in, out]``). The roles and their ParallelStyle
+equivalents (``torch.distributed.tensor.parallel``):
 
 ========================  =================================================  ===============  =============
 role                      what the hooks do                                  forward           backward
@@ -21,10 +25,19 @@ role                      what the hooks do                                  for
 ``embed_dim``             nn.Embedding sharded on the hidden dim             all_gather        -
 ========================  =================================================  ===============  =============
 
+(``colwise`` = ``ColwiseParallel(output_layouts=Shard(-1), use_local_output=True)``, ``colwise_gather``
+= ``ColwiseParallel(output_layouts=Replicate())``, ``rowwise`` = ``RowwiseParallel(input_layouts=Shard(-1))``,
+``rowwise_replicated`` = ``RowwiseParallel(input_layouts=Replicate())``, ``vocab`` = ``RowwiseParallel``
+on an embedding, ``embed_dim`` = ``ColwiseParallel(output_layouts=Replicate())`` on one. Hooks instead of
+``parallelize_module``: ``Conv1D`` and per-head strided weights are no ``nn.Linear``, and column
+siblings share their input's Replicate DTensor.)
+
 [1] one per parent module: column siblings (``q/k/v_proj``, ``gate/up_proj``) read the same input
 tensor and share one Replicate DTensor, so their input gradients meet in one all-reduce.
 
-A column module keeps its output sharded only when its parent also holds a row module (the
+Plans without a ``tp_plan`` (hand-written placements, plans of older versions) get the roles
+derived from the placements alone, by this rule: a column module keeps its output sharded only
+when its parent also holds a row module (the
 Megatron pair: attention ``q/k/v`` + ``o``, MLP ``fc`` + ``proj``) and the model does not split
 its output along a contiguously sharded dim (the adapter's ``fused`` list: GPT-2's ``c_attn`` is
 q|k|v in one weight). A fused module placed ``"SS(d,g)"`` (``passes/fused_split.py``: each of the
@@ -123,13 +136,31 @@ def with_aliases(model: nn.Module, placements: Mapping[str, str]) -> dict[str, s
     return out
 
 
-def module_roles(model: nn.Module, placements: Mapping[str, str], fused: Sequence[str] = ()) -> dict[str, str]:
+_ROLE_OF_OWN = {
+    COLUMN: (COLUMN, COLUMN_GATHER),
+    ROW: (ROW, ROW_REPLICATED),
+    VOCAB: (VOCAB,),
+    EMBED_DIM: (EMBED_DIM,),
+}
+
+
+def module_roles(
+    model: nn.Module,
+    placements: Mapping[str, str],
+    fused: Sequence[str] = (),
+    plan_roles: Mapping[str, str] | None = None,
+) -> dict[str, str]:
     """``{module path: role}`` for every module with a tp-sharded parameter (module docstring).
 
     ``placements`` maps parameter FQNs to their ``tp`` placement; works on a model built on the
-    meta device (the emitter) as on the real one (the runtime). ``fused``: module-path suffixes
-    whose output the model splits along the feature dim (gathered, never kept sharded).
+    meta device (the emitter) as on the real one (the runtime). ``plan_roles``: the plan's
+    ``tp_plan`` (the ILP's role per module), returned as given for the modules of ``model`` after
+    checking each against the module's placements (PlanError on any disagreement: the plan was made
+    for another model). Without it the roles are derived; ``fused``: module-path suffixes whose
+    output the model splits along the feature dim (gathered, never kept sharded).
     """
+    if plan_roles:
+        return _checked_roles(model, placements, plan_roles)
     per_module: dict[str, dict[str, str]] = {}
     for fqn, pl in with_aliases(model, placements).items():
         path, _, attr = fqn.rpartition(".")
@@ -155,6 +186,36 @@ def module_roles(model: nn.Module, placements: Mapping[str, str], fused: Sequenc
         if r == ROW and parent[p] not in sharded_out:
             roles[p] = ROW_REPLICATED
     return roles
+
+
+def _checked_roles(model: nn.Module, placements: Mapping[str, str], plan_roles: Mapping[str, str]) -> dict[str, str]:
+    """``plan_roles`` restricted to ``model``'s modules, each checked against its own placements."""
+    per_module: dict[str, dict[str, str]] = {}
+    for fqn, pl in with_aliases(model, placements).items():
+        path, _, attr = fqn.rpartition(".")
+        per_module.setdefault(path, {})[attr] = pl
+    names = {n for n, _ in model.named_modules()}
+    out: dict[str, str] = {}
+    for path, role in sorted(plan_roles.items()):
+        if role not in ROLES or role == GENERIC:
+            raise PlanError(f"the plan's tp role {role!r} of {path} is unknown.", f"tp roles are {ROLES[:-1]}.")
+        if path not in names:
+            continue  # another stage's module (a stage holds some of the plan's layers)
+        own = _own_role(model.get_submodule(path), per_module.get(path, {}))
+        if role not in _ROLE_OF_OWN.get(own or "", ()):
+            raise PlanError(
+                f"the plan makes {path} {role!r} but places its parameters {per_module.get(path, {})}.",
+                "recompile the plan for this model (`partita compile MODEL ...`); do not edit plan.json by hand.",
+            )
+        out[path] = role
+    sharded = {p for p, mine in per_module.items() if p in names and any(v != "R" for v in mine.values())}
+    missing = sorted(sharded - set(out))
+    if missing:
+        raise PlanError(
+            f"the plan shards parameters of {missing[:4]} on tp but gives those modules no tp role.",
+            "recompile the plan for this model (`partita compile MODEL ...`).",
+        )
+    return out
 
 
 def tp_collectives(roles: Mapping[str, str], no_input_grad: Sequence[str] = ()) -> dict[str, dict[str, int]]:
@@ -198,6 +259,13 @@ class _Hooks:
         hit = cache.get(id(x))
         if hit is not None and hit[0] is x:
             return hit[1]
+        dev = x.device.type
+        if x.is_floating_point() and torch.is_autocast_enabled(dev):
+            # cast before the DTensor boundary, as autocast would inside the matmul: the input gradient's
+            # all-reduce then moves the compute dtype, as Megatron's (and the plan's records, search/records.py)
+            d = DTensor.from_local(x.to(torch.get_autocast_dtype(dev)), self.mesh, [Replicate()], run_check=False)
+            cache[id(x)] = (x, d)
+            return d
         d = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
         cache[id(x)] = (x, d)
         return d
@@ -211,12 +279,17 @@ class _Hooks:
                 return args
             if role in (COLUMN, COLUMN_GATHER):
                 return (self.replicated(parent, x), *rest)
-            if role in (ROW, ROW_REPLICATED):
-                d = x.dim() - 1
-                if x.shape[-1] == in_features:  # arrives replicated: take this rank's slice
-                    dt = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-                    return (dt.redistribute(mesh, [Shard(d)]), *rest)
-                return (DTensor.from_local(x, mesh, [Shard(d)], run_check=False), *rest)
+            if role == ROW_REPLICATED:  # arrives replicated: take this rank's slice
+                dt = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                return (dt.redistribute(mesh, [Shard(x.dim() - 1)]), *rest)
+            if role == ROW:
+                if mesh.size() > 1 and x.shape[-1] == in_features:
+                    raise PlanError(
+                        f"{type(mod).__name__} is row-parallel on a sharded input, but its input arrives whole "
+                        f"({x.shape[-1]} features).",
+                        "the module before it is not column-parallel in this model: recompile the plan.",
+                    )
+                return (DTensor.from_local(x, mesh, [Shard(x.dim() - 1)], run_check=False), *rest)
             return (DTensor.from_local(x, mesh, [Replicate()], run_check=False), *rest)
 
         return hook
@@ -274,8 +347,9 @@ def tensor_parallel(
 ) -> dict[str, str]:
     """Shard ``module``'s parameters over ``mesh`` and install the role hooks; returns the roles.
 
-    ``roles``, when given (the generated program writes them), must equal the ones derived from
-    the module itself, else PlanError: the program was emitted for a different model.
+    ``roles``, when given (the generated program writes the plan's ``tp_plan``), are applied as
+    given after :func:`module_roles` checks them against the placements (PlanError: the program
+    was emitted for a different model); without them they are derived from the placements.
     ``strided_attrs``: ``{module suffix: parent attributes}`` divided by tp where that module is
     column-parallel with an ``"SS(d,g)"`` weight (module docstring).
     """
@@ -286,13 +360,7 @@ def tensor_parallel(
             f"the plan places parameters {unknown[:4]} that this stage does not have.",
             "recompile the plan for this model.",
         )
-    derived = module_roles(module, placements, fused)
-    if roles is not None and dict(roles) != derived:
-        diff = sorted(set(roles.items()) ^ set(derived.items()))[:4]
-        raise PlanError(
-            f"the program's tensor-parallel roles disagree with this model's modules ({diff}).",
-            "regenerate the program for this model (`partita compile MODEL ...`).",
-        )
+    derived = module_roles(module, placements, fused, roles)
     # Every parameter of a tp module becomes a DTensor (placement from the plan, else Replicate);
     # tied parameters (one object under several FQNs) stay one object.
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
