@@ -15,6 +15,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from partita.errors import PartitaError
 from partita.plan import Plan
 from partita.report.fmt import (
     cluster_devices,
@@ -30,9 +31,12 @@ from partita.report.fmt import (
 from partita.report.run_log import gap_causes
 from partita.report.run_log_view import collective_rows
 from partita.report.terminal import compare_text, plan_text
+from partita.search.schedule import Action, pipeline_actions, splits_backward, virtual_stages
+from partita.search.schedule_cost import simulate_stages
 
 _STAGE_COLORS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#9c755f"]
-_FWD, _BWD = "#4e79a7", "#f28e2b"
+_FWD, _BWD, _WGT = "#4e79a7", "#f28e2b", "#59a14f"
+_KINDS = {"F": (_FWD, "forward"), "B": (_BWD, "input gradient (B)"), "W": (_WGT, "weight gradient (W)")}
 MAX_MICRO_BATCHES_DRAWN = 32
 
 _CSS = """
@@ -61,53 +65,33 @@ def _e(x: Any) -> str:
     return html.escape(str(x))
 
 
-def _schedule(plan: Plan) -> tuple[list[tuple[int, str, int, float, float]], float, int]:
-    """(stage, F|B, micro-batch, start, duration) boxes of one step's 1F1B / GPipe schedule from the
-    predicted per-micro-batch stage times (forward 1/3, backward 2/3 of compute), its end, and the
-    number of micro-batches drawn."""
-    n, m = plan.num_stages, min(plan.num_micro_batches, MAX_MICRO_BATCHES_DRAWN)
-    fwd = [
-        float(s.predicted.get("forward_s", float(s.predicted.get("compute_s", 0.0) or 0.0) / 3) or 0)
-        for s in plan.stages
-    ]
-    known = [f for f in fwd if f > 0]  # a stage without a predicted time is drawn at the others' mean
-    fwd = [f if f > 0 else (sum(known) / len(known) if known else 1.0) for f in fwd]
-    orders = []
-    for i in range(n):
-        if plan.schedule == "gpipe":
-            order = [("F", j) for j in range(m)] + [("B", j) for j in range(m)]
-        else:
-            warm = min(n - i, m)
-            order = [("F", j) for j in range(warm)]
-            f_next = warm
-            for b in range(m):
-                order.append(("B", b))
-                if f_next < m:
-                    order.append(("F", f_next))
-                    f_next += 1
-        orders.append(order)
-    done: dict[tuple[str, int, int], float] = {}
-    pos, clock = [0] * n, [0.0] * n
-    boxes: list[tuple[int, str, int, float, float]] = []
-    progress = True
-    while progress:
-        progress = False
-        for i in range(n):
-            while pos[i] < len(orders[i]):
-                kind, j = orders[i][pos[i]]
-                dep = (
-                    ("F", i - 1, j) if kind == "F" and i > 0 else ("B", i + 1, j) if kind == "B" and i < n - 1 else None
-                )
-                dep = ("F", i, j) if kind == "B" and dep is None else dep
-                if dep is not None and dep not in done:
-                    break
-                start = max(clock[i], done.get(dep, 0.0) if dep else 0.0)
-                dur = fwd[i] if kind == "F" else 2 * fwd[i]
-                done[(kind, i, j)] = clock[i] = start + dur
-                boxes.append((i, kind, j, start, dur))
-                pos[i] += 1
-                progress = True
-    return boxes, max(clock) or 1.0, m
+def _schedule(plan: Plan) -> tuple[list[tuple[int, Action, float, float]], float, int]:
+    """(pipeline position, action, start, duration) boxes of one step's schedule, its end, and the
+    number of micro-batches drawn: the plan's action list (``search/schedule.pipeline_actions``) run
+    by the simulator that priced it (``search/pipeline_sim``) on the per-stage F, B, W times the plan
+    records (``f_action_s`` ...; older plans: forward 1/3, backward 2/3 of compute, no W)."""
+    n, v = plan.num_stages, virtual_stages(plan.schedule, plan.num_virtual_stages)
+    f_s = [float(s.predicted.get("f_action_s") or 0.0) for s in plan.stages]
+    b_s = [float(s.predicted.get("b_action_s") or 0.0) for s in plan.stages]
+    w_s = [float(s.predicted.get("w_action_s") or 0.0) for s in plan.stages]
+    if not all(f > 0 for f in f_s):
+        fwd = [
+            float(s.predicted.get("forward_s", float(s.predicted.get("compute_s", 0.0) or 0.0) / 3) or 0)
+            for s in plan.stages
+        ]
+        known = [f for f in fwd if f > 0]  # a stage without a predicted time is drawn at the others' mean
+        f_s = [f if f > 0 else (sum(known) / len(known) if known else 1.0) for f in fwd]
+        b_s, w_s = [2 * f for f in f_s], [0.0] * n
+    m = min(plan.num_micro_batches, MAX_MICRO_BATCHES_DRAWN)
+    while m > 1:  # interleaved 1F1B needs a micro-batch count its rounds divide
+        try:
+            pipeline_actions(plan.schedule, n, m, v)
+            break
+        except PartitaError:
+            m -= 1
+    sim = simulate_stages(plan.schedule, m, v, f_s, b_s, w_s)
+    boxes = [(b.rank, b.action, b.start_s, b.end_s - b.start_s) for b in sim.boxes]
+    return boxes, sim.step_s or 1.0, m
 
 
 def _ticks(end: float, num: int = 5) -> list[float]:
@@ -120,17 +104,27 @@ def _ticks(end: float, num: int = 5) -> list[float]:
 
 def timeline_html(plan: Plan) -> str:
     boxes, end, m = _schedule(plan)
+    split, chunks, n = (
+        splits_backward(plan.schedule),
+        virtual_stages(plan.schedule, plan.num_virtual_stages),
+        plan.num_stages,
+    )
     rows = []
     for i in range(plan.num_stages):
         parts = []
-        for si, kind, j, start, dur in boxes:
+        for si, act, start, dur in boxes:
             if si != i:
                 continue
-            what = "forward" if kind == "F" else "backward"
+            what = _KINDS[act.kind][1] if split else ("forward" if act.kind == "F" else "backward")
+            chunk = (
+                f" (model chunk {act.stage // n if plan.schedule != 'zbv' else int(act.stage >= n)})"
+                if chunks > 1
+                else ""
+            )
             parts.append(
                 f'<div class="box" style="left:{100 * start / end:.3f}%;width:{100 * dur / end:.3f}%;'
-                f'background:{_FWD if kind == "F" else _BWD};border-right:1px solid #fff" '
-                f'title="stage {i}, micro-batch {j}: {what} {time_s(dur)}"></div>'
+                f'background:{_KINDS[act.kind][0]};border-right:1px solid #fff" '
+                f'title="stage {i}{chunk}, micro-batch {act.micro}: {what} {time_s(dur)}"></div>'
             )
         dev = plan.stages[i].device_type
         rows.append(
@@ -153,11 +147,21 @@ def timeline_html(plan: Plan) -> str:
         + "".join(rows)
         + f'<div class="axis">{"".join(ticks)}</div>'
         + '<div class="legend">'
-        f'<span><span class="sw" style="background:{_FWD}"></span>forward of one micro-batch</span>'
-        f'<span><span class="sw" style="background:{_BWD}"></span>backward of one micro-batch</span>'
-        '<span><span class="sw" style="background:#f1f1f1"></span>idle (pipeline bubble)</span></div>'
+        + "".join(
+            f'<span><span class="sw" style="background:{_KINDS[k][0]}"></span>{_KINDS[k][1]} of one micro-batch</span>'
+            for k in (("F", "B", "W") if split else ("F",))
+        )
+        + (
+            ""
+            if split
+            else f'<span><span class="sw" style="background:{_BWD}"></span>backward of one micro-batch</span>'
+        )
+        + '<span><span class="sw" style="background:#f1f1f1"></span>idle (pipeline bubble)</span></div>'
         f'<figcaption class="muted">Time axis: the pipeline part of one step ({time_s(end)}, {shown}; '
-        f"{plan.schedule}); the step adds the exposed gradient sync at its end"
+        f"{plan.schedule}"
+        + (f", {chunks} model chunks per stage" if chunks > 1 else "")
+        + (", weight gradients deferred into the bubble" if split else "")
+        + "; the action list the cost model simulated); the step adds the exposed gradient sync at its end"
         + (f" ({time_s(plan.predicted['tail_s'])})" if plan.predicted.get("tail_s") is not None else "")
         + ". Hover a box for its micro-batch.</figcaption></figure>"
     )

@@ -65,6 +65,12 @@ def _check(plan: Plan) -> None:
             "runs one model chunk per stage (plain 1F1B), not the interleaved schedule the plan prices.",
             "recompile with the default search (its schedules leave interleaved_1f1b out).",
         )
+    if plan.num_stages > 1 and plan.schedule in ("zb_h1", "zbv"):
+        raise PlanError(  # issue 19: the JAX pipeline runs F and whole-B actions only; W would run unpriced in B
+            f"schedule {plan.schedule} splits the backward into input and weight gradients, which the JAX "
+            "program cannot run (its pipeline runs each stage's whole backward at once).",
+            "recompile for JAX with the default search (it leaves zero-bubble schedules out for JAX models).",
+        )
     first = shares(plan.stages[0], plan.micro_batch_size)
     for s in plan.stages:
         if shares(s, plan.micro_batch_size) != first or s.dp != plan.stages[0].dp:

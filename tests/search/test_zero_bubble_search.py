@@ -1,0 +1,127 @@
+"""Zero-bubble schedules in the search (issue 19): priced by simulation, chosen where they win, kept to what runs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from partita.cluster import Cluster, cluster_from_dict
+from partita.ir import Graph
+from partita.search import schedule as sched
+from partita.search.config import SearchOptions, TrainingConfig
+from partita.search.pipeline_sim import simulate
+from partita.search.planner import plan_graph
+from partita.search.schedule_cost import stage_split, w_held, weight_grad_flops
+
+TRAIN = TrainingConfig(global_batch=16, seq_len=32)
+# ZeRO-0, no recompute, no tp: the model only fits split into pipeline stages on these devices
+PIPELINED = {"zero_stages": (0,), "recompute": ("none",), "max_tp": 1, "max_micro_batch": 1}
+
+
+@pytest.fixture(scope="module")
+def graph() -> Graph:
+    from partita.frontends.trace import trace_handle
+    from partita.models import resolve_model
+
+    return trace_handle(resolve_model("gpt2-tiny"), batch=1, seq=32)
+
+
+def _tiny(memory_gb: float = 0.0025, n: int = 4) -> Cluster:
+    return cluster_from_dict(
+        {
+            "nodes": [{"device": "Tiny", "num_nodes": 1, "gpus_per_node": n}],
+            "device_types": [{"name": "Tiny", "peak_tflops": {"bf16": 10}, "memory_GB": memory_gb, "hbm_GBps": 100}],
+        }
+    )
+
+
+def test_weight_gradients_are_the_parameter_matmuls(graph: Graph) -> None:
+    from partita.passes.annotate import layer_stats
+
+    env = {"B": 1, "S": 32}
+    stats, wg = layer_stats(graph, env), weight_grad_flops(graph, env)
+    blocks = [i for i, s in enumerate(stats) if s.kind == stats[1].kind and s.param_count]
+    for i in blocks:
+        # a transformer block: every matmul but attention's two has a weight; W is most of their forward FLOPs
+        assert 0.5 * stats[i].forward_flops < wg[i] < stats[i].forward_flops
+        assert wg[i] < stats[i].backward_flops / 2  # B keeps the input gradients and attention's backward
+    f, w = stage_split(graph, env, 0, len(stats), "none")
+    assert 0.25 < f < 0.4 and 0.15 < w < f
+    assert stage_split(graph, env, 0, len(stats), "full")[0] < f  # the recomputed forward is part of B
+
+
+def test_search_picks_zb_h1_where_it_wins_and_prices_it_by_simulation(graph: Graph) -> None:
+    cl = _tiny()
+    one = plan_graph(graph, cl, TRAIN, options=SearchOptions(schedules=("1f1b",), **PIPELINED))
+    zb = plan_graph(graph, cl, TRAIN, options=SearchOptions(schedules=("zb_h1",), **PIPELINED))
+    both = plan_graph(graph, cl, TRAIN, options=SearchOptions(schedules=("1f1b", "zb_h1"), **PIPELINED))
+    assert one.num_stages > 1 and zb.num_stages > 1
+    assert zb.predicted["step_time_s"] < one.predicted["step_time_s"]
+    assert both.schedule == "zb_h1" and both.predicted["step_time_s"] == zb.predicted["step_time_s"]
+    assert any("1f1b" in a["summary"] for a in both.search["alternatives"])  # the loser is reported with its gap
+    # the recorded step is the simulated action list on the recorded F, B, W times plus the tail
+    st = zb.stages
+    sim = simulate(
+        "zb_h1",
+        zb.num_stages,
+        zb.num_micro_batches,
+        [s.predicted["f_action_s"] for s in st],
+        [s.predicted["b_action_s"] for s in st],
+        [s.predicted["w_action_s"] for s in st],
+    )
+    assert zb.predicted["step_time_s"] == pytest.approx(sim.step_s + zb.predicted["tail_s"], rel=1e-9)
+    assert zb.predicted["bubble_s"] < one.predicted["bubble_s"]
+    # every rank holds rank 0's in-flight micro-batches until their W: priced for every stage
+    p, m = zb.num_stages, zb.num_micro_batches
+    held = w_held(graph, TRAIN.seq_len)  # a micro-batch between B and W also keeps the gradients W needs
+    assert 1.1 < held < 2.0
+    assert [s.predicted["in_flight"] for s in st] == [max(sched.peak_in_flight("zb_h1", p, m, 1, held))] * p
+    assert st[0].predicted["in_flight"] > min(p, m)  # more than 1F1B's first stage holds
+    assert all(s.zero_stage == 0 and s.recompute == "none" for s in st)
+
+
+def test_zero_bubble_search_keeps_to_what_the_runtime_runs(graph: Graph) -> None:
+    plan = plan_graph(graph, _tiny(), TRAIN, options=SearchOptions(schedules=("zb_h1",), max_tp=1, max_micro_batch=1))
+    assert all(s.zero_stage == 0 and s.recompute == "none" for s in plan.stages)  # emit_torch.check_schedule
+    assert "zb_h1" in SearchOptions().schedules and "zbv" not in SearchOptions().schedules
+    jax_graph = dataclasses.replace(graph, meta={**graph.meta, "framework": "jax"})
+    plan = plan_graph(jax_graph, _tiny(), TRAIN, options=SearchOptions(**PIPELINED))
+    assert plan.schedule == "1f1b"  # no JAX runtime splits the backward
+
+
+def test_zbv_prices_two_chunks_per_rank(graph: Graph) -> None:
+    plan = plan_graph(graph, _tiny(), TRAIN, options=SearchOptions(schedules=("zbv",), **PIPELINED))
+    assert plan.schedule == "zbv" and plan.num_virtual_stages == 2
+    held = w_held(graph, TRAIN.seq_len)
+    peaks = sched.peak_in_flight("zbv", plan.num_stages, plan.num_micro_batches, 2, held)
+    assert all(s.predicted["in_flight"] == max(peaks) for s in plan.stages)
+
+
+def test_emitters_refuse_what_they_cannot_run(graph: Graph) -> None:
+    """zb_h1 runs on torch (ZeRO-0, no recompute); no JAX program splits the backward; zbv needs chunks."""
+    from partita.backends.jax.emit import emit_jax
+    from partita.backends.torch.emit import check_schedule
+    from partita.errors import PlanError
+
+    zb = plan_graph(graph, _tiny(), TRAIN, options=SearchOptions(schedules=("zb_h1",), **PIPELINED))
+    check_schedule(zb)  # accepted
+    with pytest.raises(PlanError, match="splits the backward"):
+        emit_jax(zb, "gpt2-tiny")
+    zbv = plan_graph(graph, _tiny(), TRAIN, options=SearchOptions(schedules=("zbv",), **PIPELINED))
+    with pytest.raises(PlanError):
+        check_schedule(zbv)
+
+
+def test_plan_says_by_how_much_each_schedule_loses(graph: Graph) -> None:
+    from partita.report.fmt import time_s
+    from partita.report.terminal import plan_text
+
+    opts = SearchOptions(schedules=("1f1b", "zb_h1"), **PIPELINED)
+    plan = plan_graph(graph, _tiny(), TRAIN, options=opts)
+    got = plan.search["schedules"]
+    assert set(got) == {"1f1b", "zb_h1"} and min(got.values()) == plan.predicted["step_time_s"]
+    assert next(iter(got)) == plan.schedule == "zb_h1"
+    text = plan_text(plan, width=200)
+    loss = (got["1f1b"] / got["zb_h1"] - 1) * 100
+    assert f"1f1b {time_s(got['1f1b'])} (+{loss:.1f}%)" in text

@@ -1,0 +1,54 @@
+"""The report's pipeline chart is the plan's action list as the cost model simulated it (issue 19)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from partita.cluster import parse_cluster
+from partita.plan import Plan
+from partita.report.html import _KINDS, _schedule, timeline_html
+from partita.search.config import TrainingConfig
+from partita.search.schedule import pipeline_actions, splits_backward
+
+
+@pytest.fixture(scope="module")
+def plans() -> dict[str, Plan]:
+    from partita.frontends.trace import trace_handle
+    from partita.models import resolve_model
+    from partita.search.hand_plan import hand_plan
+
+    graph = trace_handle(resolve_model("gpt2-tiny"), batch=1, seq=32)
+    cl, tr = parse_cluster("2xA100-80G"), TrainingConfig(global_batch=8, seq_len=32)
+    return {s: hand_plan(graph, cl, tr, tp=1, pp=2, dp=1, micro_batch=1, schedule=s) for s in ("1f1b", "zb_h1")}
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_chart_draws_the_simulated_action_list(plans: dict[str, Plan], schedule: str) -> None:
+    plan = plans[schedule]
+    boxes, end, m = _schedule(plan)
+    assert m == plan.num_micro_batches == 8
+    assert end == pytest.approx(plan.predicted["step_time_s"] - plan.predicted["tail_s"], rel=1e-9)
+    n = plan.num_stages
+    kinds = Counter(a.kind for _, a, _, _ in boxes)
+    assert kinds["F"] == kinds["B"] == n * m and kinds["W"] == (n * m if splits_backward(schedule) else 0)
+    for rank, acts in enumerate(pipeline_actions(schedule, n, m)):
+        assert [a for r, a, _, _ in sorted(boxes, key=lambda x: x[2]) if r == rank] == acts
+    page = timeline_html(plan)
+    legend = page.split('class="legend"')[1].split("</div>")[0]
+    assert legend.count('class="sw"') == (4 if splits_backward(schedule) else 3)
+    for kind, (colour, _what) in _KINDS.items():  # F, B, W in distinct colours, one box per action
+        assert page.count(f"background:{colour};border") == kinds[kind]
+    if splits_backward(schedule):
+        idle = [end - sum(d for r, _, _, d in boxes if r == rank) for rank in range(n)]
+        one = _schedule(plans["1f1b"])
+        idle_1f1b = [one[1] - sum(d for r, _, _, d in one[0] if r == rank) for rank in range(n)]
+        assert max(idle) < max(idle_1f1b)  # W fills part of the bubble
+
+
+def test_terminal_summary_names_the_deferred_weight_gradients(plans: dict[str, Plan]) -> None:
+    from partita.report.terminal import plan_text
+
+    assert "weight gradients (W) deferred into the bubble" in plan_text(plans["zb_h1"], width=200)
+    assert "deferred" not in plan_text(plans["1f1b"], width=200)
