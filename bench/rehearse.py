@@ -1,10 +1,11 @@
 """Rehearse real-size plans (issue 15's list) and print, per plan and stage, match or the exact mismatches.
 
 Each row compiles a plan (the search, ``partita compile``; or a hand Megatron layout priced by the
-same model, ``search/hand_plan.py``) into a directory under ``bench/results/rehearse/`` and runs
+same model, ``search/hand_plan.py``) into a directory under ``bench/.cache/rehearse/`` and runs
 ``partita rehearse`` on it (``backends/torch/rehearse.py``): the emitted program at the plan's full
 world size and model size, on fake tensors and a fake process group, compared with the plan's
-records. Writes ``bench/results/rehearse.json``.
+records. Writes ``bench/results/rehearse.json`` with wall and CPU seconds per rehearsal (the CPU time
+of the role processes does not depend on how loaded the machine is).
 
     python bench/rehearse.py                     # every row (compiles take minutes each)
     python bench/rehearse.py llama-7b-search     # rows whose name contains the argument
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent
-OUT = ROOT / "results" / "rehearse"
+OUT = ROOT / ".cache" / "rehearse"  # compiled plan directories (ignored by git); the table: results/rehearse.json
 
 # name: (model, cluster, global batch, seq, hand layout or None for the search)
 ROWS: dict[str, tuple[str, str, int, int, dict[str, Any] | None]] = {
@@ -120,6 +121,13 @@ def write_plan(out: Path, plan: Any, model: str) -> Path:
     return out
 
 
+def _children_cpu() -> float:
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
 def main(argv: list[str]) -> int:
     from partita.backends.torch.rehearse import rehearse_dir
 
@@ -133,12 +141,13 @@ def main(argv: list[str]) -> int:
             results[name] = {"error": f"compile failed: {type(e).__name__}: {e}"}
             print(f"{name}: compile failed: {type(e).__name__}: {e}", flush=True)
             continue
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), _children_cpu()
         res = rehearse_dir(d)
         res["compile_s"], res["rehearse_s"] = round(t1 - t0, 1), round(time.perf_counter() - t1, 1)
+        res["rehearse_cpu_s"] = round(_children_cpu() - c1, 1)  # the role processes' CPU time (load-independent)
         results[name] = res
         print(f"{name}: {'MATCH' if res['match'] else 'mismatch'} (compile {res['compile_s']} s, "
-              f"rehearse {res['rehearse_s']} s)", flush=True)  # fmt: skip
+              f"rehearse {res['rehearse_s']} s wall, {res['rehearse_cpu_s']} s CPU)", flush=True)  # fmt: skip
         for s in res["stages"]:
             print(f"  stage {s['index']} ranks {s['ranks_rehearsed']}: peak {s['peak_memory_bytes']} B "
                   f"(plan {s['planned_memory_bytes']}), FLOPs {s['flops']} (plan {s['planned_flops']})")  # fmt: skip

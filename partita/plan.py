@@ -32,7 +32,7 @@ from partita.errors import PlanError
 
 PLAN_FORMAT = "partita.plan"
 PLAN_VERSION = 1
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")  # = search.schedule.SCHEDULE_FAMILIES
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -76,6 +76,7 @@ class Stage:
     input_placement: tuple[str, ...] = ("S(0)", "R")  # boundary activation entering the stage
     output_placement: tuple[str, ...] = ("S(0)", "R")
     op_strategies: Mapping[str, str] = dataclasses.field(default_factory=dict)  # node -> strategy name
+    tp_plan: Mapping[str, str] = dataclasses.field(default_factory=dict)  # module -> torch tp role (search/strategies)
     collectives: tuple[Collective, ...] = ()
     predicted: Mapping[str, float] = dataclasses.field(default_factory=dict)  # compute_s, comm_s, memory...
 
@@ -173,6 +174,7 @@ class Plan:
                     input_placement=tuple(s.get("input_placement", ("S(0)", "R"))),
                     output_placement=tuple(s.get("output_placement", ("S(0)", "R"))),
                     op_strategies=dict(s.get("op_strategies", {})),
+                    tp_plan=dict(s.get("tp_plan", {})),
                     collectives=tuple(Collective(**c) for c in s.get("collectives", ())),
                     predicted=dict(s.get("predicted", {})),
                 )

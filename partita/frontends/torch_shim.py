@@ -47,6 +47,7 @@ __all__ = [
     "private_propagation_fake_mode",
     "reset_dtensor_caches",
     "export_program",
+    "fsdp_reduce_grads",
     "functional_collective_ops",
     "make_dim",
     "op_name",
@@ -177,12 +178,27 @@ def group_name(arg: Any) -> str | None:
     return None
 
 
-def mem_tracker() -> Any:
+def mem_tracker(peak_only: bool = False) -> Any:
     """A new ``torch.distributed._tools.mem_tracker.MemTracker`` (categories: Parameter, Buffer,
-    Gradient, Activation, Temp, Optstate, Other; ``get_tracker_snapshot("peak")``)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+    Gradient, Activation, Temp, Optstate, Other; ``get_tracker_snapshot("peak")``).
 
-    return MemTracker()
+    ``peak_only``: after every op keep only the global peak snapshot (what ``"peak"`` returns), not
+    each active module's; torch's per-op walk over every tracked module (weak references, deep
+    copies) was most of a rehearsal's time (``partita rehearse``, issue 15)."""
+    from torch.distributed._tools import mem_tracker as mt
+
+    if not peak_only:
+        return mt.MemTracker()
+
+    class PeakTracker(mt.MemTracker):
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            for dev, snap in self._curr_mem_snap.items():
+                total = snap[mt._TOTAL_KEY]
+                if self._peak_mem.get(dev, 0) < total:
+                    self._peak_mem[dev] = total
+                    self._peak_mem_snap[dev] = dict(snap)  # category -> bytes: a flat copy is a full one
+
+    return PeakTracker()
 
 
 class private_propagation_fake_mode:  # noqa: N801 - used as a context manager like a function
@@ -259,3 +275,22 @@ def pytree() -> Any:
     from torch.utils import _pytree
 
     return _pytree
+
+
+def fsdp_reduce_grads(root: Any) -> None:
+    """Run FSDP2's post-backward (reduce-scatter the accumulated unsharded gradients, reshard) for
+    every unit under the ``fully_shard`` module ``root`` now, outside any backward: what
+    ``torch.distributed.pipelining``'s REDUCE_GRAD action does (``PipelineStage.perform_reduce_grad``)
+    after the last W of a zero-bubble schedule (``backends/torch/schedule.py``, ZeRO-1). FSDP2 has no
+    public call for it in torch 2.13: ``fully_shard.state``, ``_fsdp_param_groups``, ``post_backward``
+    and ``_root_post_backward_final_callback`` are private."""
+    from torch.distributed.fsdp import fully_shard
+
+    root.set_is_last_backward(True)
+    root.set_reshard_after_backward(True)
+    root.set_requires_gradient_sync(True)
+    state = fully_shard.state(root)  # type: ignore[attr-defined]
+    for st in state._state_ctx.all_states:
+        for group in st._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()

@@ -6,9 +6,10 @@ the launcher's result dict (``backends/torch/launch.run`` or ``backends/jax/run.
 
 What each framework's result holds, and so what the log can say:
 
-* torch: per-step wall time (the slowest rank per step), losses, collectives per stage counted
-  at run time by ``backends/torch/fidelity.CollectiveCounter`` on each stage's first rank (DTensor's
-  internal redistributions are not seen by it). No per-stage times: ``torch_train`` reports the
+* torch: per-step wall time (the slowest rank per step), losses, collectives per stage and mesh
+  axis (``kind@axis``, count and bytes) counted at run time by ``backends/torch/fidelity.CollectiveCounter``
+  on each stage's first rank, and the program's own comparison with the plan's records (kinds,
+  axes, counts, bytes within 2%). No per-stage times: ``torch_train`` reports the
   max over ranks only, so stage times stay ``None`` and the log lists that gap.
 * jax: losses and collectives per stage counted in the compiled HLO (static, per step); no times.
 """
@@ -43,17 +44,33 @@ def median(xs: Sequence[float]) -> float | None:
     return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
 
 
+BYTES_TOL = 0.02  # measured bytes per kind@axis within this fraction of the plan's (issue 15)
+
+
 def predicted_collectives(plan: Plan) -> dict[int, dict[str, dict[str, float]]]:
-    """stage -> kind -> {count, bytes} per step, from the plan's ``Stage.collectives``."""
+    """stage -> ``kind@axis`` -> {count, bytes} per step: the plan's ``Stage.collectives``
+    (``search/records.py``), the one prediction the torch program also carries."""
     out: dict[int, dict[str, dict[str, float]]] = {}
     for s in plan.stages:
-        kinds: dict[str, dict[str, float]] = {}
+        keys: dict[str, dict[str, float]] = {}
         for c in s.collectives:
-            e = kinds.setdefault(c.kind, {"count": 0, "bytes": 0.0})
+            e = keys.setdefault(f"{c.kind}@{c.axis}", {"count": 0, "bytes": 0.0})
             e["count"] += int(c.count)
             e["bytes"] += float(c.bytes) * int(c.count)
-        out[s.index] = dict(sorted(kinds.items()))
+        out[s.index] = dict(sorted(keys.items()))
     return out
+
+
+def mismatch(key: str, pred: Mapping[str, Any] | None, meas: Mapping[str, Any] | None) -> str | None:
+    """Why a measured ``kind@axis`` differs from the plan's (counts equal, bytes within :data:`BYTES_TOL`
+    where both are known), or None when it matches."""
+    pc, mc = int((pred or {}).get("count") or 0), int((meas or {}).get("count") or 0)
+    if pc != mc:
+        return f"{key}: measured {mc}, predicted {pc}"
+    pb, mb = (pred or {}).get("bytes"), (meas or {}).get("bytes")
+    if pc and pb and mb is not None and abs(float(mb) - float(pb)) > BYTES_TOL * float(pb):
+        return f"{key}: measured {float(mb):.0f} B, predicted {float(pb):.0f} B"
+    return None
 
 
 def _measured_torch(result: Mapping[str, Any]) -> dict[int, dict[str, dict[str, float]]]:
@@ -118,8 +135,8 @@ def build(
     predicted = predicted_collectives(plan)
     runtime_says = bool(result.get("predicted_collectives"))
     if runtime_says:
-        # the generated program's prediction refines the plan's to what its runtime issues
-        # (backends/torch/fidelity.predict_stage, backends/jax/fidelity.py say why) and it did the comparison
+        # the program carries a prediction and did the comparison itself: torch's is the plan's records
+        # (search/records.py); JAX's is the plan's records as its program issues them (backends/jax/fidelity.py)
         predicted = _per_stage(result["predicted_collectives"])
     stages = []
     for s in plan.stages:
@@ -130,9 +147,9 @@ def build(
         }
         mismatches = list((result.get("collective_mismatches") or {}).get(f"stage{s.index}", []))
         for k in kinds if meas is not None and not runtime_says else []:
-            m, p = int(((meas or {}).get(k) or {}).get("count") or 0), int(pred.get(k, {}).get("count", 0))
-            if m != p:
-                mismatches.append(f"{k}: measured {m}, predicted {p}")
+            why = mismatch(k, pred.get(k), (meas or {}).get(k))
+            if why is not None:
+                mismatches.append(why)
         stages.append(
             {
                 "index": s.index,

@@ -13,7 +13,7 @@ from typing import Any
 from rich.table import Table
 
 from partita.report.fmt import nbytes, pct, time_s
-from partita.report.run_log import GAP_THRESHOLD, gap_causes
+from partita.report.run_log import GAP_THRESHOLD, gap_causes, mismatch
 from partita.report.tables import render, table
 
 
@@ -35,7 +35,7 @@ def collective_rows(log: Mapping[str, Any]) -> list[list[str]]:
         for kind, row in s.get("collectives", {}).items():
             pred, meas = row.get("predicted"), row.get("measured")
             mc = (count(meas) if meas else "0") if measured else "-"
-            same = "-" if not measured else "yes" if count(pred) == mc or (mc == "0" and count(pred) == "-") else "NO"
+            same = "-" if not measured else "NO" if mismatch(kind, pred, meas) else "yes"
             rows.append([str(s["index"]), kind, count(pred), mc, coll_bytes(pred), coll_bytes(meas), same])
     return rows
 

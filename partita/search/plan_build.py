@@ -15,8 +15,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from partita.passes.annotate import layer_stats
+from partita.ir import dim_size
+from partita.passes.annotate import HEAVY_PRIMS, layer_stats
 from partita.plan import Collective, Plan, Stage, validate
+from partita.search import records, schedule_cost
 from partita.search import schedule as sched
 from partita.version import __version__
 
@@ -53,11 +55,25 @@ class Candidate:
 
     def memory(self, i: int) -> float:
         p = self.stages[i]
-        return float(self._arr(i).memory[p.k, p.j, len(self.stages) - i])
+        # in-flight counts depend on the stages left (index p - i), except under zero-bubble schedules,
+        # where every rank holds what rank 0 holds (search/schedule.peak_in_flight): index p
+        left = len(self.stages) if sched.splits_backward(self.schedule) else len(self.stages) - i
+        return float(self._arr(i).memory[p.k, p.j, left])
 
     @property
     def pipeline(self) -> sched.PipelineTime:
-        return sched.pipeline_time(self.stage_times, self.schedule, self.m, self.v)
+        """Step, bubble, busiest period: the simulated action list (``search/schedule_cost.py``)."""
+        return schedule_cost.pipeline_time(self.schedule, self.m, self.v, *self.action_times())
+
+    def action_times(self) -> tuple[list[float], list[float], list[float]]:
+        """Per stage ``(F, B, W)`` seconds per micro-batch, p2p included (``search/schedule_cost.py``)."""
+        s, splits = self.search, []
+        for p in self.stages:
+            env = {"B": 1 if s.costs.linear_batch else p.option.devices[0][2], "S": s.training.seq_len}
+            rec = p.option.combos[p.combo][1]
+            splits.append(schedule_cost.stage_split(s.graph, env, s.units[p.k][0], s.units[p.j - 1][1], rec))
+        computes = [float(self._arr(i).compute[p.k, p.j]) for i, p in enumerate(self.stages)]
+        return schedule_cost.action_times(self.stage_times, computes, splits)
 
     @property
     def step_time(self) -> float:
@@ -121,15 +137,19 @@ def _assign_ranks(c: Candidate) -> tuple[list[list[int]], list[int]]:
     return [[pos[r] for r in rs] for rs in per_stage], used
 
 
-def _stage_records(search: Any, best: Candidate, i: int, p: StagePick, a0: int, b0: int, z: int, r: str) -> dict:
+def _stage_records(
+    search: Any, best: Candidate, i: int, p: StagePick, a0: int, b0: int, z: int, r: str, strategies: dict[str, str]
+) -> dict:
     """Per device and step, what ``partita rehearse`` compares the program with (issue 15).
 
     ``memory_by_category``: the stage's ``memory_bytes`` split as ``search/stage_cost.stage_arrays``
     builds it (parameters, gradients, optimizer state after ZeRO sharding; activations: the rest,
     i.e. saved activations of the in-flight micro-batches plus the transient). ``flops``: the
     layers' forward + backward FLOPs (``passes/annotate.layer_stats``, the numbers the cost model
-    prices) for this replica's ``m`` micro-batches, over ``tp`` ranks, plus the forward again
-    under full recompute (selective recompute is priced as none: issue 15 item 4).
+    prices) for this replica's ``m`` micro-batches, each op's over ``tp`` ranks only where its ILP
+    strategy shards it on ``tp`` (a replicated op, e.g. an LM head left whole, runs in full on every
+    rank), plus the forward again under full recompute (selective recompute re-runs only ops that
+    FLOP counters count as 0).
     """
     dev0, tp, mb = p.option.devices[0][0], p.option.tp, p.option.devices[0][2]
     costs = [search.costs.layer(li, dev0, tp, mb)[0] for li in range(a0, b0)]
@@ -140,10 +160,15 @@ def _stage_records(search: Any, best: Candidate, i: int, p: StagePick, a0: int, 
     opt = sum(c.optimizer_bytes for c in costs) / (dp if z >= 1 else 1.0)
     total = best.memory(i)
     env = {"B": 1 if search.costs.linear_batch else mb, "S": search.training.seq_len}
-    stats = layer_stats(search.graph, env)[a0:b0]
-    fwd = float(sum(st.forward_flops for st in stats))
-    bwd = float(sum(st.backward_flops for st in stats))
-    scale = (mb if search.costs.linear_batch else 1) * best.m / tp
+    fwd = bwd = 0.0
+    g = search.graph
+    for lay in g.layers[a0:b0]:
+        for name in lay.nodes:
+            n = g.node(name)
+            f = float(dim_size(n.flops, env)) / (tp if "@tp" in strategies.get(name, "R") else 1)
+            fwd += f
+            bwd += 2 * f if n.prim in HEAVY_PRIMS else f
+    scale = (mb if search.costs.linear_batch else 1) * best.m
     return {
         "memory_by_category": {
             "parameters": params,
@@ -153,6 +178,42 @@ def _stage_records(search: Any, best: Candidate, i: int, p: StagePick, a0: int, 
         },
         "flops": (fwd + bwd + (fwd if r == "full" else 0.0)) * scale,
     }
+
+
+def _held_names(g: Any, a0: int, b0: int, placements: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+    """Placements under the names the stage's module holds: a tied parameter first used by a layer of
+    another stage (GPT-2's ``transformer.wte.weight`` read by the head) is held here under its alias
+    (``lm_head.weight``); the program finds no ``transformer.wte`` in a stage without the embedding."""
+    here = {g.tensors[t].fqn for lay in g.layers[a0:b0] for t in lay.params}
+    by_fqn = {t.fqn: t for t in g.tensors.values() if t.aliases}
+    out = {}
+    for fqn, pl in placements.items():
+        ten = by_fqn.get(fqn)
+        out[ten.aliases[0] if ten is not None and fqn not in here else fqn] = pl
+    return out
+
+
+def _jax_records(
+    search: Any, best: Candidate, i: int, p: StagePick, a0: int, b0: int, z: int, colls: list[Collective]
+) -> list[Collective]:
+    """A JAX plan's records, as ``backends/jax/fidelity.predict_stage`` reads them: the ILP's per step
+    (``count * m``), one bucketed dp gradient sync, clipping / loss-scale all-reduces, one p2p entry
+    per boundary. (``search/records.py`` describes the torch program, whose FSDP2 units, p2p protocol
+    and precision differ.)"""
+    tr, dev0, tp, mb = search.training, p.option.devices[0][0], p.option.tp, p.option.devices[0][2]
+    out = [c if c.phase == "optimizer" else dataclasses.replace(c, count=c.count * best.m) for c in colls]
+    if best.dp > 1:
+        gbytes = float(sum(search.costs.layer(li, dev0, tp, mb)[0].grad_bytes for li in range(a0, b0)))
+        kind = "all_reduce" if z == 0 else "reduce_scatter"
+        out.append(Collective(kind, "dp", gbytes, 1 if z < 2 else best.m, "optimizer", "gradient sync (dp)"))
+    if getattr(tr, "grad_clip", None):
+        out.append(Collective("all_reduce", "world", 8.0, 1, "optimizer", "gradient clipping (global norm)"))
+    if tr.dtype == "f16":
+        out.append(Collective("all_reduce", "world", 8.0, 1, "optimizer", "loss-scale overflow check"))
+    if i + 1 < len(best.stages):
+        bnd = float(search.costs.layer(b0 - 1, dev0, tp, mb)[0].boundary_bytes)
+        out.append(Collective("p2p", "pp", bnd, best.m * best.v, "forward", f"activation to stage {i + 1}"))
+    return out
 
 
 def _sanity(search: Any, used_devs: list[str], flops: float, step: float) -> dict[str, Any]:
@@ -181,6 +242,8 @@ def build_plan(search: Any, cands: list[Candidate], elapsed_s: float) -> Plan:
     best = order[0]
     g, tr = search.graph, search.training
     stage_ranks, used = _assign_ranks(best)
+    fbw = best.action_times()  # what Candidate.pipeline simulated; the report redraws it
+    held = schedule_cost.w_held(g, tr.seq_len)  # what the stage memory priced per deferred W (issue 19)
     stages = []
     for i, (p, ranks) in enumerate(zip(best.stages, stage_ranks)):
         z, r = p.option.combos[p.combo]
@@ -189,27 +252,23 @@ def build_plan(search: Any, cands: list[Candidate], elapsed_s: float) -> Plan:
         dev0 = p.option.devices[0][0]
         placements: dict[str, tuple[str, ...]] = {}
         strategies: dict[str, str] = {}
+        tp_plan: dict[str, str] = {}
         colls: list[Collective] = []
+        # the ILP's tensor-parallel records per micro-batch (a linear-batch solve at batch 1 scaled to the
+        # micro-batch); search/records.py completes them per step after the plan is laid out
+        mb = p.option.devices[0][2]
+        scale = float(mb) if search.costs.linear_batch else 1.0
         for li in range(a0, b0):
-            sol = search.costs.solution(li, dev0, p.option.tp, p.option.devices[0][2])
+            sol = search.costs.solution(li, dev0, p.option.tp, mb)
             placements.update({k: tuple(v) for k, v in sol.param_placements.items()})
             strategies.update(sol.op_strategies)
+            tp_plan.update(getattr(sol, "tp_plan", {}))  # torch tp module roles (search/strategies.py)
             for cc in sol.collectives:
-                n = cc.count if cc.phase == "optimizer" else cc.count * best.m
-                colls.append(dataclasses.replace(cc, count=n))
+                colls.append(cc if cc.phase == "optimizer" else dataclasses.replace(cc, bytes=cc.bytes * scale))
+        placements = _held_names(g, a0, b0, placements)
+        if g.meta.get("framework") == "jax":
+            colls = _jax_records(search, best, i, p, a0, b0, z, colls)
         arr = p.option.arrays[p.combo]
-        if best.dp > 1:
-            mb = p.option.devices[0][2]
-            gbytes = float(sum(search.costs.layer(li, dev0, p.option.tp, mb)[0].grad_bytes for li in range(a0, b0)))
-            kind = "all_reduce" if z == 0 else "reduce_scatter"
-            colls.append(Collective(kind, "dp", gbytes, 1 if z < 2 else best.m, "optimizer", "gradient sync (dp)"))
-        if getattr(tr, "grad_clip", None):  # the global-norm reduction: one float64 all-reduce over all ranks
-            colls.append(Collective("all_reduce", "world", 8.0, 1, "optimizer", "gradient clipping (global norm)"))
-        if tr.dtype == "f16":  # dynamic loss scaling: every rank's overflow flag, one float64 all-reduce
-            colls.append(Collective("all_reduce", "world", 8.0, 1, "optimizer", "loss-scale overflow check"))
-        if i + 1 < len(best.stages):
-            bnd = float(search.costs.layer(b0 - 1, dev0, p.option.tp, p.option.devices[0][2])[0].boundary_bytes)
-            colls.append(Collective("p2p", "pp", bnd, best.m * best.v, "forward", f"activation to stage {i + 1}"))
         mixed = len(p.option.devices) > 1
         t = float(arr.time[p.k, p.j])
         comm = float(arr.comm[p.k, p.j])
@@ -227,6 +286,7 @@ def build_plan(search: Any, cands: list[Candidate], elapsed_s: float) -> Plan:
                 replica_device_types=tuple(d.name for d, a, _ in p.option.devices for _ in range(a)) if mixed else (),
                 param_placements=placements,
                 op_strategies=strategies,
+                tp_plan=tp_plan if p.option.tp > 1 else {},
                 collectives=tuple(colls),
                 predicted={
                     "time_s": t,
@@ -235,8 +295,9 @@ def build_plan(search: Any, cands: list[Candidate], elapsed_s: float) -> Plan:
                     "forward_s": (t - comm) / 3,
                     "tail_s": float(arr.tail[p.k, p.j]),
                     "memory_bytes": best.memory(i),
-                    "in_flight": sched.in_flight(best.schedule, i, len(best.stages), best.m, best.v),
-                    **_stage_records(search, best, i, p, a0, b0, z, r),
+                    "in_flight": sched.in_flight(best.schedule, i, len(best.stages), best.m, best.v, w_held=held),
+                    **{f"{k}_action_s": x[i] for k, x in zip("fbw", fbw)},  # the simulated F, B, W (issue 19)
+                    **_stage_records(search, best, i, p, a0, b0, z, r, strategies),
                 },
             )
         )
@@ -279,9 +340,12 @@ def build_plan(search: Any, cands: list[Candidate], elapsed_s: float) -> Plan:
         "layer_units": len(search.units),
         "ilp": ilp,
         "alternatives": alts,
+        "schedules": schedule_cost.best_per_schedule(cands),  # each schedule's best step (issue 19)
     }
     if getattr(search.options, "record_time", False):
         search_d["time_s"] = elapsed_s
+    if g.meta.get("no_pipeline"):  # one stage only was searched, and why (frontends/trace_torch.py)
+        search_d["not_pipelined"] = g.meta["no_pipeline"]
     plan = Plan(
         model={
             "name": g.meta.get("model", g.name),
@@ -313,5 +377,7 @@ def build_plan(search: Any, cands: list[Candidate], elapsed_s: float) -> Plan:
         search=search_d,
         partita_version=__version__,
     )
+    if g.meta.get("framework") != "jax":  # the torch program's complete records (search/records.py)
+        plan = records.complete(plan, g)
     validate(plan)
     return plan

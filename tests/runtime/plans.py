@@ -1,16 +1,20 @@
 """Hand-made Plans for the runtime tests: the layouts the brief lists, for the zoo's tiny models.
 
-The plans are test inputs (the search is not involved); their ``Stage.collectives`` are what the
-planner records (``search/plan_build.py``: one bucketed gradient sync, one p2p entry per boundary).
-:func:`expected` derives, from first principles and independently of ``backends/torch/fidelity.py``, the
-collectives the torch runtime must issue per step for each layout; the emitted program's
-prediction and the collectives counted under torchrun must both equal it.
+The plans are test inputs (the search is not involved); their ``Stage.collectives`` are the search's
+own records for the layout (``search/records.py`` via :func:`with_records`), without tensor-parallel
+ones (those come from the layer ILP). :func:`expected` derives, from first principles and independently
+of ``search/records.py``, the collective counts the torch runtime must issue per step for each layout;
+the plan's records and the collectives counted under torchrun must both equal it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 from partita.cluster import parse_shorthand
-from partita.plan import Collective, Plan, Stage
+from partita.plan import Plan, Stage
+from partita.search import records
 
 LAYERS = {
     "gpt2-tiny": ["embed", "transformer.h.0", "transformer.h.1", "head"],
@@ -66,12 +70,6 @@ def make_plan(
     out = []
     for i, s in enumerate(stages):
         placements = tp_placements(model, s["layers"], s.get("contiguous_qkv", False)) if s["tp"] > 1 else {}
-        colls, z = [], s.get("zero_stage", 0)
-        if s["dp"] > 1:  # as plan_build records it: one bucketed gradient sync (per micro-batch for ZeRO-2/3)
-            kind = "all_reduce" if z == 0 else "reduce_scatter"
-            colls.append(Collective(kind, "dp", 0.0, 1 if z < 2 else num_micro_batches, "optimizer", "grad sync"))
-        if i + 1 < len(stages):
-            colls.append(Collective("p2p", "pp", 0.0, num_micro_batches, "forward", f"activation to stage {i + 1}"))
         out.append(
             Stage(
                 index=i,
@@ -84,20 +82,44 @@ def make_plan(
                 recompute=s.get("recompute", "none"),
                 batch_shares=tuple(s.get("batch_shares", ())),
                 param_placements=placements,
-                collectives=tuple(colls),
             )
         )
-    return Plan(
-        model={"name": model, "framework": "torch", "layers": LAYERS[model]},
-        cluster={"name": cluster.name, "fingerprint": cluster.fingerprint(), "spec": cluster.to_dict()},
-        training={"global_batch": global_batch, "seq_len": seq_len, "dtype": dtype, "optimizer": optimizer, "lr": 0.01},
-        stages=tuple(out),
-        schedule=schedule,
-        micro_batch_size=micro_batch_size,
-        num_micro_batches=num_micro_batches,
-        predicted={"step_time_s": 0.05},
-        partita_version="0.1.0",
+    return with_records(
+        Plan(
+            model={"name": model, "framework": "torch", "layers": LAYERS[model]},
+            cluster={"name": cluster.name, "fingerprint": cluster.fingerprint(), "spec": cluster.to_dict()},
+            training={
+                "global_batch": global_batch,
+                "seq_len": seq_len,
+                "dtype": dtype,
+                "optimizer": optimizer,
+                "lr": 0.01,
+            },
+            stages=tuple(out),
+            schedule=schedule,
+            micro_batch_size=micro_batch_size,
+            num_micro_batches=num_micro_batches,
+            predicted={"step_time_s": 0.05},
+            partita_version="0.1.0",
+        ),
+        model,
     )
+
+
+@functools.cache
+def _graph(model: str):  # noqa: ANN202
+    from partita.driver import trace_model
+
+    return trace_model(model, seq=16).graph
+
+
+def with_records(plan: Plan, model: str) -> Plan:
+    """``plan`` with the search's own records (``search/records.py``: data parallel, pipeline, tied
+    weights, clipping; per step, with bytes) for its layout. The tensor-parallel part of a plan's
+    records comes from the layer ILP, which these hand placements skip: a tp stage has no tp records
+    (the tests check its tp counts against :func:`expected`)."""
+    bare = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, collectives=()) for s in plan.stages))
+    return records.complete(bare, _graph(model))
 
 
 def layout(model: str, name: str) -> Plan:
@@ -141,10 +163,8 @@ def layout(model: str, name: str) -> Plan:
         ),
     }  # fmt: skip
     if name.endswith("_bf16"):  # the same layout trained in bf16 (issue 15 item 2)
-        import dataclasses
-
         plan = table[name[: -len("_bf16")]]()
-        return dataclasses.replace(plan, training={**plan.training, "dtype": "bf16"})
+        return with_records(dataclasses.replace(plan, training={**plan.training, "dtype": "bf16"}), model)
     return table[name]()
 
 

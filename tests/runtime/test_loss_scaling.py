@@ -32,7 +32,8 @@ from partita.backends.torch.emit import emit_torch
 from partita.backends.torch.optim import LossScaler
 from partita.backends.torch.train import reference_run
 from partita.plan import Plan
-from tests.runtime.plans import expected, layout
+from partita.search.records import world_axis
+from tests.runtime.plans import expected, layout, with_records
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 U_F16 = 2.0**-11  # fp16 unit roundoff
@@ -100,12 +101,12 @@ def test_f16_plans_record_the_overflow_check() -> None:
                 continue
             assert len(checks) == 1, s.collectives
             c = checks[0]
-            assert (c.kind, c.axis, c.bytes, c.count, c.phase) == ("all_reduce", "world", 8.0, 1, "optimizer")
+            assert (c.kind, c.axis, c.bytes, c.count, c.phase) == ("all_reduce", world_axis(plan), 8.0, 1, "optimizer")
 
 
 def _f16_plan(name: str, **training: object) -> Plan:
     plan = layout(MODEL, name)
-    return dataclasses.replace(plan, training={**plan.training, "dtype": "f16", **training})
+    return with_records(dataclasses.replace(plan, training={**plan.training, "dtype": "f16", **training}), MODEL)
 
 
 def _launch(tmp: Path, plan: Plan, *extra: str) -> dict:
@@ -119,10 +120,13 @@ def _check_counts(res: dict, plan: Plan) -> None:
     for idx, want in expected(MODEL, plan).items():
         key = f"stage{idx}"
         want = {**want, "all_reduce": want.get("all_reduce", 0) + 1}  # + the overflow check
-        measured = {k: v["count"] for k, v in res["collectives"][key].items()}
-        predicted = {k: v["count"] for k, v in res["predicted_collectives"][key].items()}
-        assert measured == want == predicted, (key, measured, want, predicted)
-        assert res["collective_mismatches"].get(key, []) == []
+        measured: dict[str, int] = {}
+        for k, v in res["collectives"][key].items():  # kind@axis -> kind
+            measured[k.split("@")[0]] = measured.get(k.split("@")[0], 0) + v["count"]
+        assert measured == want, (key, measured, want)
+        checks = [c for c in plan.stages[idx].collectives if c.reason == "loss-scale overflow check"]
+        assert [(c.kind, c.axis, c.count) for c in checks] == [("all_reduce", world_axis(plan), 1)]  # plan records it
+        assert res["collective_mismatches"].get(key, []) == []  # kinds, axes, counts, bytes: the plan's records
 
 
 @pytest.mark.multiprocess

@@ -37,7 +37,8 @@ from partita.backends.torch.schedule import replica_ranges
 from partita.backends.torch.train import reference_run
 from partita.cluster import parse_shorthand
 from partita.plan import Plan
-from tests.runtime.plans import layout
+from partita.search.records import world_axis
+from tests.runtime.plans import layout, with_records
 
 pytestmark = pytest.mark.multiprocess
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -52,7 +53,7 @@ def _plan(name: str) -> Plan:
     plan = layout(MODEL, name)
     cl = parse_shorthand(f"{2 * ((plan.world_size + 1) // 2)}xCPU", gpus_per_node=2)  # nodes of 2 ranks
     cluster = {"name": cl.name, "fingerprint": cl.fingerprint(), "spec": cl.to_dict()}
-    return dataclasses.replace(plan, training={**plan.training, **TRAINING}, cluster=cluster)
+    return with_records(dataclasses.replace(plan, training={**plan.training, **TRAINING}, cluster=cluster), MODEL)
 
 
 def _expected_reads(plan: Plan, rank: int, num_windows: int) -> list[list[int]]:
@@ -107,8 +108,12 @@ def test_placed_launch_matches_reference_with_clipping_schedule_and_token_file(t
     assert res["lrs"] == pytest.approx(ref["lrs"], rel=1e-12) and res["lrs"][0] == TRAINING["lr"] / 2
     torch.testing.assert_close(torch.tensor(res["grad_norms"]), torch.tensor(ref["grad_norms"]), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(ref["losses"]), rtol=1e-4, atol=1e-5)
-    assert res["collective_mismatches"] == {k: [] for k in res["collective_mismatches"]}
-    assert all(v["all_reduce"]["count"] >= 1 for v in res["predicted_collectives"].values())
+    for s in plan.stages:  # the plan's records (a hand plan has no ILP tensor-parallel records: plans.with_records)
+        left = res["collective_mismatches"].get(f"stage{s.index}", [])
+        assert [m for m in left if not (s.tp > 1 and "@tp:" in m)] == [], left
+    for s in plan.stages:  # the clipping all-reduce, recorded by the plan and carried by the program
+        clip = [c for c in s.collectives if c.reason.startswith("gradient clipping")]
+        assert [(c.kind, c.axis, c.count) for c in clip] == [("all_reduce", world_axis(plan), 1)]
 
     assert res["backend"] == BACKEND and res["data"] == "token_file"
     for rank in range(plan.world_size):

@@ -6,12 +6,12 @@ one ``setup_stage_<i>`` per stage with the per-parameter placements written out,
 with the schedule, ``lr_lambda``, and a ``__main__`` that hands these to
 ``partita.backends.torch.train.main``. Same plan -> byte-identical program (golden-tested).
 
-The predicted collectives are the ones this runtime issues for the plan's layout
-(``backends/torch/fidelity.predict_stage``; the plan's own records are kept as ``planned_collectives``).
-For tensor parallelism they follow from the module roles (``backends/torch/tp.py``), which the emitter
-derives on the model built on the meta device and writes into the program; the program re-derives
-them and refuses to run if they differ. A spec that cannot be built here (an in-memory module)
-gets no roles: the program derives them at run time and its tp collectives are not predicted.
+The predicted collectives are the plan's own records (``search/records.py``: per stage and step, by
+kind, mesh axis and bytes), written as ``PROGRAM["predicted_collectives"]``; nothing here predicts.
+For tensor parallelism the emitter derives the module roles (``backends/torch/tp.py``) on the model
+built on the meta device and writes them into the program; the program re-derives them and refuses to
+run if they differ. A spec that cannot be built here (an in-memory module) gets no roles: the program
+derives them at run time.
 
 Precision (issue 15 item 2): the program trains in the plan's ``training["dtype"]``. A bf16/f16 stage
 under FSDP2 (ZeRO >= 1, dp > 1) gets ``MixedPrecisionPolicy(param_dtype=<dtype>,
@@ -19,12 +19,7 @@ reduce_dtype=torch.float32)`` on every ``fully_shard``; any other stage ``tpar.a
 (f32 master parameters, ``torch.autocast`` compute, activations handed on in the dtype, so p2p
 boundaries travel in it). ``PROGRAM["stages"][i]["precision"]`` names the mode, and
 ``train.reference_run(precision=...)`` computes the same way. f16 scales the loss dynamically
-(``optim.LossScaler``); its overflow check is one more all-reduce per step, predicted here.
-
-Still a second model (issue 15 item 8, not done): ``predicted_collectives`` is ``fidelity.predict_stage``
-(counts only); the plan's records differ from what runs in granularity (one bucketed dp sync vs one
-per FSDP unit, no ZeRO gathers, one p2p entry per boundary vs both directions) and, under bf16, in
-the gradient bytes (f32 here, the plan's dtype there). ``partita rehearse`` reports those gaps.
+(``optim.LossScaler``); its overflow check is one more all-reduce per step, which the plan records.
 
 What torch cannot express, and what the program does instead (also written into the file):
 
@@ -47,8 +42,17 @@ What torch cannot express, and what the program does instead (also written into 
   micro-batch as the plan's ZeRO level says (``torch_schedule.zero_micro_batch``; issue 15 item 6).
 * stages of different shapes: ``torch.distributed.pipelining`` needs one equal-shape stage per pp
   rank, so such plans run ``torch_schedule.P2PPipeline`` (explicit send/recv).
-* ``interleaved_1f1b`` with ``num_virtual_stages > 1``: a plan stage holds one contiguous layer range,
-  which cannot be cut into round-robin model chunks; refused (with 1 virtual stage it is 1F1B).
+* ``interleaved_1f1b`` with ``num_virtual_stages > 1`` and ``zbv`` (2 chunks per rank in a V): a plan
+  stage holds one contiguous layer range, which cannot be cut into model chunks; refused
+  (``check_schedule``; interleaved with 1 virtual stage is 1F1B).
+* ``zb_h1`` (and any schedule beyond GPipe / 1F1B): ``torch.distributed.pipelining`` runs zero-bubble
+  schedules only with several stages per rank, so the plan runs ``torch_schedule.P2PPipeline``, which
+  executes the rank's action list, written into ``make_runner`` as ``ACTIONS``
+  (``search/schedule.pipeline_actions``). B computes only the input gradient, W the weight gradients
+  (``backends/torch/wsplit.py``, one backward's FLOPs). ZeRO-1 reduce-scatters once, after the stage's
+  last W (FSDP2's post-backward called then, as pipelining's REDUCE_GRAD does). Refused with ZeRO-2/3
+  (dp > 1: per-micro-batch syncs would run after B, before W) and with activation recompute (W would
+  recompute each block again).
 """
 
 from __future__ import annotations
@@ -57,9 +61,10 @@ import dataclasses
 import pprint
 from typing import Any
 
-from partita.backends.torch import fidelity
 from partita.errors import PartitaError, PlanError
 from partita.plan import Plan, Stage, shares
+from partita.search import records
+from partita.search.schedule import pipeline_actions, splits_backward
 
 _HEADER = '''"""Partita program: {model} on {cluster} ({world} ranks), {num_stages} stage(s), schedule {schedule}.
 
@@ -77,17 +82,15 @@ from partita.backends.torch import schedule as torch_schedule, train as torch_tr
 '''
 
 
+TORCH_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # interleaved only with 1 virtual stage (= 1F1B)
+
+
 def _runner_kind(plan: Plan) -> str:
-    if plan.num_stages == 1:
-        return "local"
-    if any(s.dp > 1 and s.zero_stage >= 2 for s in plan.stages):
-        return "p2p"  # pipelining's schedule would defer ZeRO-2/3's per-micro-batch sync (module docstring)
-    first = plan.stages[0]
-    same = all(
-        (s.dp, s.tp, shares(s, plan.micro_batch_size)) == (first.dp, first.tp, shares(first, plan.micro_batch_size))
-        for s in plan.stages
-    )
-    return "torch_pipeline" if same else "p2p"
+    """``local``, ``torch_pipeline`` or ``p2p``: ``search/records.runner_kind``, the one definition, so
+    the plan's records price the runner that runs. ``p2p`` for stages of different shapes, for
+    ZeRO-2/3 (pipelining's schedule would defer the per-micro-batch sync: module docstring) and for
+    every schedule beyond GPipe / 1F1B (its action list runs on ``P2PPipeline``)."""
+    return records.runner_kind(plan)
 
 
 def _device_kind(plan: Plan, name: str) -> str:
@@ -138,12 +141,9 @@ def _meta_model(model_spec: str) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class StageFacts:
-    """What the emitter reads off the (meta) model for one stage; ``None`` fields: model unknown."""
+    """What the emitter reads off the (meta) model for one stage; ``None``: model unknown or tp = 1."""
 
-    roles: dict[str, str] | None  # tp module path -> torch_tp role (None when tp = 1 or no model)
-    tied_sharded_axes: int | None  # holds a parameter tied to another stage: mesh axes it is sharded on
-    recomputed: dict[str, str] | None = None  # tp modules whose forward runs again under full recompute
-    fsdp_units: int | None = None  # FSDP units holding parameters (blocks + root); None: model unknown
+    roles: dict[str, str] | None  # tp module path -> torch_tp role
 
 
 def tp_placements(s: Stage) -> dict[str, str]:
@@ -160,89 +160,24 @@ def tp_placements(s: Stage) -> dict[str, str]:
 
 
 def stage_facts(plan: Plan, model: Any) -> list[StageFacts]:
-    """Module roles and tied-parameter facts per stage (all None without a model)."""
+    """Module roles per stage (None without a model, and for tp = 1)."""
     if model is None:
-        return [StageFacts(None, None) for _ in plan.stages]
+        return [StageFacts(None) for _ in plan.stages]
     from partita.backends.torch import parallel as tpar
 
-    paths = [{p for name in s.layers for p in tpar.layer_paths(model, name)} for s in plan.stages]
-
-    def inside(fqn: str, i: int) -> bool:
-        return _within(fqn, paths[i])
-
-    tied = tpar.tied_groups(model)
-    holders = [[i for i in range(plan.num_stages) if any(inside(n, i) for n in names)] for names in tied]
     out = []
-    for i, s in enumerate(plan.stages):
-        pls = tp_placements(s)
-        roles = recomputed = None
+    for s in plan.stages:
+        paths = {p for name in s.layers for p in tpar.layer_paths(model, name)}
+        roles = None
         if s.tp > 1:
-            roles = {p: r for p, r in tpar.tp_roles(model, pls).items() if inside(p, i)}
-            recomputed = _recomputed(model, s, roles)
-        axes = None
-        for names, hold in zip(tied, holders):
-            if len(hold) > 1 and i in hold:
-                here = [n for n in names if inside(n, i)]
-                tp_sharded = s.tp > 1 and any(pls.get(n, "R") != "R" for n in here)
-                axes = int(tp_sharded) + int(s.dp > 1 and s.zero_stage > 0)
-        out.append(StageFacts(roles, axes, recomputed, _fsdp_units(model, s, paths[i])))
+            roles = {p: r for p, r in tpar.tp_roles(model, tp_placements(s), s.tp_plan).items() if _within(p, paths)}
+        out.append(StageFacts(roles))
     return out
 
 
 def _within(fqn: str, paths: Any) -> bool:
     """Is ``fqn`` one of the module ``paths`` or inside one?"""
     return any(fqn == p or fqn.startswith(p + ".") for p in paths)
-
-
-def _fsdp_units(model: Any, s: Stage, stage_paths: set[str]) -> int:
-    """FSDP units of the stage that own a parameter: FSDP2 issues no collective for the others
-    (a parameter-free block such as an activation layer, a root whose parameters all sit in blocks)."""
-    from partita.backends.torch import parallel as tpar
-
-    names = [n for n, _ in model.named_parameters() if _within(n, stage_paths)]
-    blocks = [tpar.layer_paths(model, b) for b in s.layers if b not in ("embed", "head")]
-    owned = sum(1 for ps in blocks if any(_within(n, ps) for n in names))
-    return owned + int(any(not any(_within(n, ps) for ps in blocks) for n in names))
-
-
-def _recomputed(model: Any, s: Stage, roles: dict[str, str]) -> dict[str, str]:
-    """Block modules whose forward collectives repeat under full recompute.
-
-    ``torch.utils.checkpoint`` (non-reentrant) stops recomputing once the last tensor saved for
-    backward is rebuilt: a block's last tp module (definition order), when row-parallel, feeds only
-    the residual add (saves nothing), so its all-reduce is not repeated.
-    """
-    order = [n for n, _ in model.named_modules()]
-    out = {}
-    for b in (x for x in s.layers if x not in ("embed", "head")):
-        mine = [p for p in order if p in roles and p.startswith(b + ".")]
-        if mine and roles[mine[-1]] in ("rowwise", "rowwise_replicated"):
-            mine = mine[:-1]
-        out.update({p: roles[p] for p in mine})
-    return out
-
-
-def _predicted(plan: Plan, prog: dict[str, Any], facts: list[StageFacts]) -> dict[str, Any]:
-    from partita.backends.torch import tp as torch_tp
-
-    out = {}
-    for i, s in enumerate(plan.stages):
-        roles = facts[i].roles
-        blocks = [b for b in s.layers if b not in ("embed", "head")]
-        fed = s.layers[:1] if i == 0 else ()  # a first layer that is itself a tp module reads the raw input
-        out[f"stage{s.index}"] = fidelity.predict_stage(
-            prog["stages"],
-            i,
-            runner=prog["runner"],
-            num_micro_batches=plan.num_micro_batches,
-            tp=torch_tp.tp_collectives(roles, fed) if roles is not None else None,
-            tp_block=torch_tp.tp_collectives(facts[i].recomputed or {}, fed),
-            num_units=facts[i].fsdp_units if facts[i].fsdp_units is not None else len(blocks) + 1,
-            tied_sharded_axes=facts[i].tied_sharded_axes,
-            clip_norm=bool(plan.training.get("grad_clip")),
-            loss_scale=plan.training.get("dtype") == "f16",
-        )
-    return out
 
 
 def _program(plan: Plan, model_spec: str, facts: list[StageFacts]) -> dict[str, Any]:
@@ -256,10 +191,11 @@ def _program(plan: Plan, model_spec: str, facts: list[StageFacts]) -> dict[str, 
         "runner": _runner_kind(plan),
         "layers": [name for s in plan.stages for name in s.layers],
         "stages": [_stage_dict(plan, s) for s in plan.stages],
-        "planned_collectives": {f"stage{s.index}": fidelity.predicted_summary(s.collectives) for s in plan.stages},
+        # the plan's own records (search/records.py), the program's one prediction: train.py compares its
+        # first and last counted steps with them (kinds, axes, counts, bytes)
+        "predicted_collectives": {f"stage{s.index}": records.summary(s.collectives) for s in plan.stages},
         "predicted_step_time_s": plan.predicted.get("step_time_s"),
     }
-    prog["predicted_collectives"] = _predicted(plan, prog, facts)
     return prog
 
 
@@ -276,11 +212,12 @@ def _tp_lines(s: Stage, facts: StageFacts) -> list[str]:
     lines.append('    tpar.distribute_params(module, rt.mesh["tp"], {')
     for fqn, pl in pls.items():
         lines.append(f"        {fqn!r}: {pl!r},  # plan (dp, tp) = ({s.param_placements[fqn][0]}, {pl})")
-    if facts.roles is None:
+    roles = facts.roles if facts.roles is not None else (dict(s.tp_plan) or None)
+    if roles is None:
         lines.append("    })  # roles: derived at run time (the model could not be built when this was emitted)")
         return lines
-    lines.append("    }, roles={")
-    lines += [f"        {p!r}: {r!r}," for p, r in sorted(facts.roles.items())]
+    lines.append("    }, roles={  # the plan's tp_plan: the ILP's role per module" if s.tp_plan else "    }, roles={")
+    lines += [f"        {p!r}: {r!r}," for p, r in sorted(roles.items())]
     lines.append("    })")
     return lines
 
@@ -364,26 +301,54 @@ def _make_runner(plan: Plan, kind: str) -> str:
             f"{sched!r}, {m}, rt.loss_fn, x, out)",
         ]
     else:
-        why = (
-            [
+        if plan.schedule not in TORCH_SCHEDULES:
+            why = [
+                f"    # {plan.schedule} over {n} stages: torch.distributed.pipelining runs zero-bubble schedules only with",
+                "    # several stages per rank, so boundary activations move with explicit dist.isend/recv",
+                "    # (torch_schedule.P2PPipeline), which executes the action list below; B computes only the input",
+                "    # gradient and W the weight gradients later, one backward's FLOPs in all (backends/torch/wsplit.py).",
+            ]
+        elif any(s.dp > 1 and s.zero_stage >= 2 for s in plan.stages):
+            why = [
                 f"    # {plan.schedule} over {n} stages with ZeRO-2/3: torch.distributed.pipelining would defer FSDP2's",
                 "    # gradient sync to the last micro-batch, so boundary activations move with explicit",
                 "    # dist.isend/recv (torch_schedule.P2PPipeline), which reduce-scatters every micro-batch.",
             ]
-            if any(s.dp > 1 and s.zero_stage >= 2 for s in plan.stages)
-            else [
+        else:
+            why = [
                 f"    # {plan.schedule} over {n} stages of different (dp, tp): torch.distributed.pipelining cannot place",
                 "    # them, so boundary activations move with explicit dist.isend/recv (torch_schedule.P2PPipeline).",
             ]
-        )
         body = [
             *why,
+            *_action_lines(plan, sched),
             "    return torch_schedule.P2PPipeline(",
             f'        rt.module, PROGRAM["stages"], rt.stage["index"], rt.rank, {sched!r}, {m}, rt.loss_fn,',
-            f'        {_boundary(plan)}, rt.device, rt.fsdp_modules, rt.stage["zero_stage"],',
+            f'        {_boundary(plan)}, rt.device, rt.fsdp_modules, rt.stage["zero_stage"], ACTIONS[rt.stage["index"]],',
             "    )",
         ]
     return "\n".join(head + body)
+
+
+def _action_lines(plan: Plan, schedule: str) -> list[str]:
+    """The schedule as data: ``ACTIONS[i]`` is pipeline position ``i``'s action list, in execution order."""
+    split = splits_backward(schedule)
+    lines = [
+        "    # The schedule as data (search/schedule.pipeline_actions, the list the cost model simulates):",
+        "    # per pipeline position, in execution order, <kind><stage>.<micro-batch>: F forward, B backward",
+        "    # (input gradient only), W weight gradient." if split else "    # (the whole backward: no W).",
+        "    ACTIONS = [",
+    ]
+    per_rank = pipeline_actions(schedule, plan.num_stages, plan.num_micro_batches)
+    for s, acts in zip(plan.stages, per_rank):
+        words = [str(a) for a in acts]
+        lines.append(f"        # stage {s.index}, ranks {list(s.ranks)}")
+        chunks = [" ".join(words[i : i + 12]) for i in range(0, len(words), 12)]
+        for c, text in enumerate(chunks):
+            tail = " " if c < len(chunks) - 1 else ""
+            lines.append(f'        "{text}{tail}"' + ("," if c == len(chunks) - 1 else ""))
+    lines.append("    ]")
+    return lines
 
 
 def _boundary(plan: Plan) -> str:
@@ -391,18 +356,42 @@ def _boundary(plan: Plan) -> str:
     return f"tpar.boundary_in(rt.boundary, {dtype!r})" if dtype in LOW_DTYPES else "rt.boundary"
 
 
+def check_schedule(plan: Plan) -> None:
+    """Refuse (PlanError) a pipeline schedule this runtime cannot run for ``plan`` (module docstring):
+    virtual stages (interleaved with v > 1, zbv), and zb_h1 with ZeRO-2/3 or activation recompute."""
+    refit = "recompile with the default search (`partita compile`), or with SearchOptions(schedules=('1f1b',))"
+    if (plan.schedule == "interleaved_1f1b" and plan.num_virtual_stages > 1) or plan.schedule == "zbv":
+        v = plan.num_virtual_stages if plan.schedule == "interleaved_1f1b" else 2
+        raise PlanError(
+            f"schedule {plan.schedule} with {v} virtual stages per rank cannot be emitted for PyTorch: each plan "
+            "stage holds one contiguous layer range on its own ranks, not several model chunks per rank.",
+            refit + " from Python.",
+        )
+    if plan.num_stages == 1 or not splits_backward(plan.schedule):
+        return
+    fsdp = [s.index for s in plan.stages if s.dp > 1 and s.zero_stage >= 2]
+    recompute = [s.index for s in plan.stages if s.recompute != "none"]
+    if fsdp or recompute:
+        what = (
+            f"stage(s) {fsdp} use ZeRO-2/3, which reduce-scatter (and reshard) a unit's gradients after every "
+            "micro-batch's B, before its W has computed them"
+            if fsdp
+            else f"stage(s) {recompute} recompute activations, and W would recompute each block a second time "
+            "(more FLOPs than the plan prices)"
+        )
+        raise PlanError(
+            f"schedule {plan.schedule} splits the backward into B (input gradient) and W (weight gradients), "
+            f"but {what}.",
+            refit + ", or set ZeRO-0/1 and no recompute on those stages.",
+        )
+
+
 def emit_torch(plan: Plan, model_spec: str) -> str:
     """The source of one Python module that trains ``plan`` for ``model_spec`` under torchrun."""
-    if plan.schedule == "interleaved_1f1b" and plan.num_virtual_stages > 1:
-        raise PlanError(
-            f"interleaved 1F1B with {plan.num_virtual_stages} virtual stages cannot be emitted for PyTorch: each plan "
-            "stage holds one contiguous layer range, not round-robin model chunks.",
-            "recompile with the default search (`partita compile`, whose schedules leave interleaved_1f1b out), "
-            "or with SearchOptions(schedules=('1f1b',)) from Python.",
-        )
+    check_schedule(plan)
     kind = _runner_kind(plan)
-    # tied parameters, tp roles, FSDP units that own parameters
-    needs_model = plan.num_stages > 1 or any(s.tp > 1 or (s.dp > 1 and s.zero_stage > 0) for s in plan.stages)
+    # tp roles (the model is built on meta only when a stage is tensor-parallel)
+    needs_model = any(s.tp > 1 for s in plan.stages)
     facts = stage_facts(plan, _meta_model(model_spec) if needs_model else None)
     prog = _program(plan, model_spec, facts)
     stage_lines = "\n".join(

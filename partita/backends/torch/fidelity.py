@@ -1,33 +1,21 @@
-"""Collective counting: what a training step really communicated, next to what the program predicts.
+"""Collective counting: what a training step really communicated, next to the plan's own records.
 
-Used by ``torch_train.py`` around each step (:class:`CollectiveCounter`) and by
-``backends/torch/emit.py``, which writes :func:`predict_stage` into the program as
-``PROGRAM["predicted_collectives"]``; ``torch_train`` reports :func:`compare` of the two.
+Used by ``backends/torch/train.py`` around each counted step (:class:`CollectiveCounter`) and by
+``backends/torch/rehearse.py`` (:func:`collective_event`, :func:`op_bytes`), so a run and its
+rehearsal count alike. There is no runtime-side prediction: the program carries the Plan's
+``Stage.collectives`` (``search/records.py``, complete per step with bytes) folded to ``kind@axis``
+as ``PROGRAM["predicted_collectives"]``, and :func:`compare` checks a counted step against them:
+the same kinds and mesh axes, equal counts, total bytes within :data:`BYTES_TOL`.
 
 Measured: :class:`CollectiveCounter` is a ``TorchDispatchMode`` (through ``frontends/torch_shim.py``;
 ``CommDebugMode`` cannot be used: it counts no send/recv, and FACTS.md records it crashing in
 FSDP2 hooks) recording every op of the ``c10d`` (eager ``dist.*``, FSDP2, pipelining) and
-``_c10d_functional`` (DTensor) namespaces: kind and bytes of the full tensor (all-gather output,
-reduce-scatter input). On an op with DTensor arguments it steps aside (``NotImplemented``) so that
-DTensor runs first and the mode then sees the collectives DTensor's redistributions issue; without
-that, the mode would see the DTensor op and none of its communication.
-
-Predicted, per stage and step, as *this runtime* issues the plan's layout (per kind, the rank
-``ranks[0]`` of the stage is the one reported):
-
-* dp, ZeRO-0: one all-reduce of the flattened gradients (``torch_parallel.all_reduce_grads``),
-  as the plan prices it;
-* dp, ZeRO-1/2/3 (FSDP2, one unit per block + the stage root, ``U`` units; ``m`` micro-batches):
-  ZeRO-1 all-gathers ``U`` and reduce-scatters ``U`` (parameters stay gathered and gradients
-  accumulate unsharded over the step); ZeRO-2 all-gathers ``U``, reduce-scatters ``m U``;
-  ZeRO-3 all-gathers ``2 m U`` (forward and backward) and reduce-scatters ``m U``. The plan's
-  ``Stage.collectives`` has one bucketed reduce-scatter (ZeRO-1: 1, ZeRO-2/3: ``m``) and prices
-  the parameter gathers elsewhere; FSDP2 issues them per unit;
-* tp: per micro-batch, from the module roles (``torch_tp.tp_collectives``); the forward ones
-  twice for blocks under full recompute (selective recompute saves the collectives' outputs);
-* pipeline: every send and receive of this rank (activations forward, their gradients back);
-* a parameter tied across stages (GPT-2's ``wte``/``lm_head``): one all-reduce, plus one
-  all-gather per mesh axis it is sharded on in this stage.
+``_c10d_functional`` (DTensor) namespaces: kind, process group and bytes of the full tensor
+(all-gather output, reduce-scatter input). On an op with DTensor arguments it steps aside
+(``NotImplemented``) so that DTensor runs first and the mode then sees the collectives DTensor's
+redistributions issue; without that, the mode would see the DTensor op and none of its communication.
+:meth:`CollectiveCounter.summary` names each group by its mesh axis (``dp``, ``tp``, ``pp``, ``tied``,
+``world``: the caller's map from group names) and every send or receive ``p2p@pp``.
 """
 
 from __future__ import annotations
@@ -38,8 +26,10 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from partita.backends.torch.schedule import replica_ranges
+from partita.frontends import torch_shim
 from partita.frontends.torch_shim import TorchDispatchMode
+
+BYTES_TOL = 0.02  # a counted step's bytes per kind@axis may differ from the plan's by this fraction
 
 KINDS = {
     "allreduce_": "all_reduce",
@@ -91,13 +81,29 @@ def tensor_bytes(t: Any) -> int:
     return 0
 
 
+def collective_event(func: Any, args: Sequence[Any]) -> tuple[str, str | None, int] | None:
+    """(kind, process group name, bytes) when ``func`` is a collective or p2p op, else None."""
+    kind = _KIND_OF.get(func)
+    if kind is None:
+        kind = _kind(func)
+    if not kind:
+        return None
+    op = _opname(func)
+    if func.namespace == "_c10d_functional":  # the group name is the last argument, a string
+        group = torch_shim.group_name(args[-1]) if args else None
+    else:  # the process group is a ScriptObject argument
+        names = (torch_shim.group_name(a) for a in args if isinstance(a, torch.ScriptObject))
+        group = next((n for n in names if n is not None), None)
+    return kind, group, op_bytes(op, args)
+
+
 class CollectiveCounter(TorchDispatchMode):
-    """``with CollectiveCounter() as c: step()`` then ``c.summary()`` -> {kind: {count, bytes}}."""
+    """``with CollectiveCounter() as c: step()`` then ``c.summary(axes)`` -> {kind@axis: {count, bytes}}."""
 
     def __init__(self, enabled: bool = True) -> None:
         super().__init__()
         self.enabled = enabled
-        self.events: list[tuple[str, int]] = []
+        self.events: list[tuple[str, str | None, int]] = []
 
     def __enter__(self) -> CollectiveCounter:
         return super().__enter__() if self.enabled else self
@@ -110,19 +116,45 @@ class CollectiveCounter(TorchDispatchMode):
         if DTensor in types:
             return NotImplemented  # let DTensor run; its collectives come back through this mode
         kind = _KIND_OF.get(func)
-        if kind is None:
-            kind = _kind(func)
-        if kind:
-            self.events.append((kind, op_bytes(_opname(func), args)))
+        if kind is None or kind:
+            ev = collective_event(func, args)
+            if ev is not None:
+                self.events.append(ev)
         return func(*args, **(kwargs or {}))
 
-    def summary(self) -> dict[str, dict[str, int]]:
-        out: dict[str, dict[str, int]] = {}
-        for kind, nbytes in self.events:
-            e = out.setdefault(kind, {"count": 0, "bytes": 0})
-            e["count"] += 1
-            e["bytes"] += nbytes
-        return dict(sorted(out.items()))
+    def summary(self, axes: Mapping[str, str] | None = None) -> dict[str, dict[str, int]]:
+        """Per ``kind@axis`` (``axes``: group name -> axis name; a group not in it is ``group:NAME``;
+        send and receive are ``p2p@pp``) the count and total bytes of the step."""
+        return summarize(self.events, axes or {})
+
+
+def axis_names(mesh: Any, pp_group: Any = None, tied_group: Any = None) -> dict[str, str]:
+    """Process group name -> the axis name the plan's records use (``world``, ``dp``, ``tp``, ``pp``,
+    ``tied``), for this rank's stage mesh and groups. DeviceMesh reuses the default group for an axis
+    that spans every rank, so a one-stage plan's world-wide all-reduces carry that axis's name."""
+    import torch.distributed as dist
+
+    world: Any = dist.group.WORLD
+    out = {world.group_name: "world"}
+    for d in mesh.mesh_dim_names:  # a mesh axis spanning every rank is the default group itself: the axis
+        name = mesh.get_group(d).group_name  # names it (the first such axis; search/records.world_axis)
+        if out.get(name, "world") == "world":
+            out[name] = d
+    if pp_group is not None:
+        out[pp_group.group_name] = "pp"
+    if tied_group is not None:
+        out[tied_group.group_name] = "tied"
+    return out
+
+
+def summarize(events: Sequence[tuple[str, str | None, int]], axes: Mapping[str, str]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for kind, group, nbytes in events:
+        axis = "pp" if kind == "p2p" else axes.get(group or "", f"group:{group}")
+        e = out.setdefault(f"{kind}@{axis}", {"count": 0, "bytes": 0})
+        e["count"] += 1
+        e["bytes"] += nbytes
+    return dict(sorted(out.items()))
 
 
 def op_bytes(op: str, args: Sequence[Any]) -> int:
@@ -137,87 +169,6 @@ def op_bytes(op: str, args: Sequence[Any]) -> int:
     return tensor_bytes(args[0])
 
 
-def predicted_summary(collectives: Sequence[Any]) -> dict[str, dict[str, float]]:
-    """A plan stage's ``Collective`` records folded to {kind: {count, bytes}} per step (as planned)."""
-    out: dict[str, dict[str, float]] = {}
-    for c in collectives:
-        e = out.setdefault(c.kind, {"count": 0, "bytes": 0.0})
-        e["count"] += int(c.count)
-        e["bytes"] += float(c.bytes) * int(c.count)
-    return dict(sorted(out.items()))
-
-
-def _num_peers(other: Mapping[str, Any], mine: tuple[int, int], all_tp: bool) -> int:
-    """Ranks of ``other`` that exchange samples with replica range ``mine`` (P2PPipeline's rule)."""
-    n = 0
-    for lo, hi in replica_ranges(other["shares"]):
-        if max(lo, mine[0]) < min(hi, mine[1]):
-            n += int(other["tp"]) if all_tp else 1
-    return n
-
-
-def predict_stage(
-    stages: Sequence[Mapping[str, Any]],
-    index: int,
-    *,
-    runner: str,
-    num_micro_batches: int,
-    tp: Mapping[str, Mapping[str, int]] | None,
-    tp_block: Mapping[str, Mapping[str, int]] | None = None,
-    num_units: int = 1,
-    tied_sharded_axes: int | None = None,
-    clip_norm: bool = False,
-    loss_scale: bool = False,
-) -> dict[str, dict[str, int]]:
-    """Collectives per step on rank ``stages[index]["ranks"][0]`` (module docstring).
-
-    ``stages``: the program's stage dicts (dp, tp, zero_stage, recompute, shares, ranks). ``tp`` /
-    ``tp_block``: ``torch_tp.tp_collectives`` of all of the stage's tp modules / of those inside
-    blocks (None: roles unknown, tp collectives not predicted). ``num_units``: FSDP units (blocks +
-    root). ``tied_sharded_axes``: None when the stage holds no parameter tied to another stage,
-    else the number of mesh axes that parameter is sharded on here.
-    """
-    s, m = stages[index], num_micro_batches
-    out: dict[str, int] = {}
-
-    def add(kind: str, n: int) -> None:
-        if n:
-            out[kind] = out.get(kind, 0) + n
-
-    dp, zero = int(s["dp"]), int(s["zero_stage"])
-    if dp > 1 and zero == 0:
-        add("all_reduce", 1)
-    elif dp > 1:
-        u = num_units
-        add("all_gather", {1: u, 2: u, 3: 2 * m * u}[zero])
-        add("reduce_scatter", u if zero == 1 else m * u)
-    if int(s["tp"]) > 1 and tp is not None:
-        again = tp_block if (s["recompute"] == "full" and tp_block) else {}
-        for kind, n in tp.get("forward", {}).items():
-            add(kind, m * (n + again.get("forward", {}).get(kind, 0)))
-        for kind, n in tp.get("backward", {}).items():
-            add(kind, m * n)
-    n = len(stages)
-    if n > 1 and runner == "torch_pipeline":
-        add("p2p", 2 * m * ((index > 0) + (index < n - 1)))
-    elif n > 1:
-        mine = replica_ranges(s["shares"])[0]
-        prev = stages[index - 1] if index > 0 else None
-        nxt = stages[index + 1] if index < n - 1 else None
-        if prev is not None:  # receive activations from tp0 of each replica, send gradients to all tp ranks
-            add("p2p", m * (_num_peers(prev, mine, False) + _num_peers(prev, mine, True)))
-        if nxt is not None:  # send activations to all tp ranks, receive gradients from tp0
-            add("p2p", m * (_num_peers(nxt, mine, True) + _num_peers(nxt, mine, False)))
-    if tied_sharded_axes is not None:
-        add("all_reduce", 1)
-        add("all_gather", tied_sharded_axes)
-    if clip_norm:  # gradient clipping: one all-reduce of the squared norm over every rank (torch/optim.py)
-        add("all_reduce", 1)
-    if loss_scale:  # f16 loss scaling: one all-reduce of the overflow flags over every rank (torch/optim.py)
-        add("all_reduce", 1)
-    return {k: {"count": v} for k, v in sorted(out.items())}
-
-
 def counted_step(step: int, start: int, steps: int) -> bool:
     """Whether the training loop should count collectives at ``step`` (0-based; run covers [start, steps)).
 
@@ -230,11 +181,19 @@ def counted_step(step: int, start: int, steps: int) -> bool:
 
 
 def compare(measured: Mapping[str, Mapping[str, float]], predicted: Mapping[str, Mapping[str, float]]) -> list[str]:
-    """Human-readable mismatches in collective counts per kind ([] when they agree)."""
+    """Mismatches, in words, between a counted step and the plan's records ([] when they agree): per
+    ``kind@axis`` the same keys, equal counts, total bytes within :data:`BYTES_TOL`."""
     problems = []
-    for kind in sorted(set(measured) | set(predicted)):
-        got = int(measured.get(kind, {}).get("count", 0))
-        want = int(predicted.get(kind, {}).get("count", 0))
-        if got != want:
-            problems.append(f"{kind}: measured {got}, predicted {want}")
+    for key in sorted(set(measured) | set(predicted)):
+        got, want = measured.get(key), predicted.get(key)
+        if want is None:
+            problems.append(f"{key}: measured {int(got['count'])} ({int(got['bytes'])} B), the plan records none")  # type: ignore[index]
+        elif got is None:
+            problems.append(
+                f"{key}: the plan records {int(want['count'])} ({float(want['bytes']):.0f} B), measured none"
+            )
+        elif int(got["count"]) != int(want["count"]):
+            problems.append(f"{key}: measured {int(got['count'])}, predicted {int(want['count'])}")
+        elif abs(float(got["bytes"]) - float(want["bytes"])) > BYTES_TOL * abs(float(want["bytes"])):
+            problems.append(f"{key}: measured {int(got['bytes'])} B, predicted {float(want['bytes']):.0f} B")
     return problems

@@ -1,9 +1,10 @@
 """Rehearsal: run the emitted torch program at the plan's full world size and model size on this CPU.
 
 ``partita rehearse DIR`` (``driver.rehearse``) calls :func:`rehearse_dir`. Nothing is allocated and
-nothing is communicated: every rank role is played in its own process (``python -m
-partita.backends.torch.rehearse DIR RANK``, one after the other) on a fake process group
-(``dist.init_process_group("fake")``, world size = the plan's) with fake tensors. A *role* is a rank whose step can differ from its stage's first rank: the first replica of
+nothing is communicated: every rank role is played in its own process, one after the other (one
+``python -m partita.backends.torch.rehearse DIR RANK...`` imports once and forks a child per role:
+:func:`run_roles`) on a fake process group (``dist.init_process_group("fake")``, world size = the
+plan's) with fake tensors. A *role* is a rank whose step can differ from its stage's first rank: the first replica of
 each distinct batch share, and, in a pipeline of stages of different shapes (``P2PPipeline``, where
 only tp rank 0 sends), also tp rank 1.
 
@@ -21,7 +22,7 @@ stage, the pp group, tied-parameter group, ``StageRuntime``, ``setup_stage``, ``
 The optimizer takes one step on zero gradients first (its state exists, as in any step after the
 first; no forward, no communication); then one training step is measured: every collective and p2p transfer (kind, mesh axis, bytes
 of the full tensor: all-gather output, reduce-scatter input), peak memory by category
-(``MemTracker``) and FLOPs (``torch.utils.flop_counter`` formulas, with CPU flash attention added).
+(``MemTracker``, keeping only the step's peak: ``torch_shim.mem_tracker(peak_only=True)``) and FLOPs (``torch.utils.flop_counter`` formulas, with CPU flash attention added).
 
 The comparison is with the Plan's own records and nothing else: ``Stage.collectives`` (per step,
 ``kind@axis``: counts equal, total bytes within 2%), ``Stage.predicted["memory_bytes"]`` (peak within
@@ -47,6 +48,7 @@ from partita.backends.torch.schedule import replica_ranges
 from partita.errors import PlanError
 from partita.frontends import torch_shim
 from partita.plan import Plan, Stage
+from partita.search import records
 
 BYTES_TOL, MEMORY_TOL, FLOPS_TOL = 0.02, 0.10, 0.05
 MEMORY_CATEGORIES = {
@@ -95,17 +97,9 @@ class StepRecorder(torch_shim.TorchDispatchMode):
         out = func(*args, **kwargs)
         if torch_shim.active_fake_mode() is not self.entry_mode:
             return out  # DTensor's sharding propagation (its own fake mode, global shapes): not the program's
-        ns = func.namespace
-        if ns in ("c10d", "_c10d_functional"):
-            op = str(func.overloadpacket.__name__)
-            kind = fidelity.KINDS.get(op, "")
-            if kind:
-                if ns == "_c10d_functional":  # the group name is the last argument, a string
-                    group = torch_shim.group_name(args[-1]) if args else None
-                else:  # the process group is a ScriptObject argument
-                    names = (torch_shim.group_name(a) for a in args if isinstance(a, torch.ScriptObject))
-                    group = next((n for n in names if n is not None), None)
-                self.events.append((kind, group, fidelity.op_bytes(op, args)))
+        ev = fidelity.collective_event(func, args)
+        if ev is not None:
+            self.events.append(ev)
         else:
             formula = torch_shim.flop_formula(func)
             if formula is not None:
@@ -113,13 +107,7 @@ class StepRecorder(torch_shim.TorchDispatchMode):
         return out
 
     def summary(self, axes: Mapping[str, str]) -> dict[str, dict[str, float]]:
-        out: dict[str, dict[str, float]] = {}
-        for kind, group, nbytes in self.events:
-            axis = "pp" if kind == "p2p" else axes.get(group or "", f"group:{group}")
-            e = out.setdefault(f"{kind}@{axis}", {"count": 0, "bytes": 0})
-            e["count"] += 1
-            e["bytes"] += nbytes
-        return dict(sorted(out.items()))
+        return fidelity.summarize(self.events, axes)  # type: ignore[return-value]
 
 
 # ---- one rank ----------------------------------------------------------------------------------------
@@ -156,9 +144,12 @@ def rehearse_rank(program: Any, rank: int) -> RankResult:
         materialize._drop_other_layers(model, me["layers"], [n for s in stages for n in s["layers"]])
         tied_group, tied_n = torch_train._tied_group(model, tied, stages, rank)
         fake = torch_shim.fake_tensor_mode()
-        with fake:
-            _, y1 = torch_train.make_batch(handle, {**training, "global_batch": 1}, 0, 0)
-        loss_fn = torch_train.make_loss(int(training["global_batch"]) * torch_train.num_targets(y1))
+        # one real row (tiny): a masked-LM target count is counted from its labels (num_targets)
+        _, y1 = torch_train.make_batch(handle, {**training, "global_batch": 1}, 0, 0)
+        loss_fn = torch_train.make_loss(
+            int(training["global_batch"]) * torch_train.num_targets(y1, torch_train.shift_labels(handle)),
+            torch_train.shift_labels(handle),
+        )
         mesh = meshes[me["index"]]
         meta = torch.device("meta")
         rt = torch_train.StageRuntime(prog, me, rank, meta, mesh, loss_fn, boundary, (x0.shape[1:], x0.dtype))
@@ -174,18 +165,17 @@ def rehearse_rank(program: Any, rank: int) -> RankResult:
             runner: Any = program.make_runner(rt)
             if isinstance(runner, _torch_pipeline()):
                 x, out = rt.examples()
+                low = tpar.LOW_PRECISION.get(str(training.get("dtype", "f32")))
+                if low is not None:  # boundaries travel in the plan's dtype (apply_autocast / FSDP2's param_dtype),
+                    # as the shapes a real run infers at its first step say
+                    x = x.detach().to(low).requires_grad_(x.requires_grad) if x.is_floating_point() else x
+                    out = out.to(low) if out.is_floating_point() else out
                 if out.is_floating_point():
                     out.requires_grad_(True)
                 torch_shim.pipeline_static_meta(runner.schedule, (x,), (out,))
             opt = torch_train.make_optimizer(rt.module.parameters(), training)
             result = _measure(rt, me, runner, opt, handle, model, prog, (tied, tied_group, tied_n))
-        world: Any = dist.group.WORLD
-        axes = {world.group_name: "world"}
-        axes |= {mesh.get_group(d).group_name: d for d in ("dp", "tp")}
-        if pp_group is not None:
-            axes[pp_group.group_name] = "pp"
-        if tied_group is not None:
-            axes[tied_group.group_name] = "tied"
+        axes = fidelity.axis_names(mesh, pp_group, tied_group)
         rec, peak, cats = result
         return RankResult(
             rank=rank,
@@ -218,12 +208,16 @@ def _measure(
     clip = optim.grad_clip(training)
     holders = torch_train._tied_holders(model, tied[0], prog["stages"], me) if clip else {}
     host = torch_train.HostCollectives("fake")
+    f16 = optim.loss_scaling(training)
 
     def step(k: int) -> None:  # train._train's loop body: first stage gets inputs, last stage targets
         x, y = torch_train.make_batch(handle, training, 0, k)
         xs = [x[j * mb + lo : j * mb + hi] for j in range(m)] if first else []
         ys = [y[j * mb + lo : j * mb + hi] for j in range(m)] if last else []
         torch_train.forward_backward(runner, rt, me, xs, ys, tied)
+        if f16:  # the loss-scale overflow check: one float64 all-reduce of the rank's flag (optim.LossScaler;
+            # the flag itself reads gradient values, which fake tensors do not have)
+            host.all_reduce_sum(torch.zeros((), dtype=torch.float64))
         if clip:  # the global-norm all-reduce; the scale itself is local (a fake norm has no value)
             host.all_reduce_sum(optim.local_sq_sum(rt.module, len(me["ranks"]), holders))
             optim.clip_(rt.module, clip, 1.0)
@@ -238,7 +232,7 @@ def _measure(
                 p.grad = torch.zeros_like(p)
     opt.step()
     opt.zero_grad()
-    mt = torch_shim.mem_tracker()
+    mt = torch_shim.mem_tracker(peak_only=True)  # the step's peak by category; no per-module peaks
     mt.track_external(rt.module, opt)
     root = rt.module
 
@@ -277,12 +271,7 @@ def roles(program: Mapping[str, Any]) -> dict[int, list[int]]:
 
 def planned_collectives(stage: Stage) -> dict[str, dict[str, float]]:
     """The plan's ``Stage.collectives`` per step as ``kind@axis`` -> {count, bytes (total)}."""
-    out: dict[str, dict[str, float]] = {}
-    for c in stage.collectives:
-        e = out.setdefault(f"{c.kind}@{c.axis}", {"count": 0, "bytes": 0.0})
-        e["count"] += int(c.count)
-        e["bytes"] += float(c.bytes) * int(c.count)
-    return dict(sorted(out.items()))
+    return records.summary(stage.collectives)
 
 
 def _within(got: float, want: float, tol: float) -> bool:
@@ -449,10 +438,18 @@ _MARK = "PARTITA_REHEARSAL "
 
 
 def run_roles(plan_dir: Path, ranks: Sequence[int]) -> dict[int, RankResult | str]:
-    """Each role in its own fresh process (``python -m partita.backends.torch.rehearse DIR RANK``),
-    one after the other: DTensor keeps per-process caches keyed by meshes that compare equal across
-    ranks and plans, which handed one rank's process-group names to the next (gpt3-13b: "could not
-    resolve the process group 1" on the second role). A string is the failure on that rank, in words."""
+    """Every role in its own process, one after the other: one fresh process
+    (``python -m partita.backends.torch.rehearse DIR RANK...``) imports torch, the program and the
+    model's library once, then forks a child per role (where ``fork`` exists). A fresh process per
+    role is needed: DTensor keeps per-process caches keyed by meshes that compare equal across ranks
+    and plans, which handed one rank's process-group names to the next (gpt3-13b: "could not resolve
+    the process group 1" on the second role); forking after the imports, before any process group or
+    tensor exists, gives each role that clean state without importing again (~10 s of CPU a role).
+    A string is the failure on that rank, in words."""
+    import os
+
+    if hasattr(os, "fork"):
+        return _run_process(plan_dir, ranks)
     out: dict[int, RankResult | str] = {}
     for r in ranks:
         out.update(_run_process(plan_dir, [r]))
@@ -481,22 +478,56 @@ def _run_process(plan_dir: Path, ranks: Sequence[int]) -> dict[int, RankResult |
 
 
 def _child(plan_dir: str, ranks: Sequence[int]) -> int:
-    """The body of the rehearsal process: one marked JSON line per rank (a RankResult or a failure)."""
-    import json
+    """The body of the rehearsal process: one marked JSON line per rank (a RankResult or a failure).
+    With several ranks (``run_roles``), each is played in a child forked after the imports."""
     import logging
+    import os
 
     from partita.backends.torch.launch import load_program
+    from partita.models.zoo import resolve_model
 
     logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)  # a failure is reported once
     program = load_program(plan_dir)
+    if len(ranks) == 1 or not hasattr(os, "fork"):
+        for rank in ranks:
+            _play(program, rank)
+        return 0
+    resolve_model(program.PROGRAM["model"])  # the model's library imported once, before the forks
     for rank in ranks:
-        try:
-            out: dict[str, Any] = dataclasses.asdict(rehearse_rank(program, rank))
-        except Exception as e:  # noqa: BLE001 - the program itself failed: that is the finding
-            why = f"the program fails on rank {rank}: {type(e).__name__}: {_first_line(e)} (at {_where(e)})"
-            out = {"rank": rank, "failure": why}
-        print(_MARK + json.dumps(out), flush=True)
+        pid = os.fork()
+        if pid == 0:  # the child: one role, then leave without running the parent's exit handlers
+            code = 0
+            try:
+                _play(program, rank)
+            except BaseException:  # noqa: BLE001 - the parent reports a rank without a line as died
+                code = 1
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        if status != 0:
+            sys_exit = os.waitstatus_to_exitcode(status)
+            why = f"the rehearsal of rank {rank} died (exit {sys_exit})"
+            print(_MARK + _json({"rank": rank, "failure": why}), flush=True)
     return 0
+
+
+def _json(d: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps(d)
+
+
+def _play(program: Any, rank: int) -> None:
+    """Rehearse one rank and print its marked line (the finding when the program raises)."""
+    import sys
+
+    try:
+        out: dict[str, Any] = dataclasses.asdict(rehearse_rank(program, rank))
+    except Exception as e:  # noqa: BLE001 - the program itself failed: that is the finding
+        why = f"the program fails on rank {rank}: {type(e).__name__}: {_first_line(e)} (at {_where(e)})"
+        out = {"rank": rank, "failure": why}
+    print(_MARK + _json(out), flush=True)
+    sys.stdout.flush()
 
 
 def failed_stage(stage: Stage, ranks: Sequence[int], failure: str) -> dict[str, Any]:

@@ -18,9 +18,10 @@ Semantics shared with :func:`reference_run` (so losses and gradients must agree)
   ``t`` uses ``torch.manual_seed(data_seed * 1_000_003 + t)`` then the handle's
   ``example_inputs(global_batch, seq)``; micro-batch ``k`` is rows ``[k*M, (k+1)*M)`` with
   ``M = sum(batch_shares)``, replica ``i`` takes its share of each micro-batch;
-* loss: summed cross-entropy (next-token for LMs) divided by the global number of targets, so the
-  sum over replicas and micro-batches is the global mean; gradient syncs are sums (uneven batch
-  shares weight the average for free);
+* loss: summed cross-entropy divided by the global number of targets, so the sum over replicas and
+  micro-batches is the global mean; gradient syncs are sums (uneven batch shares weight the average
+  for free). Targets per task (:func:`make_loss`, ``models/hf.py``): the next token (causal LMs), the
+  masked positions (masked LMs), the decoder targets (seq2seq, inputs packed on dim 1), the class;
 * the learning-rate schedule is ``optim.lr_factor`` times the program's ``lr_lambda`` (1.0 unless edited).
 
 Reliability (``docs/reliability.md``): a :class:`~partita.errors.PartitaError` in a rank prints one
@@ -55,6 +56,7 @@ from partita.backends.torch import data as tdata
 from partita.backends.torch import parallel as tpar
 from partita.backends.torch.schedule import replica_ranges
 from partita.errors import PartitaError, PlanError
+from partita.models import hf
 
 
 # ---- shared with the reference -----------------------------------------------------------------
@@ -64,20 +66,42 @@ def make_batch(
     torch.manual_seed(data_seed * 1_000_003 + step)
     inputs = handle.example_inputs(int(training["global_batch"]), int(training.get("seq_len", 1)), "cpu")
     labels = inputs.pop("labels")
-    return next(iter(inputs.values())), labels
+    packed = handle.config.get("packed_inputs")  # several model inputs travel stacked on dim 1 (models/hf.py)
+    return (hf.pack(inputs, packed) if packed else next(iter(inputs.values()))), labels
 
 
-def num_targets(labels: torch.Tensor) -> int:
-    """Targets per global batch: next-token positions for (B, S) labels, samples for (B,)."""
-    return labels.shape[0] * (labels.shape[1] - 1) if labels.dim() == 2 else labels.shape[0]
+def shift_labels(handle: Any) -> bool:
+    """Whether the loss predicts the next token: the handle's config says (``models/hf.py``: causal LMs
+    only; masked LM and seq2seq labels are aligned with the logits); a user's live module
+    (``partita.parallelize``) by its transformers class; anything else (the zoo's GPTs): True."""
+    if "shift_labels" in handle.config:
+        return bool(handle.config["shift_labels"])
+    return hf.task_of_model(getattr(handle, "module", None)) in (None, "causal-lm")
 
 
-def make_loss(total: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def num_targets(labels: torch.Tensor, shift: bool = True) -> int:
+    """Targets per global batch: next-token positions for (B, S) labels, labelled positions (not
+    ``hf.IGNORE_INDEX``) for aligned (B, S) labels, samples for (B,)."""
+    if labels.dim() != 2:
+        return labels.shape[0]
+    return labels.shape[0] * (labels.shape[1] - 1) if shift else int((labels != hf.IGNORE_INDEX).sum())
+
+
+def make_loss(total: int, shift: bool = True) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Summed cross-entropy over the targets divided by ``total`` (the global target count): next-token
+    for (B, S) labels when ``shift``, position for position otherwise (labels ``hf.IGNORE_INDEX`` are
+    not targets), class labels for (B,)."""
+
     def loss_fn(out: Any, labels: torch.Tensor) -> torch.Tensor:
         logits = getattr(out, "logits", out)
-        if labels.dim() == 2:  # causal LM: predict token s+1 from position s
+        if labels.dim() == 2 and shift:  # causal LM: predict token s+1 from position s
             logits, labels = logits[:, :-1], labels[:, 1:]
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), reduction="sum")
+        ce = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(),
+            labels.reshape(-1),
+            reduction="sum",
+            ignore_index=hf.IGNORE_INDEX,
+        )
         return ce / total
 
     return loss_fn
@@ -103,7 +127,20 @@ def make_data(
         vocab = int(handle.config.get("vocab") or 0) or None
         tf = tdata.TokenFile(data_file, data_dtype, seq, int(training["global_batch"]), vocab)
     fn = tdata.load_callable(data_fn) if data_fn else None
-    return tdata.DataSource(lambda t: make_batch(handle, training, data_seed, t), tf, fn, seq)
+    prepare = None
+    if tf is not None and handle.config.get("packed_inputs"):
+        raise tdata.DataError(
+            f"{handle.name} takes {', '.join(handle.config['packed_inputs'])}: (source, target) pairs, and a token "
+            "file holds one stream of tokens.",
+            "pass --data-fn module:function returning (inputs stacked on dim 1, labels) for the rows asked.",
+        )
+    if tf is not None and "mask_token_id" in handle.config:  # masked LM: mask each window (hf.mask_rows)
+        mask_id = int(handle.config["mask_token_id"])
+
+        def prepare(step: int, rows: Sequence[int], ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return hf.mask_rows(ids, mask_id, [(data_seed * 1_000_003 + step) * (1 << 20) + r for r in rows])
+
+    return tdata.DataSource(lambda t: make_batch(handle, training, data_seed, t), tf, fn, seq, prepare)
 
 
 def reference_run(
@@ -138,7 +175,7 @@ def reference_run(
     for step in range(steps):
         x, y = source.rows(step, rows)
         out = tpar.reference_forward(model, x, precision, str(training.get("dtype", "f32")))
-        loss_fn = make_loss(num_targets(y))
+        loss_fn = make_loss(num_targets(y, shift_labels(handle)), shift_labels(handle))
         loss = (scaler.wrap(loss_fn) if scaler else loss_fn)(out, y)
         loss.backward()
         overflow, used = False, 1.0
@@ -359,7 +396,8 @@ def _train(
     model, tied, boundary = built.model, built.tied, built.boundary
     tied_group, tied_n = _tied_group(model, tied, stages, rank)
     _, y1 = make_batch(handle, {**training, "global_batch": 1}, args.data_seed, 0)
-    loss_fn = make_loss(int(training["global_batch"]) * num_targets(y1))
+    shift = shift_labels(handle)  # per-row target counts are fixed (hf.mask_tokens), so one row gives the total
+    loss_fn = make_loss(int(training["global_batch"]) * num_targets(y1, shift), shift)
     scaler = optim.LossScaler.from_training(training) if optim.loss_scaling(training) else None
     if scaler is not None:  # f16: dynamic loss scaling (optim.LossScaler); the schedule sees the scaled loss
         loss_fn = scaler.wrap(loss_fn)
@@ -398,6 +436,7 @@ def _train(
     rows = tdata.rank_rows(m, mb, lo, hi) if (first or last) else []  # this rank's share of the batch only
     log = StepLog(program, args, rank)
     losses, times, counts, norms, lrs, scales, skipped = [], [], [], [], [], [], []
+    axes = fidelity.axis_names(rt.mesh, pp_group, tied_group)  # group name -> the plan's axis names
     for step in range(start, args.steps):
         x, y = source.rows(step, rows) if rows else (None, None)
         n = hi - lo
@@ -430,7 +469,7 @@ def _train(
         sched.step()
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
-        counts.append(counter.summary() if counter.enabled else None)
+        counts.append(counter.summary(axes) if counter.enabled else None)
         losses.append(float(step_loss(local, j == 0, torch.device("cpu"), host)) / used)
         scales += [used] if scaler else []
         log.step(step, losses[-1], times[-1])
@@ -641,9 +680,7 @@ def _report(
         "collectives_per_step": {f"stage{s['index']}": gathered[s["ranks"][0]]["counts"] for s in stages},
         "predicted_collectives": program["predicted_collectives"],
         "collective_mismatches": {
-            k: fidelity.compare(measured[k], program["predicted_collectives"].get(k, {}))
-            for k in measured
-            if program["predicted_collectives"].get(k)
+            k: fidelity.compare(measured[k], program["predicted_collectives"].get(k, {})) for k in measured if counts
         },
         "predicted_step_time_s": program.get("predicted_step_time_s"),
         **{k: v for k, v in (extra or {}).items() if k != "rank_info"},
