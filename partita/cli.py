@@ -118,7 +118,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
 def _training(args: argparse.Namespace) -> Any:
     from partita.search.config import TrainingConfig
 
-    return TrainingConfig(global_batch=args.global_batch, seq_len=args.seq, dtype=args.dtype, optimizer=args.optimizer)
+    dtype = {"fp16": "f16", "fp32": "f32"}.get(args.dtype, args.dtype)  # --precision spells them fp16 / fp32
+    return TrainingConfig(global_batch=args.global_batch, seq_len=args.seq, dtype=dtype, optimizer=args.optimizer)
 
 
 def _check_writable_target(path: str, flag: str, want_dir: bool) -> None:
@@ -140,6 +141,18 @@ def cmd_compile(args: argparse.Namespace) -> int:
     model = _with_task(args.model or DEFAULT_MODEL, args.task)
     cluster = args.cluster or DEFAULT_CLUSTER
     _check_writable_target(args.out, "--out", want_dir=True)
+    layout = _hand_layout(args)
+    if layout is not None:
+        from partita.driver import compile_layout
+
+        result = compile_layout(
+            model, cluster, _training(args), args.out, layout=layout, gpus_per_node=args.gpus_per_node
+        )
+        if args.json:
+            _print_json(result.summary())
+        else:
+            print(result.as_text())
+        return 0
     result = compile_to_dir(
         model,
         cluster,
@@ -159,6 +172,35 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+_LAYOUT_FLAGS = ("tp", "pp", "dp", "micro_batch")
+_LAYOUT_OPTIONS = ("zero", "recompute", "schedule")
+
+
+def _hand_layout(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The hand-made layout of `partita compile --tp/--pp/--dp/--micro-batch`, or None (search)."""
+    given = [f for f in _LAYOUT_FLAGS if getattr(args, f) is not None]
+    options = [f for f in _LAYOUT_OPTIONS if getattr(args, f) is not None]
+    options += ["sequence-parallel"] if args.sequence_parallel else []
+    if not given:
+        if options:
+            flags = ", ".join("--" + f for f in options)
+            raise ConfigError(
+                f"{flags} choose part of a hand-made layout, but no layout was given (--tp, --pp, --dp, --micro-batch).",
+                f"add the layout's degrees (missing ones default to 1), or drop {flags} to let the search choose.",
+            )
+        return None
+    return {
+        "tp": args.tp or 1,
+        "pp": args.pp or 1,
+        "dp": args.dp or 1,
+        "micro_batch": args.micro_batch or 1,
+        "zero_stage": args.zero or 0,
+        "recompute": args.recompute or "none",
+        "schedule": args.schedule or "1f1b",
+        "sequence_parallel": args.sequence_parallel,
+    }
+
+
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from partita.driver import evaluate_model
 
@@ -175,6 +217,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         schedule=args.schedule,
         gpus_per_node=args.gpus_per_node,
         num_virtual=args.virtual_stages,
+        sequence_parallel=args.sequence_parallel,
     )
     out = ev.to_dict() if hasattr(ev, "to_dict") else dict(vars(ev))
     if args.json:
@@ -307,7 +350,9 @@ def _add_training(p: argparse.ArgumentParser, defaults: bool = True) -> None:
         help="samples per optimizer step",
     )
     p.add_argument("--seq", type=int, default=2048 if defaults else None, required=not defaults, help="sequence length")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "f16", "f32"])
+    p.add_argument(
+        "--dtype", "--precision", dest="dtype", default="bf16", choices=["bf16", "f16", "f32", "fp16", "fp32"]
+    )
     p.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
     p.add_argument("--gpus-per-node", type=int, default=None, help="devices per node for shorthand clusters")
     p.add_argument(
@@ -315,6 +360,9 @@ def _add_training(p: argparse.ArgumentParser, defaults: bool = True) -> None:
         action="store_true",
         help="ignore the calibration profiles shipped for some device types (same as PARTITA_CALIBRATION=off)",
     )
+
+
+_SP_HELP = "Megatron sequence parallelism: refused, the runtime has none (exit 2 with the reason)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -359,6 +407,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default="out", help="output directory (default: out)")
     s.add_argument("--force", action="store_true", help="ignore the compile cache")
     s.add_argument("--json", action="store_true")
+    hand = s.add_argument_group(
+        "hand-made layout (no search: the program for this Megatron-style layout, priced by the search's model)"
+    )
+    hand.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default 1 once a layout is given)")
+    hand.add_argument("--pp", type=int, default=None, help="pipeline stages (blocks split evenly)")
+    hand.add_argument("--dp", type=int, default=None, help="data-parallel replicas")
+    hand.add_argument("--micro-batch", type=int, default=None, help="samples per micro-batch and replica")
+    hand.add_argument("--zero", type=int, default=None, choices=[0, 1, 2, 3])
+    hand.add_argument("--recompute", default=None, choices=["none", "selective", "full"])
+    hand.add_argument("--schedule", default=None, choices=["gpipe", "1f1b", "zb_h1"])
+    hand.add_argument("--sequence-parallel", action="store_true", help=_SP_HELP)
     s.set_defaults(fn=cmd_compile)
 
     s = sub.add_parser("evaluate", help="predict a fixed Megatron-style configuration")
@@ -373,6 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
     s.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved_1f1b"])
     s.add_argument("--virtual-stages", type=int, default=1, help="model chunks per stage (interleaved_1f1b)")
+    s.add_argument("--sequence-parallel", action="store_true", help=_SP_HELP)
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_evaluate)
 
@@ -431,6 +491,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("partita: interrupted (Ctrl-C); files already written are complete, nothing was half-written.",
               file=sys.stderr)  # fmt: skip
+        if argv is None:  # the command itself: skip the interpreter's teardown of torch & co. (seconds)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)
         return 130
 
 

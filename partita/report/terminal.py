@@ -31,6 +31,7 @@ from partita.report.fmt import (
 )
 from partita.report.run_log_view import run_log_tables
 from partita.report.tables import render, table
+from partita.search.schedule import splits_backward
 
 ONE_TABLE_WIDTH = 150  # at least this wide: the stages fit one table; narrower: two
 
@@ -50,14 +51,16 @@ def summary_table(plan: Plan) -> Table:
             "schedule",
             f"{plan.schedule}, {plural(plan.num_micro_batches, 'micro-batch', 'micro-batches')} of "
             f"{plural(plan.micro_batch_size, 'sample')} per replica, {plural(plan.num_stages, 'stage')}"
-            + (f", {plan.num_virtual_stages} virtual stages" if plan.num_virtual_stages > 1 else ""),
+            + (f", {plan.num_virtual_stages} virtual stages" if plan.num_virtual_stages > 1 else "")
+            + (", weight gradients (W) deferred into the bubble" if splits_backward(plan.schedule) else ""),
         ],
     ]
     total, used = cluster_devices(plan), used_devices(plan)
     idle = {k: n - used.get(k, 0) for k, n in total.items() if n > used.get(k, 0)}
     dev = f"{counts_text(used)} used"
     if idle:
-        dev += f"; not used: {counts_text(idle)} (the search found no faster plan that uses them)"
+        why = "a hand-made layout" if "hand_layout" in plan.search else "the search found no faster plan that uses them"
+        dev += f"; not used: {counts_text(idle)} ({why})"
     rows.append(["devices", dev])
     if "mfu_cluster" in p:  # issue 18's cost model records these; one row each so each reads on its own
         idle_note = " (over half the cluster idle)" if p.get("mostly_idle") else ""
@@ -152,6 +155,8 @@ def alternatives_table(plan: Plan) -> Table:
         "dp = data-parallel replicas, b = micro-batch size, m = micro-batches per step; each [...] is a stage: "
         "layer units, device type, dp x tp, ZeRO stage (z), recompute."
         if rows
+        else "a hand-made layout (partita compile --tp/--pp/--dp): nothing was searched."
+        if "hand_layout" in plan.search
         else "the search recorded no alternatives."
     )
     return table(
@@ -159,12 +164,75 @@ def alternatives_table(plan: Plan) -> Table:
     )
 
 
+def hand_layout_table(plan: Plan) -> Table | None:
+    """The chosen plan against the best Megatron-style hand layout over every device of the cluster's
+    first type (``search/hand_best.py``: tp within a node x pp x dp, ZeRO and recompute chosen)."""
+    h = plan.search.get("best_hand_layout")
+    if not h:
+        return None
+    step, used = plan.predicted.get("step_time_s"), sum(used_devices(plan).values())
+    total = sum(cluster_devices(plan).values()) or plan.world_size
+    mem = max((float(s.predicted.get("memory_bytes", 0)) for s in plan.stages), default=0.0)
+    pp = len(plan.stages)
+    chosen = "; ".join(
+        f"dp {s.dp} x tp {s.tp} {s.device_type}, ZeRO-{s.zero_stage}, recompute {s.recompute}" for s in plan.stages
+    )
+    chosen = f"pp {pp}: {chosen}" if pp > 1 else chosen
+    hand = (
+        f"tp {h['tp']} x pp {h['pp']} x dp {h['dp']} {h['device']}, micro-batch {h['micro_batch']}, "
+        f"ZeRO-{h['zero_stage']}, recompute {h['recompute']}"
+    )
+    rows = [
+        ["chosen plan", chosen, time_s(step), gib(mem), f"{used} of {total}"],
+        [
+            "best hand layout" + ("" if h["fits"] else " (does not fit)"),
+            hand,
+            time_s(h["step_time_s"]),
+            gib(h["memory_bytes"]),
+            f"{h['devices_used']} of {total}",
+        ],
+    ]
+    ratio = float(h["step_time_s"]) / float(step) if step else 0.0
+    best = (
+        f"the best of {plural(int(h.get('num_priced', 0)), 'hand layout')} over all {h['devices_used']} {h['device']}"
+    )
+    if not h["fits"]:
+        why = (
+            f"no hand layout over all {h['devices_used']} {h['device']} fits memory (the closest needs "
+            f"{gib(h['memory_bytes'])} of {gib(h['memory_capacity'])} per device)"
+        )
+    elif ratio < 0.995:
+        why = f"{best} is {1 / ratio:.2f}x as fast as the chosen plan (the search does not reach it)"
+    elif ratio < 1.005:
+        why = f"{best} takes the same predicted step time (within 0.5%)"
+    else:
+        why = f"{best} takes {ratio:.2f}x the chosen plan's step time"
+    have, busy = cluster_devices(plan).get(h["device"], h["devices_used"]), used_devices(plan).get(h["device"], 0)
+    if busy < have:
+        why = (
+            f"the chosen plan leaves {have - busy} of {have} {h['device']} idle because using them does not pay: {why}"
+        )
+    others = {k: v for k, v in (plan.predicted.get("idle_reasons") or {}).items() if k != h["device"]}
+    why += "".join(f"; {k}: {v}" for k, v in others.items())  # idle devices of other types (search/precision.py)
+    return table(
+        "Against the best hand layout (every device of one type)",
+        ["plan", "layout", "step time", "memory / device", "devices"],
+        rows,
+        caption=why + ".",
+    )
+
+
 def search_table(plan: Plan) -> Table:
     rows = []
     for k in sorted(plan.search):
-        if k == "alternatives":
+        if k in ("alternatives", "best_hand_layout"):  # their own tables
             continue
         v = plan.search[k]
+        if k == "schedules" and isinstance(v, dict):  # each schedule's best step: by how much the others lose
+            best = min(v.values(), default=0.0)
+            v = "; ".join(
+                f"{s} {time_s(t)}" + (f" (+{t / best - 1:.1%})" if 0 < best < t else "") for s, t in v.items()
+            )
         if isinstance(v, (list, dict)):
             v = json.dumps(v, sort_keys=True, separators=(", ", ": "))[:200]
         rows.append([k.replace("_", " "), str(v)])
@@ -177,6 +245,7 @@ def plan_tables(plan: Plan, width: int | None = None) -> list[Table]:
         *stages_tables(plan, width),
         breakdown_table(plan),
         alternatives_table(plan),
+        *[t for t in (hand_layout_table(plan),) if t is not None],
         search_table(plan),
     ]
 

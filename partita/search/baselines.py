@@ -26,6 +26,7 @@ from partita.search.config import SearchOptions, TrainingConfig
 from partita.search.evaluate import Evaluation, evaluate_config
 from partita.search.plan_build import Candidate, StagePick
 from partita.search.planner import DEFAULT_OPTIONS, Option, Search, plan_graph, powers_of_two
+from partita.search.schedule_cost import w_held
 from partita.search.stage_cost import SolverCosts
 
 
@@ -119,7 +120,8 @@ def heterogeneity_unaware(
     picks = []
     index = {name: i for i, name in enumerate(lay.name for lay in graph.layers)}
     p_num = len(plan.stages)
-    in_flight = np.array([0.0] + [sched.in_flight(plan.schedule, 0, s, m, v) for s in range(1, p_num + 1)])
+    held = w_held(graph, training.seq_len)  # issue 19
+    in_flight = np.array([0.0] + [sched.in_flight(plan.schedule, 0, s, m, v, w_held=held) for s in range(1, p_num + 1)])
     for st in plan.stages:
         types = [kinds[used[r]] for r in st.ranks]
         devs = tuple((d, types.count(d.name) // st.tp, plan.micro_batch_size) for d in real.types if d.name in types)

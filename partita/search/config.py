@@ -52,16 +52,24 @@ class SearchOptions:
     """Knobs of the inter-operator search; the defaults are what ``partita compile`` uses.
 
     * ``schedules``: pipeline schedules to consider. GPipe is off by default because under this cost
-      model it has 1F1B's latency and never less memory (pruning rule R4 in ``inter_op``).
+      model it is never faster than 1F1B (the simulated schedules) and never holds less memory (pruning
+      rule R4 in ``inter_op``).
       ``interleaved_1f1b`` is off by default and stays out of every search whose plan is emitted: no
       runtime runs it (a torch plan stage is one contiguous layer range, not round-robin chunks, and
       the JAX program would run plain 1F1B under the interleaved bubble), so ``emit_torch`` /
       ``emit_jax`` refuse ``num_virtual_stages > 1`` (issue 15, item 5). Pass it explicitly only to
-      price what-if plans.
-    * ``zero_stages`` / ``recompute``: per-stage options searched. ``"selective"`` recompute is off by
-      default (issue 15, item 4): the layer costs carry no price for it (it would be priced exactly like
-      ``"none"``) while the torch runtime recomputes every non-matmul op, so the search cannot choose it
-      until ``search/stage_cost.py`` prices what the runtime recomputes. Pass it explicitly to evaluate.
+      price what-if plans. ``zb_h1`` (issue 19: 1F1B with the weight gradients W deferred into the
+      cool-down bubble, priced by simulating its action list, ``search/pipeline_sim.py``) is on by
+      default: the torch program runs it (``backends/torch/schedule.P2PPipeline``) on stages with ZeRO-0
+      and no recompute, the only ones the planner searches under it; JAX models leave it out (no JAX
+      runtime splits the backward). ``zbv`` (ZB-V, two chunks per rank in a V) is off by default and
+      stays out of every emitted search for the reason interleaved does: ``emit_torch`` / ``emit_jax``
+      refuse it. Pass it explicitly to price what-if plans (``bench/schedules.py``).
+    * ``zero_stages`` / ``recompute``: per-stage options searched. ``"selective"`` is priced from what
+      the runtime recomputes (``search/stage_cost.SolverCosts._selective``): a torch block keeps its
+      input and the outputs of its matmuls and tp collectives and runs every other op's forward again
+      in the backward (``backends/torch/parallel._save_matmuls``); ``embed`` / ``head`` are never
+      checkpointed; the JAX program checkpoints whole layers, so there it is priced as ``"full"``.
     * ``max_tp``: largest tensor-parallel degree (also capped by devices per node, rule R1).
     * ``max_micro_batch``: largest per-replica micro-batch tried.
     * ``max_layer_units``: stage boundaries fall between groups of consecutive layers so that the model
@@ -74,9 +82,9 @@ class SearchOptions:
       without bf16 tensor cores (V100, T4) and none loses by it (``search/precision.py``).
     """
 
-    schedules: tuple[str, ...] = ("1f1b",)
+    schedules: tuple[str, ...] = ("1f1b", "zb_h1")  # docstring: what the runtimes run
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
-    recompute: tuple[str, ...] = ("none", "full")  # RECOMPUTE minus "selective" (docstring)
+    recompute: tuple[str, ...] = ("none", "selective", "full")
     max_tp: int = 8
     max_micro_batch: int = 32
     max_layer_units: int = 32

@@ -10,8 +10,9 @@ anything is priced (:func:`check_layout`): attention heads, key/value heads or b
 not divisible by ``tp``; ``dp * tp * pp`` above the devices of the type that runs it; blocks that do not split into ``pp``
 stages (times ``num_virtual`` chunks); virtual stages without the interleaved schedule.
 A ``tp`` wider than a node is priced over the network and said so in the notes (the planner
-itself never searches it, rule R1). Sequence parallelism is not a dimension of the search (no emitter realizes it), so it is not
-one here either.
+itself never searches it, rule R1). Sequence parallelism is refused the same way (``sequence_parallel=True``):
+no emitter realizes Megatron's sequence parallelism (``backends/torch/tp.py`` keeps whole activations on
+the tp group), so it is not a dimension of the search, and a layout with it could not be emitted.
 
 The :class:`Evaluation` carries memory per device by category (parameters, gradients, optimizer
 state, activations: the same terms ``search/stage_cost.stage_arrays`` sums), whether it fits, the
@@ -34,6 +35,7 @@ from partita.search.config import SearchOptions, TrainingConfig
 from partita.search.plan_build import Candidate, StagePick
 from partita.search.planner import Option, Search
 from partita.search.precision import choose_precision, precision_note
+from partita.search.schedule_cost import w_held
 from partita.search.stage_cost import SolverCosts, StageFactors
 
 MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
@@ -116,6 +118,17 @@ def tp_dims(graph: Graph) -> tuple[dict[str, set[int]], int | None]:
     return {k: v for k, v in need.items() if v}, vocab
 
 
+def check_sequence_parallel(sequence_parallel: bool) -> None:
+    """Refuse Megatron sequence parallelism (module docstring): no emitter realizes it."""
+    if sequence_parallel:
+        raise ConfigError(
+            "sequence parallelism cannot be built: the runtime has no Megatron sequence parallelism (its tensor "
+            "parallelism keeps whole activations on the tp group: column- and row-parallel modules with an "
+            "all-reduce, backends/torch/tp.py), so no program could realize the layout and it is not priced.",
+            "drop --sequence-parallel; with tp > 1, --recompute selective or full lowers activation memory instead.",
+        )
+
+
 def check_layout(
     graph: Graph,
     cluster: Cluster,
@@ -127,11 +140,19 @@ def check_layout(
     micro_batch: int,
     schedule: str = "1f1b",
     num_virtual: int = 1,
+    sequence_parallel: bool = False,
 ) -> list[str]:
     """Refuse a layout that cannot be built (module docstring); return notes on one that can."""
+    check_sequence_parallel(sequence_parallel)
     for name, val in (("tp", tp), ("pp", pp), ("dp", dp), ("micro_batch", micro_batch), ("num_virtual", num_virtual)):
         if val < 1:
             raise ConfigError(f"{name}={val} must be >= 1.", f"pass a positive {name}.")
+    why = graph.meta.get("no_pipeline")  # the runtime cannot cut this model (frontends/trace_torch.py)
+    if pp > 1 and why:
+        raise ConfigError(
+            f"pp={pp} cannot be built for {graph.meta.get('model', graph.name)}: {why}.",
+            "use pp=1 and split the model with dp, tp and ZeRO instead.",
+        )
     dev = cluster.device_types()[0]
     have = cluster.count(dev.name)
     used = dp * tp * pp
@@ -203,14 +224,15 @@ def memory_by_category(cand: Candidate, i: int) -> dict[str, float]:
     z, r = p.option.combos[p.combo]
     k, j, dp = p.k, p.j, float(cand.dp)
     sl = slice(k, j)
-    in_flight = sched.in_flight(cand.schedule, i, len(cand.stages), cand.m, cand.v)
+    held = w_held(search.graph, search.training.seq_len)  # issue 19
+    in_flight = sched.in_flight(cand.schedule, i, len(cand.stages), cand.m, cand.v, w_held=held)
     params = float(tab.params[sl].sum()) / (dp if z >= 3 else 1.0)
     if z >= 3:
         params += float(tab.max_layer_params[sl].max())
     if r == "none":
         act = float(tab.act[sl].sum()) * in_flight
     elif r == "selective":
-        act = float((tab.act[sl] - tab.sel_bytes[sl]).sum()) * in_flight
+        act = float((tab.act[sl] - tab.sel_bytes[sl]).sum()) * in_flight + float(tab.max_layer_sel[sl].max())
     else:
         act = float(tab.inputs[sl].sum()) * in_flight + float(tab.max_layer_act[sl].max())
     return {
@@ -257,6 +279,7 @@ def evaluate_config(
     recompute: str = "none",
     schedule: str = "1f1b",
     num_virtual: int = 1,
+    sequence_parallel: bool = False,
     costs: SolverCosts | None = None,
     factors: StageFactors | None = None,
     tp_style: str = "megatron",
@@ -277,6 +300,7 @@ def evaluate_config(
         micro_batch=micro_batch,
         schedule=schedule,
         num_virtual=num_virtual,
+        sequence_parallel=sequence_parallel,
     )
     if zero_stage and dp == 1:
         notes.append(f"ZeRO-{zero_stage} with dp=1 shards nothing: priced as ZeRO-0.")
@@ -298,7 +322,8 @@ def evaluate_config(
     dev = cluster.device_types()[0]
     m = training.global_batch // (micro_batch * dp)
     v = num_virtual if schedule == "interleaved_1f1b" else 1
-    in_flight = np.array([0.0] + [sched.in_flight(schedule, 0, s, m, v) for s in range(1, pp + 1)])
+    held = w_held(graph, training.seq_len)  # issue 19
+    in_flight = np.array([0.0] + [sched.in_flight(schedule, 0, s, m, v, w_held=held) for s in range(1, pp + 1)])
     got = search.arrays(((dev, dp, micro_batch),), dp, tp, in_flight, sched.p2p_multiplier(schedule, v))
     if got is None:
         raise ConfigError(f"the model cannot run with tp={tp} on {dev.name}.", "use another tp.")

@@ -1,15 +1,16 @@
 """A Plan for a hand-made Megatron layout (tp, pp, dp, micro-batch, ZeRO, recompute), priced by the search's model.
 
 The what-if path of issue 15 (``partita compile MODEL --tp T --pp P --dp D ...``): the layout is
-checked and priced exactly as ``search/evaluate.evaluate_config`` prices it (Megatron tensor
-parallelism: ``tp_style="megatron"``, blocks split evenly over stages, the cluster's first device
-type), and the winning-candidate path of the planner (``search/plan_build.build_plan``) writes the
-Plan, so its records (collectives per stage with bytes, memory by category, FLOPs) are the ones a
+checked and priced as ``search/evaluate.evaluate_config`` prices it (blocks split evenly over
+stages, the cluster's first device type), with the tensor parallelism the program builds
+(``tp_style="torch"`` for a torch graph: the ILP picks each module's role, ``Stage.tp_plan``), and
+the winning-candidate path of the planner (``search/plan_build.build_plan``) writes the Plan, so its records (collectives per stage with bytes, memory by category, FLOPs) are the ones a
 searched plan carries. Used by ``bench/rehearse.py`` and the rehearsal tests.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -22,6 +23,7 @@ from partita.search.config import SearchOptions, TrainingConfig
 from partita.search.evaluate import check_layout, megatron_split
 from partita.search.plan_build import Candidate, StagePick, build_plan
 from partita.search.planner import Option, Search
+from partita.search.schedule_cost import w_held
 from partita.search.stage_cost import SolverCosts
 
 
@@ -37,20 +39,36 @@ def hand_plan(
     zero_stage: int = 0,
     recompute: str = "none",
     schedule: str = "1f1b",
+    sequence_parallel: bool = False,
 ) -> Plan:
     """The Plan of one Megatron layout (module docstring); ConfigError if it cannot be built."""
     from partita.errors import ConfigError
 
     t0 = time.perf_counter()
-    check_layout(graph, cluster, training, tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, schedule=schedule)
+    notes = check_layout(
+        graph,
+        cluster,
+        training,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        micro_batch=micro_batch,
+        schedule=schedule,
+        sequence_parallel=sequence_parallel,
+    )
     if zero_stage and dp == 1:
+        notes.append(f"ZeRO-{zero_stage} with dp=1 shards nothing: priced as ZeRO-0.")
         zero_stage = 0
     opts = SearchOptions(zero_stages=(zero_stage,), recompute=(recompute,), max_layer_units=0, max_tp=tp)
-    costs = SolverCosts(graph, cluster, training, tp_style="megatron")
+    # the program's own tp (issue 15 item 1): torch graphs take the roles backends/torch/tp.py builds
+    costs = SolverCosts(
+        graph, cluster, training, tp_style="torch" if graph.meta.get("framework") != "jax" else "megatron"
+    )
     search = Search(graph, cluster, training, opts, costs, None)
     dev = cluster.device_types()[0]
     m = training.global_batch // (micro_batch * dp)
-    in_flight = np.array([0.0] + [sched.in_flight(schedule, 0, s, m, 1) for s in range(1, pp + 1)])
+    held = w_held(graph, training.seq_len)  # issue 19: a micro-batch between its B and its W
+    in_flight = np.array([0.0] + [sched.in_flight(schedule, 0, s, m, 1, w_held=held) for s in range(1, pp + 1)])
     got = search.arrays(((dev, dp, micro_batch),), dp, tp, in_flight, sched.p2p_multiplier(schedule, 1))
     if got is None:
         raise ConfigError(f"the model cannot run with tp={tp} on {dev.name}.", "use another tp.")
@@ -58,4 +76,17 @@ def hand_plan(
     opt = Option(0, tp, tp, ((dev, dp, micro_batch),), (), per_combo, combos, stack)
     picks = tuple(StagePick(a, b, opt, 0) for a, b in megatron_split(graph, pp))
     cand = Candidate(dp, micro_batch, m, schedule, 1, picks, search)
-    return build_plan(search, [cand], time.perf_counter() - t0)
+    plan = build_plan(search, [cand], time.perf_counter() - t0)
+    layout = {
+        "tp": tp,
+        "pp": pp,
+        "dp": dp,
+        "micro_batch": micro_batch,
+        "zero_stage": zero_stage,
+        "recompute": recompute,
+        "schedule": schedule,
+        "dtype": training.dtype,
+        "device": dev.name,
+        "notes": notes,
+    }
+    return dataclasses.replace(plan, search={**plan.search, "hand_layout": layout})

@@ -33,6 +33,7 @@ optimizer step streams its states through HBM (at ``Efficiency.optimizer_memory`
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -67,8 +68,8 @@ class LayerCost:
     boundary_bytes: float  # output activation (p2p size if a stage ends here)
     input_bytes: float  # input activation (kept under full recompute)
     tp_sync_s: float = 0.0  # gradient sync on the tp axis itself (partial grads), once per step
-    selective_bytes: float = 0.0  # saved bytes selective recompute drops (attention core)
-    selective_s: float = 0.0  # forward time it redoes
+    selective_bytes: float = 0.0  # saved bytes selective recompute drops (all but matmul/collective outputs)
+    selective_s: float = 0.0  # forward time it redoes (the non-matmul ops)
     optimizer_fixed_s: float = 0.0  # per-tensor optimizer cost of the layer's parameter tensors
     optimizer_stream_scale: float = 1.0  # 0.8 / Efficiency.optimizer_memory of the device
     comm_overlap: float = 1.0  # Efficiency.comm_overlap of the device
@@ -90,6 +91,7 @@ class UnitTable:
     sel_s: np.ndarray
     tp_sync: np.ndarray
     max_layer_act: np.ndarray
+    max_layer_sel: np.ndarray  # largest recomputed (dropped) activations of one layer, selective
     max_layer_params: np.ndarray
     boundary: np.ndarray  # bytes leaving the unit
     num_layers: np.ndarray
@@ -115,6 +117,7 @@ class UnitTable:
             agg("selective_s"),
             agg("tp_sync_s"),
             agg("activation_bytes", max),
+            agg("selective_bytes", max),
             agg("param_bytes", max),
             np.array([costs[b - 1].boundary_bytes for a, b in units], dtype=np.float64),
             np.array([b - a for a, b in units], dtype=np.float64),
@@ -128,7 +131,15 @@ def _range_sum(x: np.ndarray) -> np.ndarray:
     """``R[k, j] = sum(x[k:j])`` for k < j (0 elsewhere), shape [U, U + 1]."""
     c = np.concatenate([[0.0], np.cumsum(x)])
     r = c[None, :] - c[:-1, None]
-    return np.where(np.triu(np.ones_like(r, dtype=bool), 1), r, 0.0)
+    return np.where(_upper(len(x)), r, 0.0)
+
+
+@functools.lru_cache(maxsize=64)
+def _upper(n: int) -> np.ndarray:
+    """The ``k < j`` mask of :func:`_range_sum` for ``n`` units (built once per size; read-only)."""
+    mask = np.triu(np.ones((n, n + 1), dtype=bool), 1)
+    mask.flags.writeable = False
+    return mask
 
 
 def _range_max(x: np.ndarray) -> np.ndarray:
@@ -202,8 +213,9 @@ def stage_arrays(
     transient: Any = 0.0
     if recompute == "none":
         t, saved = fwd + bwd, _range_sum(tab.act)
-    elif recompute == "selective":
+    elif recompute == "selective":  # the dropped activations come back one layer at a time in the backward
         t, saved = fwd + bwd + _range_sum(tab.sel_s), _range_sum(tab.act - tab.sel_bytes)
+        transient = _range_max(tab.max_layer_sel)
     else:
         t, saved, transient = 2 * fwd + bwd, _range_sum(tab.inputs), _range_max(tab.max_layer_act)
     compute = t - comm * (2 if recompute == "full" else 1)
@@ -265,13 +277,14 @@ class SolverCosts:
     (times, activations; parameters unchanged), which :attr:`linear_batch` records.
 
     ``tp_style=None`` (the default) picks the style the graph's runtime realizes (issue 15 item 1):
-    a torch graph is solved ``"megatron"`` (the ``tp`` axis shards weights, never the batch or the
-    sequence: ``backends/torch/tp.py`` feeds every tp rank the whole micro-batch and runs Megatron
-    column/row modules), a JAX graph ``"auto"`` (its program pins every activation layout the ILP
-    chose). ``scatter_gather`` (Megatron-LM's split p2p send) is priced only when ``"megatron"`` is
+    a torch graph is solved ``"torch"`` (the ``tp`` axis takes only the module roles
+    ``backends/torch/tp.py`` builds: column/row linears, heads, never the batch or the sequence;
+    ``strategies.torch_tp_strategies``), a JAX graph ``"auto"`` (its program pins every activation
+    layout the ILP chose). ``scatter_gather`` (Megatron-LM's split p2p send) is priced only when ``"megatron"`` is
     asked explicitly (``partita evaluate``, baselines): the torch runtime sends whole activations.
     ``flat_sync``: price the torch program's ZeRO-0 gradient sync (``stage_arrays``); off for JAX and
-    for an explicit style, which prices Megatron-LM's own engine.
+    for ``"megatron"`` / ``"auto"`` asked explicitly, which price another engine (``"torch"`` asked
+    explicitly, as ``search/hand_plan.py`` does, is the torch program).
     """
 
     def __init__(self, graph, cluster, training, memo=None, tp_style: str | None = None) -> None:  # noqa: ANN001
@@ -281,10 +294,10 @@ class SolverCosts:
         self.scatter_gather = tp_style == "megatron"
         # the torch program's ZeRO-0 sync runs after the schedule (stage_arrays' flat_sync); an explicit
         # style prices another engine (Megatron-LM's overlapped DDP for evaluate / baselines)
-        self.flat_sync = tp_style is None and graph.meta.get("framework") != "jax"
+        self.flat_sync = tp_style in (None, "torch") and graph.meta.get("framework") != "jax"
         if tp_style is None:
-            tp_style = "auto" if graph.meta.get("framework") == "jax" else "megatron"
-        self.tp_style = tp_style  # "megatron": the tp axis shards weights only (intra_op.solve_layer)
+            tp_style = "auto" if graph.meta.get("framework") == "jax" else "torch"
+        self.tp_style = tp_style  # "megatron" / "torch": the tp axis shards weights only (intra_op.solve_layer)
         self.memo = memo or IntraOpMemo()
         self.linear_batch = "B" not in graph.symbols and not any(
             "B" in {str(x) for d in t.shape for x in getattr(d, "free_symbols", ())} for t in graph.tensors.values()
@@ -411,6 +424,7 @@ class SolverCosts:
 
     def _from_solution(self, sol, index: int, b: int) -> LayerCost:  # noqa: ANN001
         prev = self._cache_prev_boundary(index, sol)
+        sel_bytes, sel_s = self._selective(sol, index, prev)
         return LayerCost(
             forward_s=sol.forward_time_s,
             backward_s=sol.backward_time_s,
@@ -422,7 +436,23 @@ class SolverCosts:
             boundary_bytes=sol.boundary_bytes,
             input_bytes=prev,
             tp_sync_s=sol.grad_sync_time_s,
+            selective_bytes=sel_bytes,
+            selective_s=sel_s,
         )
+
+    def _selective(self, sol, index: int, inputs: float) -> tuple[float, float]:  # noqa: ANN001
+        """``(saved bytes dropped, forward seconds redone)`` of layer ``index`` under selective recompute,
+        as the runtime realizes it. Torch (``backends/torch/parallel._save_matmuls``): a block runs under
+        ``checkpoint`` with a policy that keeps the outputs of matmuls and of tp collectives and
+        recomputes every other op; the block input is the checkpoint's input; the layers outside the
+        blocks (``embed``, ``head``) are never checkpointed. JAX (``backends/jax/parallel``): any
+        recompute is ``jax.checkpoint`` of the stage's layers, priced here as full recompute."""
+        act = sol.activation_bytes
+        if self.graph.meta.get("framework") == "jax":
+            return max(0.0, act - inputs), sol.forward_time_s
+        if self.graph.layers[index].name in _NOT_CHECKPOINTED:
+            return 0.0, 0.0
+        return max(0.0, act - inputs - sol.selective_keep_bytes), sol.selective_forward_s
 
     def _cache_prev_boundary(self, index: int, sol) -> float:  # noqa: ANN001
         """Bytes of the layer's input activations per device (replicated over tp at the boundary)."""
@@ -436,6 +466,9 @@ class SolverCosts:
             if ten is not None and ten.role.value == "activation":
                 total += float(dim_size(ten.nbytes(), env))
         return total
+
+
+_NOT_CHECKPOINTED = ("embed", "head")  # backends/torch/stages.GROUPS: layers the runtime never checkpoints
 
 
 def _opt(name: str) -> str:

@@ -1,0 +1,129 @@
+"""The best Megatron-style hand layout over all GPUs of a type: what the compile report compares with.
+
+Sits beside ``search/evaluate.py`` and ``search/hand_plan.py`` (it prices layouts with the same
+path: ``Search.arrays`` with the tensor parallelism ``partita compile --tp`` emits, blocks split
+evenly over the stages) and
+is called once per compile (``driver.Traced.plan``) to give the report a yardstick a user would
+pick by hand (issue 18): every ``tp`` (power of two, within a node, dividing the heads and block
+weight dims) x ``pp`` (dividing the blocks) x ``dp`` with ``dp * tp * pp`` = every device of the
+cluster's first device type, every micro-batch (power of two dividing the replica's batch),
+with the fastest ZeRO stage and recompute policy (the same on every stage) that fits memory, on
+the 1F1B schedule in the plan's precision. The record it returns goes into ``plan.search``
+(``"best_hand_layout"``): the layout, its step time, its largest memory per device, the devices
+it uses, and how many layouts were priced. When no layout over all devices fits, it says so and
+keeps the fastest that came closest (``fits: false``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from partita.cluster import Cluster
+from partita.errors import ConfigError
+from partita.ir import Graph
+from partita.search import schedule as sched
+from partita.search.config import SearchOptions, TrainingConfig
+from partita.search.evaluate import block_kind, check_layout, megatron_split
+from partita.search.plan_build import Candidate, StagePick
+from partita.search.planner import Option, Search, powers_of_two
+from partita.search.stage_cost import SolverCosts
+
+SCHEDULE = "1f1b"
+
+
+def tp_style_of(graph: Graph) -> str:
+    """The tensor parallelism ``partita compile --tp`` emits (``search/hand_plan.py``): the torch
+    program's module roles for a torch graph, Megatron's for a JAX one."""
+    return "torch" if graph.meta.get("framework") != "jax" else "megatron"
+
+
+def _layouts(graph: Graph, cluster: Cluster, training: TrainingConfig, max_micro_batch: int) -> list[tuple]:
+    """``(tp, pp, dp, micro_batch)`` that use every device of the first type and can be built."""
+    dev = cluster.device_types()[0]
+    n, gpn = cluster.count(dev.name), cluster.gpus_per_node(dev.name)
+    blocks = sum(lay.kind == block_kind(graph) for lay in graph.layers)
+    out = []
+    for tp in powers_of_two(min(gpn, n)):
+        for pp in (p for p in range(1, blocks + 1) if blocks % p == 0 and n % (tp * p) == 0):
+            dp = n // (tp * pp)
+            for b in powers_of_two(max_micro_batch):
+                if training.global_batch % (b * dp):
+                    continue
+                try:
+                    check_layout(graph, cluster, training, tp=tp, pp=pp, dp=dp, micro_batch=b)
+                except ConfigError:
+                    continue
+                out.append((tp, pp, dp, b))
+    return out
+
+
+def best_hand_layout(
+    graph: Graph,
+    cluster: Cluster,
+    training: TrainingConfig,
+    *,
+    costs: SolverCosts | None = None,
+    max_micro_batch: int = 32,
+) -> dict[str, Any] | None:
+    """The record described in the module docstring, or None when no layout over all devices can
+    be built (e.g. the device count does not factor into the model's tp and pp divisors)."""
+    dev = cluster.device_types()[0]
+    costs = costs or SolverCosts(graph, cluster, training, tp_style=tp_style_of(graph))
+    opts = SearchOptions(max_layer_units=0, max_tp=max(1, cluster.gpus_per_node(dev.name)))
+    search = Search(graph, cluster, training, opts, costs, None)
+    cap = dev.memory_bytes * search.factors.memory_usable
+    best: tuple | None = None  # (not fits, step or memory, record)
+    priced = 0
+    for tp, pp, dp, b in _layouts(graph, cluster, training, max_micro_batch):
+        m = training.global_batch // (b * dp)
+        in_flight = np.array([0.0] + [sched.in_flight(SCHEDULE, 0, s, m, 1) for s in range(1, pp + 1)])
+        got = search.arrays(((dev, dp, b),), dp, tp, in_flight, sched.p2p_multiplier(SCHEDULE, 1))
+        if got is None:
+            continue
+        per_combo, combos, stack = got
+        opt = Option(0, tp, tp, ((dev, dp, b),), (), per_combo, combos, stack)
+        split = megatron_split(graph, pp)
+        for c, (z, r) in enumerate(combos):
+            cand = Candidate(dp, b, m, SCHEDULE, 1, tuple(StagePick(a, e, opt, c) for a, e in split), search)
+            mem = max(cand.memory(i) for i in range(pp))
+            if not np.isfinite(mem):
+                continue
+            priced += 1
+            step = cand.step_time
+            fits = mem <= cap
+            key = (not fits, step if fits else mem)
+            if best is None or key < best[:2]:
+                rec = {
+                    "tp": tp, "pp": pp, "dp": dp, "micro_batch": b, "num_micro_batches": m, "zero_stage": z,
+                    "recompute": r, "schedule": SCHEDULE, "dtype": training.dtype, "device": dev.name,
+                    "devices_used": dp * tp * pp, "step_time_s": float(step), "memory_bytes": float(mem),
+                    "memory_capacity": float(cap), "fits": bool(fits),
+                }  # fmt: skip
+                best = (*key, rec)
+    if best is None:
+        return None
+    return {**best[2], "num_priced": priced}
+
+
+def summary(rec: dict[str, Any]) -> str:
+    """``tp 8 x pp 1 x dp 8, micro-batch 1, ZeRO-1, recompute none`` (the report's words)."""
+    return (
+        f"tp {rec['tp']} x pp {rec['pp']} x dp {rec['dp']}, micro-batch {rec['micro_batch']}, "
+        f"ZeRO-{rec['zero_stage']}, recompute {rec['recompute']}"
+    )
+
+
+def with_best_hand_layout(plan: Any, graph: Graph, cluster: Cluster, training: TrainingConfig, memo: Any = None) -> Any:
+    """``plan`` with ``search["best_hand_layout"]`` (module docstring), priced in the plan's precision.
+    ``memo``: the planner's ``IntraOpMemo`` (the same solves, keyed by all their inputs, not redone)."""
+    import dataclasses
+
+    dtype = str(plan.training.get("dtype", training.dtype))
+    tr = dataclasses.replace(training, dtype=dtype)
+    costs = None if memo is None else SolverCosts(graph, cluster, tr, memo=memo, tp_style=tp_style_of(graph))
+    rec = best_hand_layout(graph, cluster, tr, costs=costs)
+    if rec is None:
+        return plan
+    return dataclasses.replace(plan, search={**plan.search, "best_hand_layout": rec})
