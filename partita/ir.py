@@ -420,6 +420,15 @@ def _expr(s: str | int) -> sympy.Expr:
 
 
 def graph_to_dict(g: Graph) -> dict[str, Any]:
+    memo: dict[tuple[type, Any], str] = {}  # sympy's printer is slow; a deep model repeats its shapes
+
+    def text(x: Any) -> str:
+        key = (type(x), x)  # 2 == 2.0 == Integer(2) print differently
+        got = memo.get(key)
+        if got is None:
+            got = memo[key] = str(x)
+        return got
+
     return {
         "ir_version": IR_VERSION,
         "name": g.name,
@@ -430,7 +439,7 @@ def graph_to_dict(g: Graph) -> dict[str, Any]:
         "tensors": [
             {
                 "name": t.name,
-                "shape": [str(d) for d in t.shape],
+                "shape": [text(d) for d in t.shape],
                 "dtype": t.dtype,
                 "role": t.role.value,
                 "fqn": t.fqn,
@@ -455,8 +464,8 @@ def graph_to_dict(g: Graph) -> dict[str, Any]:
                 "module": n.module,
                 "source": n.source,
                 "layer": n.layer,
-                "flops": str(n.flops),
-                "bytes_moved": str(n.bytes_moved),
+                "flops": text(n.flops),
+                "bytes_moved": text(n.bytes_moved),
             }
             for n in g.nodes
         ],

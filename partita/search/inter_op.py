@@ -103,34 +103,98 @@ class DPStats:
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
-def _run(p: StageProblem, t_max: float) -> list[np.ndarray]:
-    """Fill ``G[i]`` (shape ``[S + 1, U + 1, cap_i + 1]``) for bound ``t_max``."""
-    num_units, max_stages = p.num_units, p.max_stages
-    times = np.where(p.times <= t_max, p.times, INF)
-    nseg = len(p.capacities)
-    g = [np.full((max_stages + 1, num_units + 1, cap + 1), INF) for cap in p.capacities]
-    for i in range(nseg):
-        g[i][0, num_units, :] = 0.0
-    # options of one segment and width enter G only through their least time: one table per
-    # (segment, width) instead of per option (the reconstruction still names the option)
-    by_seg: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(nseg)]
+@dataclasses.dataclass(frozen=True)
+class _Table:
+    """The least time over a (segment, width)'s options, indexed for :func:`_run`."""
+
+    width: int
+    tab: np.ndarray  # [U, U + 1, S + 1] min over the group's options of times[o, k, j, s]
+    diag: np.ndarray  # [U, U, S + 1] diag[k, d, s] = tab[k, k + 1 + d, s] (inf past the last unit)
+    shortest: np.ndarray  # [U + 1, S + 1] least time of a stage of d units with s stages left
+
+
+def _tables(p: StageProblem) -> list[list[_Table]]:
+    """Per segment, the tables of its widths (options of one segment and width enter G only
+    through their least time; the reconstruction still names the option). Built once per problem."""
+    got = _TABLES.get(id(p))
+    if got is not None and got[0] is p:
+        return got[1]
+    num_units = p.num_units
     groups: dict[tuple[int, int], list[int]] = {}
     for o, seg in enumerate(p.option_segment):
         if p.option_width[o] <= p.capacities[seg]:
             groups.setdefault((seg, p.option_width[o]), []).append(o)
+    by_seg: list[list[_Table]] = [[] for _ in p.capacities]
+    rows = np.arange(num_units)[:, None]
+    cols = rows + 1 + np.arange(num_units)[None, :]
     for (seg, w), members in sorted(groups.items()):
-        by_seg[seg].append((w, times[members].min(axis=0) if len(members) > 1 else times[members[0]]))
-    for s in range(1, max_stages + 1):
+        tab = p.times[members].min(axis=0) if len(members) > 1 else p.times[members[0]]
+        padded = np.concatenate([tab, np.full((num_units, num_units, tab.shape[2]), INF)], axis=1)
+        diag = padded[rows, cols]
+        shortest = np.concatenate([np.full((1, tab.shape[2]), INF), diag.min(axis=0)])
+        by_seg[seg].append(_Table(w, tab, diag, shortest))
+    if len(_TABLES) >= 2:  # one problem is solved at a time: keep its tables, not old ones
+        _TABLES.clear()
+    _TABLES[id(p)] = (p, by_seg)
+    return by_seg
+
+
+_TABLES: dict[int, tuple[StageProblem, list[list[_Table]]]] = {}
+
+
+def _masked(x: np.ndarray, t_max: float) -> np.ndarray:
+    return x if t_max == INF else np.where(x <= t_max, x, INF)
+
+
+def _run(p: StageProblem, t_max: float) -> list[np.ndarray]:
+    """Fill ``G[i]`` (shape ``[S + 1, U + 1, cap_i + 1]``) for bound ``t_max``.
+
+    Only entries that can be finite are computed, so every minimum is over the same finite floats
+    as the full product (the plan is unchanged): ``s`` stages left need ``s`` units, so a stage
+    ``[k, j)`` with ``s`` left has ``k <= U - s`` and ``j <= U - s + 1``; and a stage longer than
+    the longest one that fits under ``t_max`` (its *band*, per table and ``s``) is inf, so the
+    min-plus product runs over ``j - k <= band`` only (``t_max`` small: a few units per stage).
+    """
+    num_units, max_stages = p.num_units, p.max_stages
+    nseg = len(p.capacities)
+    g = [np.full((max_stages + 1, num_units + 1, cap + 1), INF) for cap in p.capacities]
+    for i in range(nseg):
+        g[i][0, num_units, :] = 0.0
+    by_seg = _tables(p)
+    # band[s]: the most units of a stage that fits under t_max with s stages left (0: none)
+    lengths = np.arange(num_units + 1)[:, None]
+    bands = [
+        [
+            (t, np.where(t.shortest <= t_max, lengths, 0).max(axis=0), _masked(t.tab, t_max), _masked(t.diag, t_max))
+            for t in tabs
+        ]
+        for tabs in by_seg
+    ]
+    for s in range(1, min(max_stages, num_units) + 1):
+        nk = num_units - s + 1
         for i in reversed(range(nseg)):
             cur = g[i][s]
             if i + 1 < nseg:
-                cur[:, :] = g[i + 1][s][:, p.capacities[i + 1], None]
+                cur[:nk, :] = g[i + 1][s][:nk, p.capacities[i + 1], None]
             cap = p.capacities[i]
-            prev = g[i][s - 1]
-            for w, tab in by_seg[i]:
-                c = tab[:, :, s]  # [U, U + 1]
-                cand = (c[:, :, None] + prev[None, :, : cap + 1 - w]).min(axis=1)  # [U, cap + 1 - w]
-                np.minimum(cur[:num_units, w:], cand, out=cur[:num_units, w:])
+            prev = g[i][s - 1][: nk + 1]
+            widths = [min(int(band[s]), nk) for _, band, _, _ in bands[i]]
+            narrow = max((x for x in widths if 2 * x < nk), default=0)
+            if narrow:  # win[k, d, c] = G[s - 1][k + 1 + d, c] (inf past the last unit), a view
+                padded = np.concatenate([prev[1:], np.full((narrow, cap + 1), INF)])
+                r, col = padded.strides
+                win = np.lib.stride_tricks.as_strided(padded, (nk, narrow, cap + 1), (r, r, col), writeable=False)
+            for (t, _, tab, diag), width in zip(bands[i], widths):
+                w = t.width
+                if width == 0:
+                    continue
+                if 2 * width >= nk:  # wide band: the square corner is as cheap
+                    c = tab[:nk, : nk + 1, s]  # [U - s + 1, U - s + 2]
+                    cand = (c[:, :, None] + prev[None, :, : cap + 1 - w]).min(axis=1)
+                else:  # cand[k] = min_d diag[k, d] + G[s - 1][k + 1 + d]
+                    d = diag[:nk, :width, s]
+                    cand = (d[:, :, None] + win[:, :width, : cap + 1 - w]).min(axis=1)  # [U - s + 1, cap + 1 - w]
+                np.minimum(cur[:nk, w:], cand, out=cur[:nk, w:])
     return g
 
 

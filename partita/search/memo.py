@@ -34,6 +34,9 @@ class IntraOpMemo:
     def __len__(self) -> int:
         return len(self._store)
 
+    def __bool__(self) -> bool:  # an empty memo is still a memo (``memo or IntraOpMemo()`` keeps it)
+        return True
+
     def key(
         self,
         layer: Layer,
@@ -125,6 +128,11 @@ def rename_solution(sol: LayerSolution, g0: Graph, src: Layer, g1: Graph, dst: L
         names.update(zip(n0[a].inputs, n1[b].inputs))
     fqn = {g0.tensors[a].fqn or a: g1.tensors[b].fqn or b for a, b in zip(src.params, dst.params)}
     names.update(fqn)
+    for a, b in fqn.items():  # module paths and their parents (tp_plan, column-parallel reasons)
+        for _ in range(2):
+            a, b = a.rpartition(".")[0], b.rpartition(".")[0]
+            if a and b:
+                names.setdefault(a, b)
 
     def words(s: str) -> str:
         return " ".join(names.get(w, w) for w in s.split(" "))
@@ -134,6 +142,7 @@ def rename_solution(sol: LayerSolution, g0: Graph, src: Layer, g1: Graph, dst: L
         op_strategies={names[k]: v for k, v in sol.op_strategies.items()},
         param_placements={fqn.get(k, k): v for k, v in sol.param_placements.items()},
         collectives=tuple(dataclasses.replace(c, reason=words(c.reason)) for c in sol.collectives),
+        tp_plan={names.get(k, k): v for k, v in sol.tp_plan.items()},
     )
 
 

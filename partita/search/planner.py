@@ -32,10 +32,11 @@ from typing import Any
 import numpy as np
 
 from partita.cluster import Cluster, DeviceType
-from partita.errors import InfeasibleError
+from partita.errors import ConfigError, InfeasibleError
 from partita.ir import Graph
 from partita.plan import Plan
 from partita.search import schedule as sched
+from partita.search import schedule_cost
 from partita.search.config import SearchOptions, TrainingConfig
 from partita.search.inter_op import DPStats, solve_stages, stage_problem
 from partita.search.plan_build import Candidate, StagePick, build_plan
@@ -50,6 +51,7 @@ from partita.search.stage_cost import (
     scatter_gather_p2p,
     stage_arrays,
 )
+from partita.search.zero_bubble import solve_zero_bubble
 
 DEFAULT_OPTIONS = SearchOptions()
 ZERO_RECOMPUTE = [(z, r) for r in ("none", "selective", "full") for z in (0, 1, 2, 3)]
@@ -97,11 +99,6 @@ class Option:
     stack: np.ndarray  # [C, U, U+1, S+1] time per combo, inf where it does not fit
 
     @functools.cached_property
-    def best(self) -> np.ndarray:
-        """[U, U+1, S+1] min time over the combos that fit."""
-        return self.stack.min(axis=0)
-
-    @functools.cached_property
     def pick(self) -> np.ndarray:
         """[U, U+1, S+1] the combo index of ``best``."""
         return self.stack.argmin(axis=0)
@@ -116,7 +113,13 @@ class Option:
         if not math.isfinite(cap):
             return self.best, self.pick
         masked = np.where(self.tails[:, :, :, None] < cap, self.stack, np.inf)
-        return masked.min(axis=0), masked.argmin(axis=0)
+        pick = masked.argmin(axis=0)
+        return np.take_along_axis(masked, pick[None], axis=0)[0], pick
+
+    @functools.cached_property
+    def best(self) -> np.ndarray:
+        """[U, U+1, S+1] min time over the combos that fit."""
+        return np.take_along_axis(self.stack, self.pick[None], axis=0)[0]
 
 
 class Search:
@@ -144,6 +147,7 @@ class Search:
         self.num_configs_pruned = 0
         self._tables: dict[tuple, UnitTable | None] = {}
         self._same_layout: dict[tuple, bool] = {}
+        self._in_flight: dict[tuple, list[float]] = {}
 
     # ---- per-unit tables -----------------------------------------------------------------
     def table(self, dev: DeviceType, tp: int, b: int) -> UnitTable | None:
@@ -154,6 +158,14 @@ class Search:
                 None if any(r is None for r in rows) else UnitTable.build([r[0] for r in rows], self.units)
             )
         return self._tables[key]
+
+    def in_flight(self, schedule: str, m: int, v: int, max_stages: int) -> np.ndarray:
+        """``[0, in_flight(s stages)...]`` of the first stage, per s; memoised (configurations with the
+        same micro-batch count share it, and a simulated schedule's count is not cheap)."""
+        got = self._in_flight.setdefault((schedule, m, v), [0.0])
+        held = schedule_cost.w_held(self.graph, self.training.seq_len)  # B-to-W weight (issue 19)
+        got.extend(sched.in_flight(schedule, 0, s, m, v, w_held=held) for s in range(len(got), max_stages + 1))
+        return np.array(got[: max_stages + 1])
 
     def tps(self, dev: DeviceType) -> list[int]:
         return [t for t in powers_of_two(min(self.options.max_tp, self.cluster.gpus_per_node(dev.name)))]
@@ -175,31 +187,31 @@ class Search:
             if tab is None:
                 return None
             tabs.append(tab)
+        net = self.cluster.network_among([d.name for d, _, _ in devs])  # per group; mixed: the slowest
+        prices = []  # per device: the combo-independent link prices
+        for dev, _, _ in devs:
+            cm = self.costs.cost_model(dev)
+            gpn = self.cluster.gpus_per_node(dev.name)
+            link = dp_link(dev, dp, tp, tp if len(devs) > 1 else gpn, net)
+            single_node = self.cluster.count(dev.name) <= gpn and len(devs) == 1 and len(self.types) == 1
+            p2p = p2p_time_fn(dev, cm, net, single_node, self.factors, gpn)
+            if getattr(self.costs, "scatter_gather", self.costs.tp_style == "megatron") and tp > 1 and not single_node:
+                p2p = scatter_gather_p2p(p2p, tp, dev, cm)
+            kinds = ("all_reduce", "reduce_scatter", "all_gather")
+            prices.append((p2p, *(affine(cm, kind, link) for kind in kinds)))
         for z, r in combos:
             worst: Any = None
             ok: Any = None
-            for (dev, _, _), tab in zip(devs, tabs):
-                cm = self.costs.cost_model(dev)
-                gpn = self.cluster.gpus_per_node(dev.name)
-                net = self.cluster.network_among([d.name for d, _, _ in devs])  # per group; mixed: the slowest
-                link = dp_link(dev, dp, tp, tp if len(devs) > 1 else gpn, net)
-                single_node = self.cluster.count(dev.name) <= gpn and len(devs) == 1 and len(self.types) == 1
-                p2p = p2p_time_fn(dev, cm, net, single_node, self.factors, gpn)
-                if (
-                    getattr(self.costs, "scatter_gather", self.costs.tp_style == "megatron")
-                    and tp > 1
-                    and not single_node
-                ):
-                    p2p = scatter_gather_p2p(p2p, tp, dev, cm)
+            for (dev, _, _), tab, (p2p, allreduce, reduce_scatter, all_gather) in zip(devs, tabs, prices):
                 a = stage_arrays(
                     tab,
                     dp=dp,
                     zero=z,
                     recompute=r,
                     in_flight=in_flight,
-                    allreduce=affine(cm, "all_reduce", link),
-                    reduce_scatter=affine(cm, "reduce_scatter", link),
-                    all_gather=affine(cm, "all_gather", link),
+                    allreduce=allreduce,
+                    reduce_scatter=reduce_scatter,
+                    all_gather=all_gather,
                     p2p=p2p,
                     p2p_mult=p2p_mult,
                     hbm_bandwidth=dev.hbm_bandwidth,
@@ -285,7 +297,9 @@ class Search:
         num_units = len(self.units)
         caps_pure = [self.cluster.count(d.name) // dp for d in self.types]
         max_stages = max(1, min(num_units, sum(caps_pure)))
-        in_flight = np.array([0.0] + [sched.in_flight(schedule, 0, s, m, v) for s in range(1, max_stages + 1)])
+        if self.graph.meta.get("no_pipeline"):  # the runtime cannot cut this model (the tracer says why)
+            max_stages = 1
+        in_flight = self.in_flight(schedule, m, v, max_stages)
         opts: list[Option] = []
         segments: list[int] = []
         for cls in self.mixes(dp, b):
@@ -380,17 +394,24 @@ def plan_graph(
     progress: Callable[[str], None] | bool | None = None,
     costs: SolverCosts | None = None,
     factors: StageFactors | None = None,
+    memo: Any = None,
 ) -> Plan:
-    """Search the plan space (module docstring) and return the fastest plan that fits."""
+    """Search the plan space (module docstring) and return the fastest plan that fits. ``memo``: an
+    ``IntraOpMemo`` to share intra-op solutions with a later pricing of the same graph (the driver's
+    hand-layout yardstick); its keys hold every input of a solve, so sharing changes no result."""
     t0 = time.perf_counter()
     say = progress if callable(progress) else (print if progress else (lambda _s: None))
     if costs is None:  # fp16 when it lets GPUs without bf16 tensor cores contribute (search/precision.py)
         training = choose_precision(cluster, training, getattr(options, "allow_f16", True))
+    if costs is None and memo is not None:
+        costs = SolverCosts(graph, cluster, training, memo=memo)
     search = Search(graph, cluster, training, options, costs, factors)
     _check_states_fit(search)  # fails fast, before any configuration is priced
     cands: list[Candidate] = []
     incumbent = math.inf  # best step so far: rule R7 stops re-solving a configuration that cannot beat it
     schedules = [s for s in options.schedules if s != "interleaved_1f1b"] or ["1f1b"]
+    if graph.meta.get("framework") == "jax":  # no JAX runtime splits the backward (backends/jax/emit._check)
+        schedules = [s for s in schedules if not sched.splits_backward(s)] or ["1f1b"]
     n = cluster.num_devices
     for dp in powers_of_two(n):
         for b in powers_of_two(options.max_micro_batch):
@@ -398,11 +419,12 @@ def plan_graph(
                 continue
             for schedule in schedules:
                 search.num_configs += 1
-                found = search.solve_config(dp, b, schedule, incumbent=incumbent)
+                found = _solve_schedule(search, dp, b, schedule, incumbent)
                 cands.extend(found)
                 if found:
                     here = min(c.step_time for c in found)
-                    incumbent = min(incumbent, here)
+                    if not sched.splits_backward(schedule):  # a zero-bubble step bounds no 1F1B closed form
+                        incumbent = min(incumbent, here)
                     say(f"dp={dp} b={b} {schedule}: {here:.4f} s")
     if "interleaved_1f1b" in options.schedules:
         base = sorted(cands, key=lambda c: c.step_time)[:3]
@@ -410,10 +432,20 @@ def plan_graph(
             for v in options.virtual_stages:
                 if len(c.stages) > 1 and all((p.j - p.k) % v == 0 for p in c.stages):
                     search.num_configs += 1
-                    cands.extend(search.solve_config(c.dp, c.b, "interleaved_1f1b", v))
+                    try:
+                        cands.extend(search.solve_config(c.dp, c.b, "interleaved_1f1b", v))
+                    except ConfigError:  # m micro-batches do not split into rounds (schedule.interleave_round)
+                        pass
     if not cands:
         raise _infeasible(search)
     return build_plan(search, cands, time.perf_counter() - t0)
+
+
+def _solve_schedule(search: Search, dp: int, b: int, schedule: str, incumbent: float) -> list[Candidate]:
+    """One outer configuration; zero-bubble schedules (issue 19) search as ``search/zero_bubble.py`` says."""
+    if not sched.splits_backward(schedule):
+        return search.solve_config(dp, b, schedule, incumbent=incumbent)
+    return solve_zero_bubble(search, dp, b, schedule)
 
 
 def _states_bytes(search: Search) -> tuple[float, float]:
@@ -489,7 +521,11 @@ def _infeasible(search: Search) -> InfeasibleError:
             if len(o.devices) > 1:
                 continue
             name = o.devices[0][0].name
-            pp = max(1, min(len(search.units), caps[o.segment] // o.width))
+            pp = (
+                1
+                if search.graph.meta.get("no_pipeline")
+                else max(1, min(len(search.units), caps[o.segment] // o.width))
+            )
             for a in o.arrays:
                 need[name] = min(need.get(name, math.inf), _min_max_memory(a.memory, pp))
     usable = search.factors.memory_usable
@@ -499,8 +535,13 @@ def _infeasible(search: Search) -> InfeasibleError:
         for d in search.types
         if d.name in need and math.isfinite(need[d.name])
     ]
+    why = search.graph.meta.get("no_pipeline")
     return InfeasibleError(
-        "no plan fits in memory (" + ("; ".join(parts) or "no stage option could run the model") + ").",
+        "no plan fits in memory ("
+        + ("; ".join(parts) or "no stage option could run the model")
+        + ")"
+        + (f"; pipeline stages are not searched for this model: {why}" if why else "")
+        + ".",
         "add devices, use devices with more memory, or lower the global batch / sequence length.",
     )
 

@@ -120,3 +120,60 @@ def test_unbinding_capacity_is_dropped_exactly() -> None:
         assert (got is None) == (ref is None)
         if ref is not None:
             assert got.objective == pytest.approx(ref.objective, rel=1e-12)
+
+
+def _full_product(p: StageProblem, t_max: float) -> list[np.ndarray]:
+    """The DP table with every (k, j) in the min-plus product (the form before the band / corner
+    restriction of ``inter_op._run``): the reference its floats must equal."""
+    num_units, max_stages = p.num_units, p.max_stages
+    times = np.where(p.times <= t_max, p.times, np.inf)
+    g = [np.full((max_stages + 1, num_units + 1, cap + 1), np.inf) for cap in p.capacities]
+    for gi in g:
+        gi[0, num_units, :] = 0.0
+    for s in range(1, max_stages + 1):
+        for i in reversed(range(len(g))):
+            cur = g[i][s]
+            if i + 1 < len(g):
+                cur[:, :] = g[i + 1][s][:, p.capacities[i + 1], None]
+            cap = p.capacities[i]
+            for o, seg in enumerate(p.option_segment):
+                w = p.option_width[o]
+                if seg != i or w > cap:
+                    continue
+                c = times[o, :, :, s]
+                cand = (c[:, :, None] + g[i][s - 1][None, :, : cap + 1 - w]).min(axis=1)
+                np.minimum(cur[:num_units, w:], cand, out=cur[:num_units, w:])
+    return g
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_restricted_product_equals_the_full_product(seed: int) -> None:
+    """``_run`` computes only the corner ``s`` stages can reach and, under a tight ``t_max``, only
+    stages as long as the longest that fits (a band): its tables equal the full product's, float
+    for float (inf where inf), at every ``t_max`` candidate; so the plans are the same."""
+    from partita.search.inter_op import _run
+
+    rng = np.random.default_rng(seed)
+    bands = set()
+    for _ in range(12):
+        num_units = int(rng.integers(4, 14))
+        nseg = int(rng.integers(1, 4))
+        caps = [int(rng.integers(1, 12)) for _ in range(nseg)]
+        opts = [(sg, w) for sg in range(nseg) for w in (1, 2, 4)]
+        speed = rng.uniform(0.5, 2.0, size=(len(opts), num_units))
+        times = np.full((len(opts), num_units, num_units + 1, num_units + 1), np.inf)
+        budget = rng.uniform(4, 20)
+        for o, (_sg, w) in enumerate(opts):
+            for k in range(num_units):
+                for j in range(k + 1, num_units + 1):
+                    for s in range(1, num_units + 1):
+                        if (j - k) * s / w <= budget:
+                            times[o, k, j, s] = speed[o, k:j].sum() / w**0.8 + 0.1
+        p = stage_problem(times, [o[0] for o in opts], [o[1] for o in opts], caps, 1.0, 3.0)
+        finite = np.unique(times[np.isfinite(times)])
+        for t_max in [*finite[:: max(1, len(finite) // 6)], np.inf]:
+            got, ref = _run(p, float(t_max)), _full_product(p, float(t_max))
+            assert all(np.array_equal(a, b) for a, b in zip(got, ref))
+            fits = np.isfinite(np.where(times <= t_max, times, np.inf))
+            bands.add(int(max((j - k for _o, k, j, _s in zip(*np.nonzero(fits))), default=0)) < num_units // 2)
+    assert bands == {True, False}  # both the band and the square corner were exercised

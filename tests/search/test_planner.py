@@ -126,3 +126,22 @@ def test_every_layer_has_its_own_placements(graph: Graph) -> None:
     for s in plan.stages:
         nodes = {n for lay in graph.layers if lay.name in s.layers for n in lay.nodes}
         assert set(s.op_strategies) <= nodes and len(s.op_strategies) == len(nodes)
+
+
+def test_shared_intra_op_memo_changes_nothing_and_is_used(graph: Graph) -> None:
+    """The driver shares the planner's intra-op memo with the hand-layout yardstick (issue 20): the
+    plan, yardstick included, is byte-identical to pricing them apart, and the yardstick's solves
+    are memo hits (an empty memo is still that memo, not replaced by a fresh one)."""
+    from partita.search.hand_best import with_best_hand_layout
+    from partita.search.memo import IntraOpMemo
+
+    cl, tr = parse_cluster("4xA100-80G+4xV100-32G"), TrainingConfig(global_batch=32, seq_len=32)
+    apart = with_best_hand_layout(plan_graph(graph, cl, tr), graph, cl, tr)
+    memo = IntraOpMemo()
+    shared = plan_graph(graph, cl, tr, memo=memo)
+    solved = memo.misses
+    assert solved > 0 and len(memo) == solved  # the planner filled this memo
+    shared = with_best_hand_layout(shared, graph, cl, tr, memo=memo)
+    assert "best_hand_layout" in shared.search
+    assert shared.to_json() == apart.to_json()
+    assert memo.hits > 0
