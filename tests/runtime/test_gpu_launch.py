@@ -199,8 +199,9 @@ def test_clipping_all_reduce_in_plan_records_and_program() -> None:
 
 @pytest.mark.slow
 def test_dry_run_of_a_compiled_three_type_plan_places_ranks_by_device_type(tmp_path: Path, capsys) -> None:
-    """`partita compile gpt3-6.7b` at global batch 256 for mixed-lab (16xA100-80G + 16xV100-32G + 8xL4; its
-    plan uses all three types: fp16 lets the V100s and L4s hold pipeline stages), then
+    """`partita compile gpt3-6.7b` at global batch 1024 for mixed-lab (16xA100-80G + 16xV100-32G + 8xL4; its
+    plan uses all three types: fp16 lets the V100s and L4s hold pipeline stages; at batch 256 the L4s stay
+    idle since issue 18's calibration refit), then
     `partita run --dry-run --hostfile` (~15 s, mostly the search): every node's command runs exactly the
     plan ranks of its host's device type."""
     import json
@@ -208,7 +209,7 @@ def test_dry_run_of_a_compiled_three_type_plan_places_ranks_by_device_type(tmp_p
     from partita.plan import read_plan
 
     d = tmp_path / "p"
-    argv = ["compile", "gpt3-6.7b", "--cluster", "mixed-lab", "--global-batch", "256"]
+    argv = ["compile", "gpt3-6.7b", "--cluster", "mixed-lab", "--global-batch", "1024"]
     assert cli_main([*argv, "--seq", "2048", "--out", str(d)]) == 0
     plan = read_plan(d / "plan.json")
     devs = hosts.rank_devices(plan)
