@@ -86,51 +86,16 @@ def simulate(
     ft, bt, wt = _per_stage(f, n_st, "f"), _per_stage(b, n_st, "b"), _per_stage(w, n_st, "w")
     comm = _per_stage(p2p, max(n_st - 1, 0), "p2p")
     split = splits_backward(schedule)
-    lists = actions if actions is not None else pipeline_actions(schedule, num_ranks, num_micro, v)
-    home = [stage_rank(schedule, s, num_ranks, v) for s in range(n_st)]
-
-    def hop(s: int) -> float:  # boundary s -> s+1
-        return 0.0 if home[s] == home[s + 1] else comm[s]
-
-    done: dict[tuple[int, int, str], float] = {}
-    pos = [0] * num_ranks
-    free = [0.0] * num_ranks
-    busy = [0.0] * num_ranks
-    boxes: list[Box] = []
-    remaining = sum(len(x) for x in lists)
-    while remaining:
-        progressed = False
-        for r in range(num_ranks):
-            while pos[r] < len(lists[r]):
-                a = lists[r][pos[r]]
-                s, m = a.stage, a.micro
-                if a.kind == "F":
-                    deps = [(s - 1, m, "F", hop(s - 1))] if s > 0 else []
-                    dur = ft[s]
-                elif a.kind == "B":
-                    deps = [(s, m, "F", 0.0)] + ([(s + 1, m, "B", hop(s))] if s + 1 < n_st else [])
-                    dur = bt[s] if split else bt[s] + wt[s]
-                else:
-                    deps = [(s, m, "B", 0.0)]
-                    dur = wt[s]
-                if any((ds, dm, dk) not in done for ds, dm, dk, _ in deps):
-                    break
-                start = max([free[r]] + [done[(ds, dm, dk)] + lat for ds, dm, dk, lat in deps])
-                end = start + dur
-                done[(s, m, a.kind)] = end
-                boxes.append(Box(r, a, start, end))
-                free[r], busy[r] = end, busy[r] + dur
-                pos[r] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = {r: str(lists[r][pos[r]]) for r in range(num_ranks) if pos[r] < len(lists[r])}
-            raise ScheduleDeadlock(
-                f"the {schedule} action lists block: every rank waits ({stuck}).",
-                "fix the order in search/schedule.py so that each action's inputs come from earlier actions.",
-            )
+    if actions is None:
+        lists, table = pipeline_actions(schedule, num_ranks, num_micro, v), _dag(schedule, num_ranks, num_micro, v)
+    else:
+        lists, table = actions, _compile(schedule, actions, num_ranks, v)
+    start, end = _run(table, ft, bt, wt, comm, split)
+    stage, kind, rank, micro = table[0], table[1], table[7], table[8]
+    boxes = [Box(rank[i], Action(stage[i], micro[i], "FBW"[kind[i]]), start[i], end[i]) for i in range(len(stage))]
     held, acts = _peaks(lists, n_st, "W" if split else "B")
-    step = max(free) if boxes else 0.0
+    step = max(end, default=0.0)
+    busy = _busy(table, ft, bt, wt, split, num_ranks)
     return SimResult(
         step,
         tuple(busy),
@@ -160,20 +125,24 @@ def _peaks(lists: list[list[Action]], n_st: int, last: str) -> tuple[tuple[int, 
 
 @functools.lru_cache(maxsize=512)
 def _dag(schedule: str, num_ranks: int, num_micro: int, num_virtual: int) -> tuple[tuple[int, ...], ...]:
-    """The action lists compiled once into a dependency-ordered table for :func:`step_time`.
-
-    The order in which :func:`simulate` retires actions depends on the lists alone, never on the
-    durations, so it is a topological order that holds for every set of stage times. Per action:
-    stage, kind (0 F, 1 B, 2 W), the previous action of its rank, and up to two inputs with the
-    boundary whose p2p time they pay (-1: none).
-    """
+    """:func:`_compile` of the schedule's own lists, once per shape."""
     v = virtual_stages(schedule, num_virtual)
+    return _compile(schedule, pipeline_actions(schedule, num_ranks, num_micro, v), num_ranks, v)
+
+
+def _compile(schedule: str, lists: list[list[Action]], num_ranks: int, v: int) -> tuple[tuple[int, ...], ...]:
+    """Action lists as a dependency-ordered table (columns), the form :func:`_run` executes.
+
+    Retiring each rank's actions in list order as soon as their inputs exist gives an order that
+    depends on the lists alone, never on the durations, so it is a topological order that holds for
+    every set of stage times. Per action: stage, kind (0 F, 1 B, 2 W), the previous action of its rank,
+    up to two inputs with the boundary whose p2p time they pay (-1: none), its rank and micro-batch.
+    """
     n_st = num_ranks * v
-    lists = pipeline_actions(schedule, num_ranks, num_micro, v)
     home = [stage_rank(schedule, s, num_ranks, v) for s in range(n_st)]
     kinds = {"F": 0, "B": 1, "W": 2}
     index: dict[tuple[int, int, str], int] = {}
-    cols: list[list[int]] = [[] for _ in range(8)]  # stage, kind, prev, dep1, hop1, dep2, hop2, rank
+    cols: list[list[int]] = [[] for _ in range(9)]
     pos, last = [0] * num_ranks, [-1] * num_ranks
     remaining = sum(len(x) for x in lists)
     while remaining:
@@ -192,7 +161,7 @@ def _dag(schedule: str, num_ranks: int, num_micro: int, num_virtual: int) -> tup
                     break
                 edges = [(index[d[:3]], d[3] if d[3] >= 0 and home[d[3]] != home[d[3] + 1] else -1) for d in deps]
                 edges += [(-1, -1)] * (2 - len(edges))
-                row = (s, kinds[a.kind], last[r], edges[0][0], edges[0][1], edges[1][0], edges[1][1], r)
+                row = (s, kinds[a.kind], last[r], edges[0][0], edges[0][1], edges[1][0], edges[1][1], r, m)
                 for col, x in zip(cols, row, strict=True):
                     col.append(x)
                 index[(s, m, a.kind)] = last[r] = len(cols[0]) - 1
@@ -200,8 +169,53 @@ def _dag(schedule: str, num_ranks: int, num_micro: int, num_virtual: int) -> tup
                 remaining -= 1
                 progressed = True
         if not progressed:
-            simulate(schedule, num_ranks, num_micro, 0.0, 0.0, 0.0, num_virtual=v)  # raises ScheduleDeadlock
+            stuck = {r: str(lists[r][pos[r]]) for r in range(num_ranks) if pos[r] < len(lists[r])}
+            raise ScheduleDeadlock(
+                f"the {schedule} action lists block: every rank waits ({stuck}).",
+                "fix the order in search/schedule.py so that each action's inputs come from earlier actions.",
+            )
     return tuple(tuple(c) for c in cols)
+
+
+def _durations(f: Sequence[float], b: Sequence[float], w: Sequence[float], split: bool) -> tuple[list[float], ...]:
+    """Per kind (F, B, W), per stage: B is the whole backward (``b + w``) when the schedule does not split it."""
+    return list(f), list(b) if split else [x + y for x, y in zip(b, w, strict=True)], list(w)
+
+
+def _run(
+    table: tuple[tuple[int, ...], ...],
+    f: Sequence[float],
+    b: Sequence[float],
+    w: Sequence[float],
+    comm: Sequence[float],
+    split: bool,
+) -> tuple[list[float], list[float]]:
+    """Start and end of every action of ``table``: after its rank's previous one and its inputs (+ p2p)."""
+    stage, kind, prev, d1, h1, d2, h2 = table[:7]
+    dur = _durations(f, b, w, split)
+    start, end = [0.0] * len(stage), [0.0] * len(stage)
+    for i in range(len(stage)):
+        t0 = end[prev[i]] if prev[i] >= 0 else 0.0
+        if d1[i] >= 0:
+            t = end[d1[i]] + (comm[h1[i]] if h1[i] >= 0 else 0.0)
+            t0 = t if t > t0 else t0
+        if d2[i] >= 0:
+            t = end[d2[i]] + (comm[h2[i]] if h2[i] >= 0 else 0.0)
+            t0 = t if t > t0 else t0
+        start[i], end[i] = t0, t0 + dur[kind[i]][stage[i]]
+    return start, end
+
+
+def _busy(
+    table: tuple[tuple[int, ...], ...], f: list[float], b: list[float], w: list[float], split: bool, num_ranks: int
+) -> list[float]:
+    """Per rank, the sum of its actions' durations, added in list order."""
+    stage, kind, rank = table[0], table[1], table[7]
+    dur = _durations(f, b, w, split)
+    busy = [0.0] * num_ranks
+    for i in range(len(stage)):
+        busy[rank[i]] += dur[kind[i]][stage[i]]
+    return busy
 
 
 def step_time(
@@ -214,25 +228,7 @@ def step_time(
     p2p: Sequence[float] | None = None,
     num_virtual: int = 1,
 ) -> float:
-    """``simulate(...).step_s`` without the timeline: the same float operations on a cached table.
-
-    The planner prices thousands of candidates; this is the path it takes (equal to ``simulate``'s
-    step to the last bit, tested).
-    """
-    stage, kind, prev, d1, h1, d2, h2, _ = _dag(schedule, num_ranks, num_micro, num_virtual)
-    split = splits_backward(schedule)
-    dur = (list(f), list(b) if split else [x + y for x, y in zip(b, w, strict=True)], list(w))
+    """``simulate(...).step_s`` without the timeline, on the cached table (the planner's path; tested equal)."""
     comm = list(p2p) if p2p is not None else [0.0] * max(len(f) - 1, 0)
-    end = [0.0] * len(stage)
-    step = 0.0
-    for i in range(len(stage)):
-        start = end[prev[i]] if prev[i] >= 0 else 0.0
-        if d1[i] >= 0:
-            t = end[d1[i]] + (comm[h1[i]] if h1[i] >= 0 else 0.0)
-            start = t if t > start else start
-        if d2[i] >= 0:
-            t = end[d2[i]] + (comm[h2[i]] if h2[i] >= 0 else 0.0)
-            start = t if t > start else start
-        e = end[i] = start + dur[kind[i]][stage[i]]
-        step = e if e > step else step
-    return step
+    _, end = _run(_dag(schedule, num_ranks, num_micro, num_virtual), f, b, w, comm, splits_backward(schedule))
+    return max(end, default=0.0)

@@ -141,22 +141,20 @@ def simulate_stages(
     return _simulate(schedule, num_micro, num_virtual, tuple(f_s), tuple(b_s), tuple(w_s))
 
 
+def _chunks(schedule: str, v: int, stage_s: Sequence[tuple[float, ...]]) -> tuple[int, int, list[list[float]]]:
+    """Pipeline stages' per-micro-batch F, B, W seconds spread over their ``v`` chunks (virtual stages)."""
+    p = len(stage_s[0])
+    v = virtual_stages(schedule, v)
+    on = [stage_rank(schedule, s, p, v) for s in range(p * v)]
+    return p, v, [[x[r] / v for r in on] for x in stage_s]
+
+
 @functools.lru_cache(maxsize=4096)
 def _simulate(
     schedule: str, m: int, v: int, f_s: tuple[float, ...], b_s: tuple[float, ...], w_s: tuple[float, ...]
 ) -> SimResult:
-    p = len(f_s)
-    v = virtual_stages(schedule, v)
-    on = [stage_rank(schedule, s, p, v) for s in range(p * v)]
-    return simulate(
-        schedule,
-        p,
-        m,
-        [f_s[r] / v for r in on],
-        [b_s[r] / v for r in on],
-        [w_s[r] / v for r in on],
-        num_virtual=v,
-    )
+    p, v, (f, b, w) = _chunks(schedule, v, (f_s, b_s, w_s))
+    return simulate(schedule, p, m, f, b, w, num_virtual=v)
 
 
 def pipeline_time(
@@ -173,12 +171,8 @@ def _step(
     schedule: str, m: int, v: int, f_s: tuple[float, ...], b_s: tuple[float, ...], w_s: tuple[float, ...]
 ) -> float:
     """``_simulate(...).step_s`` through ``pipeline_sim.step_time`` (no timeline; same floats)."""
-    p = len(f_s)
-    v = virtual_stages(schedule, v)
-    on = [stage_rank(schedule, s, p, v) for s in range(p * v)]
-    return step_time(
-        schedule, p, m, [f_s[r] / v for r in on], [b_s[r] / v for r in on], [w_s[r] / v for r in on], num_virtual=v
-    )
+    p, v, (f, b, w) = _chunks(schedule, v, (f_s, b_s, w_s))
+    return step_time(schedule, p, m, f, b, w, num_virtual=v)
 
 
 def best_per_schedule(candidates: Sequence[Any]) -> dict[str, float]:
