@@ -29,9 +29,6 @@ ROWS: dict[str, tuple[str, str, int, int, dict[str, Any] | None]] = {
     "llama-7b-megatron-pp4-dp2-tp8": (
         "llama-7b", "64xH100-80G", 8, 2048, {"tp": 8, "pp": 4, "dp": 2, "micro_batch": 1},
     ),
-    "llama-7b-megatron-by-hand-dp8-tp8": (
-        "llama-7b", "64xH100-80G", 8, 2048, {"placements": "megatron-by-hand", "tp": 8, "dp": 8, "micro_batch": 1},
-    ),
     "gpt3-6.7b-search": ("gpt3-6.7b", "mixed-lab", 256, 2048, None),
     "gpt3-13b-search": ("gpt3-13b", "16xA100-80G+16xV100-32G", 256, 2048, None),
     "llama-70b-search": ("llama-70b", "128xH100-80G", 128, 2048, None),
@@ -80,7 +77,9 @@ def megatron_llama_plan(model: str, cluster: str, batch: int, seq: int, *, tp: i
     """A one-stage plan with Megatron-LM's placements written by hand (no search, no records but the
     gradient sync): q/k/v and gate/up column-parallel (``S(0)`` of ``nn.Linear``'s ``[out, in]``),
     o and down row-parallel (``S(1)``), the LM head column-parallel. For the closed-form checks of
-    the runtime's tensor-parallel traffic at full size; the search's own layouts are the other rows."""
+    the runtime's tensor-parallel traffic at full size (``tests/runtime/test_rehearse.py``); it is no
+    row of the table: a plan written by hand has no tensor-parallel, memory or FLOPs records to
+    compare (the ``llama-7b-megatron-*`` rows are the same layouts priced by ``search/hand_plan.py``)."""
     from partita.cluster import parse_cluster
     from partita.models.zoo import resolve_model
     from partita.plan import Collective, Plan, Stage
@@ -160,6 +159,7 @@ def main(argv: list[str]) -> int:
     path = ROOT / "results" / "rehearse.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     old = json.loads(path.read_text()) if path.exists() else {}
+    old = {k: v for k, v in old.items() if k in ROWS}  # rows no longer in the table are dropped
     path.write_text(json.dumps({**old, **results}, indent=1, sort_keys=True) + "\n")
     return 0
 

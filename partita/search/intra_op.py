@@ -55,7 +55,7 @@ import numpy as np
 import sympy
 
 from partita.errors import ConfigError, InfeasibleError
-from partita.ir import Graph, Layer, Node, Prim, Role, dim_size, label_sizes
+from partita.ir import DTYPE_BYTES, Graph, Layer, Node, Prim, Role, dim_size, label_sizes
 from partita.passes.annotate import VIEW_PRIMS
 from partita.plan import Collective
 from partita.search import ilp
@@ -63,6 +63,7 @@ from partita.search.cost_model import CostModel, state_bytes_per_param
 from partita.search.ilp import IlpStats
 from partita.search.mesh import LogicalMesh
 from partita.search.reshard import Layout, grad_requirement, reshard_steps, shard_dim, shard_factor
+from partita.search.saved import SavedPlan, saved_plan
 from partita.search.strategies import Strategy, enumerate_strategies, linear_operands, torch_tp_strategies
 
 FOLLOWER_PRIMS = (Prim.ELEMENTWISE, Prim.RESHAPE, Prim.PERMUTE, Prim.DROPOUT, Prim.EXPAND, Prim.SPLIT, Prim.SLICE)
@@ -93,6 +94,12 @@ class LayerSolution:
     tp_plan: Mapping[str, str] = dataclasses.field(default_factory=dict)  # module path -> torch tp role (torch)
     selective_keep_bytes: float = 0.0  # saved bytes under selective recompute (matmul + collective outputs)
     selective_forward_s: float = 0.0  # forward compute selective recompute runs again (non-matmul ops)
+    # the same two in the program's other precision mode (search/saved.py: ``modes[1]``; torch bf16/f16:
+    # ``activation_bytes`` is the FSDP2 MixedPrecisionPolicy program, these the torch.autocast one)
+    modes: tuple[str, ...] = ()
+    activation_bytes_alt: float | None = None
+    selective_keep_bytes_alt: float | None = None
+    transient_bytes: float = 0.0  # allocated during the backward on top of the saved bytes (the loss)
 
     @property
     def memory_bytes(self) -> float:
@@ -123,6 +130,9 @@ class _Costs:
     # outputs and tp collectives' outputs are kept, every other op's forward runs again in the backward
     sel_keep: float = 0.0
     sel_fwd: float = 0.0
+    act_alt: float = 0.0  # act_bytes / sel_keep in the second precision mode (not in the ILP's memory)
+    transient: float = 0.0  # bytes a backward allocates on top of the saved ones (the loss, below)
+    sel_keep_alt: float = 0.0
     colls: list[tuple[str, int, float, str, str]] = dataclasses.field(default_factory=list)
 
     @property
@@ -153,7 +163,10 @@ class _LayerProblem:
         self.boundary = boundary
         # share of fusable pointwise traffic the engine removes: XLA always fuses; torch per profile
         self.fusion = 1.0 if graph.meta.get("framework") == "jax" else cm.efficiency.pointwise_fusion
-        self.state_bytes = state_bytes_per_param(dtype, optimizer)
+        torch = graph.meta.get("framework") == "torch"  # a traced torch model (not JAX, not a test IR)
+        # the torch program keeps f32 parameters (the master copy: autocast, or FSDP2's sharded f32 under a
+        # MixedPrecisionPolicy), f32 gradients and the optimizer's moments (backends/torch/parallel.precision_of)
+        self.state_bytes = state_bytes_per_param("f32" if torch else dtype, optimizer)
         self.nodes = [graph.node(n) for n in layer.nodes]
         self.producer = {o: n for n in self.nodes for o in n.outputs}
         self.consumers: dict[str, list[Node]] = {}
@@ -164,6 +177,18 @@ class _LayerProblem:
         self._rs: dict[tuple[Layout, Layout, float], tuple[float, tuple]] = {}
         self.outputs = set(layer.outputs)
         self.needs_grad = needs_grad(graph)
+        # saved activations as the program holds them (search/saved.py); JAX keeps the traced rule (_saves)
+        low = DTYPE_BYTES.get(dtype, 4)
+        self.modes: tuple[str, ...] = () if not torch else ("f32",) if low >= 4 else ("low", "autocast")
+        self.saved = [saved_plan(graph, layer, m, low, self.needs_grad) for m in self.modes]
+        self.first_column: dict[tuple[str, str], str] = {}  # (input root, parent module) -> its first reader
+        for sp in self.saved[-1:]:
+            for name in sp.copies:
+                n = graph.node(name)
+                for i in sp.copies[name]:
+                    self.first_column.setdefault(
+                        (sp.root.get(n.inputs[i], n.inputs[i]), n.module.rpartition(".")[0]), name
+                    )
         # tp_style torch = the torch runtime's tensor parallelism (strategies.torch_tp_strategies): on the
         # tp axis only the module roles it builds, and no resharding between ops but the roles' own
         self.tp = mesh.axis_names.index("tp") if tp_style == "torch" and "tp" in mesh.axis_names else None
@@ -295,15 +320,26 @@ class _LayerProblem:
                     why = self.grad_reason(t, n, s, f"grad of layer input {t}")
                     self._add_reshard(c, glay, grad_requirement(src), t, "backward", why)
                     c.forbidden += self.tp_forbidden(glay, grad_requirement(src), s)
-                if self._saves(n):
+                if self._saves(n) and not self.saved:
                     c.act_bytes += self.nbytes(t) / shard_factor(lay, mesh)
         for t, lay in zip(n.outputs, s.out_layouts):
             saved = n.prim is Prim.ATTENTION or any(self._saves(m) for m in self.consumers.get(t, []))
-            if saved:
+            if saved and not self.saved:
                 c.act_bytes += self.nbytes(t) / shard_factor(lay, mesh)
             if n.prim is Prim.MATMUL:  # its output, and the all-reduced copy of a partial one, stay saved
                 reduced = "P" in lay or any(oc.phase == "forward" for oc in s.op_collectives)  # tp rowwise / gather
-                c.sel_keep += self.nbytes(t) / shard_factor(lay, mesh) * (2 if reduced else 1)
+                keep = self.numel(t) / shard_factor(lay, mesh) * (2 if reduced else 1)
+                items = [sp.item[t] for sp in self.saved] or [float(tensors[t].itemsize)]
+                c.sel_keep += keep * items[0]
+                c.sel_keep_alt += keep * items[-1]
+        if self.saved:
+            c.act_bytes, c.act_alt = (self._saved_bytes(sp, n, s) for sp in (self.saved[0], self.saved[-1]))
+            if n.prim is Prim.CROSS_ENTROPY and n.inputs:
+                # its backward: nll's dense f32 gradient, log_softmax's exp(output) and its result, each the
+                # size of the (f32) logits, beside the saved log-probabilities (rehearsed last stages)
+                c.transient = 3 * self.numel(n.inputs[0]) / shard_factor(s.in_layouts[0], mesh) * 4
+        else:
+            c.act_alt, c.sel_keep_alt = c.act_bytes, c.sel_keep
             if t in self.outputs and tensors[t].rank > 0:
                 dst = self.boundary_layout(t)
                 self._add_reshard(c, lay, dst, t, "forward", f"layer output {t} <- {n.name}")
@@ -311,6 +347,33 @@ class _LayerProblem:
                 if t in self.needs_grad:
                     self._add_reshard(c, dst, grad_requirement(lay), t, "backward", f"grad of layer output {t}")
         return c
+
+    def numel(self, t: str) -> float:
+        return float(math.prod(self.ev(d) for d in self.g.tensors[t].shape))
+
+    def _saved_bytes(self, sp: SavedPlan, n: Node, s: Strategy) -> float:
+        """Bytes per device the program keeps for ``n``'s backward under ``s`` (``search/saved.py``): the
+        saved tensors ``n`` produces (or, for one produced before the layer, first reads), in their
+        runtime dtype and ``s``'s layout, plus autocast's low copies of its inputs and weights."""
+        mesh, total = self.mesh, 0.0
+        for t, lay in zip(n.outputs, s.out_layouts):
+            if sp.root.get(t) == t and t in sp.saved:
+                total += self.numel(t) / shard_factor(lay, mesh) * sp.item[t]
+        seen = set()
+        for t, lay in zip(n.inputs, s.in_layouts):
+            r = sp.root.get(t, t)
+            if sp.owner.get(r) == n.name and r not in seen:
+                seen.add(r)
+                total += self.numel(r) / shard_factor(lay, mesh) * sp.item[r]
+        column = self.tp is not None and mesh.shape[self.tp] > 1 and s.tp_role in ("colwise", "colwise_gather")
+        for i in sp.copies.get(n.name, ()):
+            key = (sp.root.get(n.inputs[i], n.inputs[i]), n.module.rpartition(".")[0])
+            if column and self.first_column.get(key, n.name) != n.name:
+                continue  # backends/torch/tp.py: a parent's column modules share one cast Replicate input
+            total += self.numel(n.inputs[i]) / shard_factor(s.in_layouts[i], mesh) * sp.low
+        for i in sp.weights.get(n.name, ()):
+            total += self.numel(n.inputs[i]) / shard_factor(s.in_layouts[i], mesh) * sp.low
+        return total
 
     def _saves(self, n: Node) -> bool:
         """Does ``n``'s backward read its activation inputs? (views and binary elementwise do not)"""
@@ -647,6 +710,10 @@ def solve_layer(
         boundary=bnd,
         selective_keep_bytes=tot.sel_keep,
         selective_forward_s=tot.sel_fwd,
+        modes=lp.modes,
+        activation_bytes_alt=tot.act_alt,
+        selective_keep_bytes_alt=tot.sel_keep_alt,
+        transient_bytes=tot.transient,
         tp_plan=_tp_plan(lp, chosen),
     )
 

@@ -11,7 +11,8 @@ counts and bytes are per step on the stage's first rank (``Stage.ranks[0]``), by
 a collective moves (all-gather output, reduce-scatter input):
 
 * tensor parallel (ILP): ``count * m``; activations travel in the training dtype (autocast / FSDP2's
-  ``param_dtype``), the ILP prices them in the traced dtype, so bytes are rescaled; a linear-batch
+  ``param_dtype``; an embedding's output in f32 under autocast, which does not cast a lookup), the
+  ILP prices them in the traced dtype, so bytes are rescaled; a linear-batch
   solve (batch 1) is scaled to the micro-batch. Under full recompute each block's forward
   collectives run again, except its last all-reduce (the row-parallel output feeds only the
   residual add, which ``torch.utils.checkpoint`` never needs to rebuild).
@@ -35,12 +36,14 @@ a collective moves (all-gather output, reduce-scatter input):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from partita.ir import DTYPE_BYTES, Graph, Role, dim_size
-from partita.plan import Collective, Plan, Stage, shares
+from partita.passes import boundaries
+from partita.plan import Collective, Plan, Stage, chunk_position, shares
 
 F32 = 4
 NOT_BLOCKS = ("embed", "head")
@@ -49,7 +52,9 @@ NOT_BLOCKS = ("embed", "head")
 def runner_kind(plan: Plan) -> str:
     """Which pipeline runner the torch emitter picks (``backends/torch/emit._runner_kind``; a test
     checks they agree): ``local`` (one stage), ``torch_pipeline`` (equal-shape stages without ZeRO-2/3)
-    or ``p2p``."""
+    or ``p2p``. Model chunks (``Plan.chunked``: interleaved 1F1B, ZB-V) run on ``p2p``."""
+    if plan.chunked:
+        return "p2p"
     if plan.num_stages == 1:
         return "local"
     if plan.schedule not in ("gpipe", "1f1b", "interleaved_1f1b"):
@@ -119,15 +124,9 @@ class GraphFacts:
         return (self.fqn(t), *self.graph.tensors[t].aliases)
 
     def boundary_elems(self, layer: str, seq_len: int) -> int:
-        """Elements per sample of the activation leaving ``layer`` (a stage boundary)."""
-        lay = self.graph.layers[self.index[layer]]
-        env = {"B": 1, "S": seq_len}
-        total = 0
-        for t in lay.outputs:
-            ten = self.graph.tensors.get(t)
-            if ten is not None and ten.rank > 0 and ten.role is Role.ACTIVATION:
-                total += math.prod(dim_size(d, env) for d in ten.shape)
-        return total
+        """Elements per sample crossing the stage boundary after ``layer``: every live tensor there that
+        needs a gradient (``passes/boundaries.py``; T5: decoder state, encoder output, position bias)."""
+        return boundaries.cut_elems(self.graph, self.index[layer], seq_len)
 
     def traced_item(self, layer: str) -> int:
         lay = self.graph.layers[self.index[layer]]
@@ -170,19 +169,28 @@ def stage_collectives(facts: GraphFacts, plan: Plan, i: int, batch_scale: float 
         if c.phase == "optimizer":
             _add(out, c.kind, c.axis, c.bytes * F32 / traced, c.count, c.phase, c.reason)
             continue
-        nbytes = c.bytes * batch_scale * item / traced
+        emb = c.reason.split(" ")[0] in ("embed_dim", "vocab") and not (s.dp > 1 and s.zero_stage >= 1)
+        # an embedding's output collectives: torch.autocast leaves the lookup in its f32 weights' dtype
+        # (FSDP2's MixedPrecisionPolicy stores the weights, hence the output, in the compute dtype)
+        nbytes = c.bytes * batch_scale * (F32 if emb else item) / traced
         _add(out, c.kind, c.axis, nbytes, c.count * m, c.phase, c.reason)
         if s.recompute == "full" and c.phase == "forward":
             _add(out, c.kind, c.axis, nbytes, c.count * m, "forward", "recomputed: " + c.reason)
     if s.recompute == "full" and s.tp > 1 and blocks:
         _drop_last_all_reduces(out, m * blocks)
-    local = {t: _numel(facts.graph, t) // _tp_factor(s, facts.names(t)) for u in _units(facts, s) for t in u}
-    if s.dp > 1 and s.zero_stage == 0:
-        _add(out, "all_reduce", "dp", F32 * sum(local.values()), 1, "optimizer", "gradient sync (dp, f32)")
-    elif s.dp > 1:
+    if s.dp > 1 and s.zero_stage == 0 and _first_chunk(plan, i):  # one all-reduce per rank group, all its chunks
+        held = {
+            t: _numel(facts.graph, t) // _tp_factor(c, facts.names(t))
+            for c in _chunks(plan, i)
+            for u in _units(facts, c)
+            for t in u
+        }
+        _add(out, "all_reduce", "dp", F32 * sum(held.values()), 1, "optimizer", "gradient sync (dp, f32)")
+    elif s.dp > 1 and s.zero_stage > 0:
         ag, rs = {1: (1, 1), 2: (1, m), 3: (2 * m, m)}[s.zero_stage]
-        for k, unit in enumerate(_units(facts, s)):
-            n = sum(local[t] for t in unit)
+        held_here = _group_stage(plan, i)  # placements of every chunk on these ranks (the root unit's)
+        for k, unit in enumerate(_chunk_units(facts, plan, i)):
+            n = sum(_numel(facts.graph, t) // _tp_factor(held_here, facts.names(t)) for t in unit)
             _add(out, "all_gather", "dp", item * n, ag, "forward", f"FSDP unit {k}: parameters")
             _add(out, "reduce_scatter", "dp", F32 * n, rs, "backward", f"FSDP unit {k}: gradients (f32)")
     _p2p(out, facts, plan, i, item)
@@ -193,6 +201,46 @@ def stage_collectives(facts: GraphFacts, plan: Plan, i: int, batch_scale: float 
     if tr.get("dtype") == "f16":
         _add(out, "all_reduce", world, 8.0, 1, "optimizer", "loss-scale overflow check")
     return tuple(Collective(k, a, b, n, p, r) for (k, a, b, p, r), n in out.items())
+
+
+def _group_stage(plan: Plan, i: int) -> Stage:
+    """Stage ``i`` with the parameter placements of every chunk on its ranks (itself when unchunked)."""
+    group = _chunks(plan, i)
+    if len(group) == 1:
+        return plan.stages[i]
+    merged = {k: v for c in group for k, v in c.param_placements.items()}
+    return dataclasses.replace(plan.stages[i], param_placements=merged)
+
+
+def _chunk_units(facts: GraphFacts, plan: Plan, i: int) -> list[list[str]]:
+    """Stage ``i``'s FSDP units; in a chunked plan its rank group has one module: the blocks' units of
+    this chunk, and the one root unit (every chunk's embed / head parameters) on the group's first chunk."""
+    s = plan.stages[i]
+    if not plan.chunked:
+        return _units(facts, s)
+    group = _chunks(plan, i)
+    blocks = [name for name in s.layers if name not in NOT_BLOCKS]
+    units = _units(facts, dataclasses.replace(s, layers=tuple(blocks)))
+    if group[0] is s:
+        root = [t for c in group for name in c.layers if name in NOT_BLOCKS for t in facts.params.get(name, [])]
+        placed = {t for c in group for name in c.layers if name not in NOT_BLOCKS for t in facts.params.get(name, [])}
+        root = [t for t in dict.fromkeys(root) if t not in placed]
+        units += [root] if root else []
+    return units
+
+
+def _position(plan: Plan, i: int) -> int:
+    """Pipeline position (rank group) of stage ``i``: ``i`` unless the plan is chunked."""
+    return chunk_position(plan.schedule, i, plan.num_positions) if plan.chunked else i
+
+
+def _chunks(plan: Plan, i: int) -> list[Stage]:
+    """The stages on stage ``i``'s ranks (its model chunks), in model order."""
+    return [s for k, s in enumerate(plan.stages) if _position(plan, k) == _position(plan, i)]
+
+
+def _first_chunk(plan: Plan, i: int) -> bool:
+    return _chunks(plan, i)[0] is plan.stages[i]
 
 
 def _drop_last_all_reduces(out: dict[tuple, int], n: int) -> None:
@@ -214,7 +262,7 @@ def _p2p(out: dict[tuple, int], facts: GraphFacts, plan: Plan, i: int, item: int
     runner = runner_kind(plan)
     mine = _ranges(plan, s)[0]
     for j, direction in ((i - 1, "from"), (i + 1, "to")):
-        if not 0 <= j < len(stages):
+        if not 0 <= j < len(stages) or _position(plan, j) == _position(plan, i):  # a chunk hand-off is local
             continue
         per_sample = facts.boundary_elems(stages[min(i, j)].layers[-1], seq) * item
         if runner == "torch_pipeline":
@@ -245,8 +293,9 @@ def _tied(out: dict[tuple, int], facts: GraphFacts, plan: Plan, i: int) -> None:
     where = {name: k for k, st in enumerate(plan.stages) for name in st.layers}
     s = plan.stages[i]
     for t, users in facts.users.items():
-        holders = {where[u] for u in users if u in where}
-        if len(holders) < 2 or i not in holders:
+        ks = sorted({where[u] for u in users if u in where})
+        holders = {_position(plan, k) for k in ks}  # chunks of one rank share the parameter itself
+        if len(holders) < 2 or i not in ks or any(_position(plan, k) == _position(plan, i) for k in ks if k < i):
             continue
         full = F32 * _numel(facts.graph, t)
         tp = _tp_factor(s, facts.names(t))

@@ -12,10 +12,16 @@ Per micro-batch period of a stage (one replica)::
     ZeRO-2/3: t = max(t, RS(grads))  ZeRO-3: t = max(t, 2 AG(params) + RS(grads))  (prefetch overlaps)
     + p2p receive of the input activation and send of its gradient (``p2p_s``)
 
-Memory per device: ``params / dp^[z>=3] + grads / dp^[z>=2] + optimizer / dp^[z>=1]
-+ in_flight(s) * saved + transient`` where ``saved`` is all saved activations (none), minus the
-attention core (selective), or only the layer inputs (full, with one layer's activations as the
-transient). It must stay under ``memory_usable`` of the device memory.
+Memory per device: ``params + grads / dp^[z>=2] + optimizer / dp^[z>=1] + in_flight(s) * saved
++ transient`` where ``saved`` is all saved activations (none), minus the attention core
+(selective), or only the layer inputs (full, with one layer's activations as the transient). It
+must stay under ``memory_usable`` of the device memory. What the torch program holds (issue 15,
+checked by ``partita rehearse``): f32 parameters, f32 gradients and the optimizer's f32 moments
+(``LayerCost``); under FSDP2 (ZeRO >= 1, dp > 1) ``params`` is the f32 shard plus the copies
+gathered in the compute dtype (:func:`static_memory`); activations as ``search/saved.py`` says the
+stage's precision mode keeps them (``UnitTable.for_stage``: FSDP2's MixedPrecisionPolicy or
+``torch.autocast``). Where no forward follows the stage's first backward (``num_micro_batches``),
+the gradients are not there at the activation peak, and the peak is the larger of the two.
 
 Tail after the pipeline drains (bucketed wait-free backprop): the dp gradient all-reduce (ZeRO-0)
 or reduce-scatter (ZeRO-1..3) overlaps the last backward, ``exposed = max(sync / n, sync -
@@ -40,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from partita.cluster import DeviceType, Network
+from partita.passes import boundaries
 from partita.search.cost_model import CostModel
 from partita.search.mesh import AxisLink, LogicalMesh
 
@@ -73,6 +80,15 @@ class LayerCost:
     optimizer_fixed_s: float = 0.0  # per-tensor optimizer cost of the layer's parameter tensors
     optimizer_stream_scale: float = 1.0  # 0.8 / Efficiency.optimizer_memory of the device
     comm_overlap: float = 1.0  # Efficiency.comm_overlap of the device
+    # the torch program's other precision mode (search/saved.py): activation_bytes, input_bytes and
+    # selective_bytes above are FSDP2's MixedPrecisionPolicy program (ZeRO >= 1, dp > 1), these the
+    # torch.autocast one (every other stage); None: one mode only (f32, JAX)
+    activation_bytes_alt: float | None = None
+    input_bytes_alt: float | None = None
+    selective_bytes_alt: float | None = None
+    gather_ratio: float = 1.0  # bytes of a parameter as FSDP2 gathers it (param_dtype) over its stored bytes
+    fsdp_copies: bool = False  # priced as the torch program holds parameters (static_memory); else ZeRO's
+    transient_bytes: float = 0.0  # allocated by the backward beside the saved activations, once (the loss)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +114,10 @@ class UnitTable:
     opt_fixed: np.ndarray | None = None  # per-tensor optimizer seconds per unit (None = 0)
     opt_stream_scale: float = 1.0
     comm_overlap: float = 1.0
+    alt: UnitTable | None = None  # the same units in the autocast program (LayerCost.activation_bytes_alt)
+    gather_ratio: float = 1.0
+    fsdp_copies: bool = False
+    transient: np.ndarray | None = None  # per unit, the largest LayerCost.transient_bytes
 
     @staticmethod
     def build(costs: Sequence[LayerCost], units: Sequence[tuple[int, int]]) -> UnitTable:
@@ -124,7 +144,31 @@ class UnitTable:
             agg("optimizer_fixed_s") if any(c.optimizer_fixed_s for c in costs) else None,
             max((c.optimizer_stream_scale for c in costs), default=1.0),
             min((c.comm_overlap for c in costs), default=1.0),
+            UnitTable.build([_autocast(c) for c in costs], units)
+            if any(c.activation_bytes_alt is not None for c in costs)
+            else None,
+            max((c.gather_ratio for c in costs), default=1.0),
+            any(c.fsdp_copies for c in costs),
+            agg("transient_bytes", max) if any(c.transient_bytes for c in costs) else None,
         )
+
+    def for_stage(self, dp: int, zero: int) -> UnitTable:
+        """The table of the program a stage runs: FSDP2's MixedPrecisionPolicy (ZeRO >= 1 with dp > 1),
+        else ``torch.autocast`` (``backends/torch/parallel.precision_of``; one table when they agree)."""
+        return self.alt if self.alt is not None and not (dp > 1 and zero >= 1) else self
+
+
+def _autocast(c: LayerCost) -> LayerCost:
+    """``c`` with its autocast activations in the default fields (no further alternative)."""
+    return dataclasses.replace(
+        c,
+        activation_bytes=c.activation_bytes if c.activation_bytes_alt is None else c.activation_bytes_alt,
+        input_bytes=c.input_bytes if c.input_bytes_alt is None else c.input_bytes_alt,
+        selective_bytes=c.selective_bytes if c.selective_bytes_alt is None else c.selective_bytes_alt,
+        activation_bytes_alt=None,
+        input_bytes_alt=None,
+        selective_bytes_alt=None,
+    )
 
 
 def _range_sum(x: np.ndarray) -> np.ndarray:
@@ -204,8 +248,16 @@ def stage_arrays(
     hbm_bandwidth: float,
     factors: StageFactors,
     flat_sync: bool = False,
+    num_micro_batches: int | None = None,
 ) -> StageArrays:
-    """All layer ranges of one stage option at once (module docstring for the formulas)."""
+    """All layer ranges of one stage option at once (module docstring for the formulas).
+
+    ``num_micro_batches`` (``m``): where a stage runs no forward after its first backward (``m`` no
+    more than its in-flight count: one micro-batch, GPipe), its gradients (freed by ``zero_grad``
+    between steps) are not yet there at the activation peak: memory is then the larger of the two
+    moments, activations without gradients or gradients (and the flat copy) without activations.
+    None: gradients always count (the stage-level callers that do not know ``m``)."""
+    tab = tab.for_stage(dp, zero)
     fwd, bwd, comm = _range_sum(tab.fwd), _range_sum(tab.bwd), _range_sum(tab.comm)
     params, grads, opt = _range_sum(tab.params), _range_sum(tab.grads), _range_sum(tab.opt)
     nlay = _range_sum(tab.num_layers)
@@ -221,7 +273,7 @@ def stage_arrays(
     compute = t - comm * (2 if recompute == "full" else 1)
     sync_comm = np.zeros_like(t)
     rs = reduce_scatter[0] + reduce_scatter[1] * grads if dp > 1 else 0.0 * grads
-    ag = all_gather[0] + all_gather[1] * params if dp > 1 else 0.0 * params
+    ag = all_gather[0] + all_gather[1] * params * tab.gather_ratio if dp > 1 else 0.0 * params  # in param_dtype
     if zero == 2:
         sync_comm = rs
     elif zero == 3:
@@ -234,16 +286,21 @@ def stage_arrays(
     comm_total = comm_total + recv[:, None]
 
     shard = float(dp)
-    mem_static = (
-        params / (shard if zero >= 3 else 1.0)
-        + grads / (shard if zero >= 2 else 1.0)
-        + opt / (shard if zero >= 1 else 1.0)
-        + (_range_max(tab.max_layer_params) if zero >= 3 else 0.0)
-    )
-    acts = saved[:, :, None] * in_flight[None, None, :] + np.asarray(transient)[..., None]
+    max_params = _range_max(tab.max_layer_params)
+    cats = static_memory(params, grads, opt, max_params, dp, zero, tab.gather_ratio, tab.fsdp_copies)
+    mem_static = cats["parameters"] + cats["optimizer"]
+    flight = in_flight if in_flight.ndim == 3 else in_flight[None, None, :]  # [U, U+1, S+1]: per range (issue 19)
+    if tab.transient is not None:  # the loss's backward buffers (LayerCost.transient_bytes), once
+        transient = np.maximum(transient, _range_max(tab.transient))
+    acts = saved[:, :, None] * flight + np.asarray(transient)[..., None]
     if flat_sync and dp > 1 and zero == 0:  # the flat gradient copy, made after the activations are freed
         acts = np.maximum(acts, grads[:, :, None])
-    memory = mem_static[:, :, None] + acts
+    memory = mem_static[:, :, None] + cats["gradients"][:, :, None] + acts
+    if num_micro_batches is not None and recompute == "none":  # gradients only after the last forward
+        # (docstring); a recomputing backward re-runs blocks while earlier blocks' gradients exist
+        after = cats["gradients"] * (2.0 if flat_sync and dp > 1 and zero == 0 else 1.0)
+        peak = np.maximum(saved[:, :, None] * flight + np.asarray(transient)[..., None], after[:, :, None])
+        memory = np.where(flight >= num_micro_batches, mem_static[:, :, None] + peak, memory)
     if dp > 1:
         sync = allreduce[0] + allreduce[1] * grads if zero == 0 else rs
     else:
@@ -267,6 +324,31 @@ def stage_arrays(
         np.where(valid, compute, 0.0),
         np.where(valid, comm_total, 0.0),
     )
+
+
+GATHERED_UNITS = 2  # ZeRO-3: FSDP2 holds the running block's gathered parameters and prefetches the next
+
+
+def static_memory(
+    params: Any, grads: Any, opt: Any, max_params: Any, dp: int, zero: int, gather_ratio: float, fsdp_copies: bool
+) -> dict:
+    """Parameters, gradients and optimizer state per device as the torch program holds them (arrays or
+    numbers; the stored bytes of ``LayerCost``: f32 parameters, gradients, moments). Under FSDP2
+    (ZeRO >= 1, dp > 1) the parameters are the f32 dp shard plus the copies gathered in ``param_dtype``
+    (``gather_ratio`` of the stored bytes) for the step: ZeRO-3 the running and the prefetched block
+    (``GATHERED_UNITS``), ZeRO-1/2 every block (``reshard_after_forward=False``: gathered for the whole
+    step). Gradients are sharded from ZeRO-2 on, the optimizer state from ZeRO-1 on. Without
+    ``fsdp_copies`` (JAX and test graphs) ZeRO's own accounting: parameters sharded from ZeRO-3 on,
+    plus one gathered layer."""
+    fsdp = dp > 1 and zero >= 1
+    gathered = GATHERED_UNITS * max_params if zero >= 3 else params
+    if not fsdp_copies:
+        fsdp, gathered, gather_ratio = zero >= 3, max_params, 1.0
+    return {
+        "parameters": params / (dp if fsdp else 1) + (gathered * gather_ratio if fsdp else 0.0 * params),
+        "gradients": grads / (dp if zero >= 2 else 1),
+        "optimizer": opt / (dp if zero >= 1 else 1),
+    }
 
 
 class SolverCosts:
@@ -375,8 +457,17 @@ class SolverCosts:
                 boundary_bytes=cost.boundary_bytes * scale,
                 input_bytes=cost.input_bytes * scale,
                 selective_bytes=cost.selective_bytes * scale,
+                **{
+                    f: getattr(cost, f) * scale
+                    for f in ("activation_bytes_alt", "input_bytes_alt", "selective_bytes_alt")
+                    if getattr(cost, f) is not None
+                },
                 selective_s=cost.selective_s * scale,
+                transient_bytes=cost.transient_bytes * scale,
             )
+        carry = boundaries.cut_scale(self.graph, index, self.training.seq_len)  # every live tensor at the cut (T5)
+        if carry != 1.0:
+            cost = dataclasses.replace(cost, boundary_bytes=cost.boundary_bytes * carry)
         return cost, sol
 
     def _key(self, index: int, device: DeviceType, tp: int, micro_batch: int) -> tuple:
@@ -423,9 +514,26 @@ class SolverCosts:
         )
 
     def _from_solution(self, sol, index: int, b: int) -> LayerCost:  # noqa: ANN001
+        from partita.ir import DTYPE_BYTES
+
+        modes = getattr(sol, "modes", ())
         prev = self._cache_prev_boundary(index, sol)
+        alt: dict[str, Any] = {}
+        if len(modes) > 1:  # torch bf16/f16: FSDP2 casts a block's input to param_dtype; autocast keeps it f32
+            low = self._cache_prev_boundary(index, sol, float(DTYPE_BYTES[self.training.dtype]))
+            sel_alt, _ = self._selective(sol, index, prev, alt=True)
+            alt = dict(activation_bytes_alt=sol.activation_bytes_alt, input_bytes_alt=prev, selective_bytes_alt=sel_alt)
+            alt["gather_ratio"] = DTYPE_BYTES[self.training.dtype] / 4
+            prev = low
+        if modes:  # a torch program (search/saved.py): f32 parameters and FSDP2's gathered copies
+            alt["fsdp_copies"] = True
         sel_bytes, sel_s = self._selective(sol, index, prev)
+        if modes and self.graph.layers[index].name in _NOT_CHECKPOINTED:  # full recompute keeps all of it
+            prev = sol.activation_bytes
+            if "input_bytes_alt" in alt:
+                alt["input_bytes_alt"] = sol.activation_bytes_alt
         return LayerCost(
+            **alt,
             forward_s=sol.forward_time_s,
             backward_s=sol.backward_time_s,
             comm_s=sol.comm_time_s,
@@ -438,24 +546,28 @@ class SolverCosts:
             tp_sync_s=sol.grad_sync_time_s,
             selective_bytes=sel_bytes,
             selective_s=sel_s,
+            transient_bytes=getattr(sol, "transient_bytes", 0.0),
         )
 
-    def _selective(self, sol, index: int, inputs: float) -> tuple[float, float]:  # noqa: ANN001
+    def _selective(self, sol, index: int, inputs: float, alt: bool = False) -> tuple[float, float]:  # noqa: ANN001
         """``(saved bytes dropped, forward seconds redone)`` of layer ``index`` under selective recompute,
         as the runtime realizes it. Torch (``backends/torch/parallel._save_matmuls``): a block runs under
         ``checkpoint`` with a policy that keeps the outputs of matmuls and of tp collectives and
         recomputes every other op; the block input is the checkpoint's input; the layers outside the
         blocks (``embed``, ``head``) are never checkpointed. JAX (``backends/jax/parallel``): any
-        recompute is ``jax.checkpoint`` of the stage's layers, priced here as full recompute."""
-        act = sol.activation_bytes
+        recompute is ``jax.checkpoint`` of the stage's layers, priced here as full recompute.
+        ``alt``: in the solution's second precision mode (``LayerSolution.activation_bytes_alt``)."""
+        act = sol.activation_bytes_alt if alt else sol.activation_bytes
+        keep = sol.selective_keep_bytes_alt if alt else sol.selective_keep_bytes
         if self.graph.meta.get("framework") == "jax":
             return max(0.0, act - inputs), sol.forward_time_s
         if self.graph.layers[index].name in _NOT_CHECKPOINTED:
             return 0.0, 0.0
-        return max(0.0, act - inputs - sol.selective_keep_bytes), sol.selective_forward_s
+        return max(0.0, act - inputs - keep), sol.selective_forward_s
 
-    def _cache_prev_boundary(self, index: int, sol) -> float:  # noqa: ANN001
-        """Bytes of the layer's input activations per device (replicated over tp at the boundary)."""
+    def _cache_prev_boundary(self, index: int, sol, item: float | None = None) -> float:  # noqa: ANN001
+        """Bytes of the layer's input activations per device (replicated over tp at the boundary); ``item``:
+        bytes per floating-point element as the program holds them (default: the traced dtype)."""
         from partita.ir import dim_size
 
         lay = self.graph.layers[index]
@@ -464,7 +576,8 @@ class SolverCosts:
         for t in lay.inputs:
             ten = self.graph.tensors.get(t)
             if ten is not None and ten.role.value == "activation":
-                total += float(dim_size(ten.nbytes(), env))
+                floating = item is not None and ten.dtype in ("f64", "f32", "bf16", "f16")
+                total += float(dim_size(ten.nbytes(), env)) * (item / ten.itemsize if floating else 1.0)
         return total
 
 

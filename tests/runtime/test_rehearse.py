@@ -17,7 +17,10 @@ What these tests prove:
 
 The slow real-size tests compile searched plans (gpt3-6.7b on mixed-lab, gpt3-13b on A100s + V100s,
 rows of ``bench/rehearse.py``) and rehearse every stage: collectives equal the plan's records, FLOPs
-within 5%; peak memory is a strict xfail (the layer ILP prices saved activations in the traced f32).
+within 5%, and peak memory within 10% (``search/saved.py``: saved activations in the dtype the
+precision mode keeps; ``stage_cost.static_memory``: f32 parameters, gradients and moments, FSDP2's
+gathered copies). The gpt3-6.7b plan the search now picks runs zb_h1, whose runtime keeps every
+micro-batch's activations on stages after the first (a strict xfail that names it).
 The slow tests rehearse llama-7b at full size on 64 ranks (dp8 x tp8, Megatron placements written
 by hand, a bf16 plan) and check the tensor-parallel traffic per layer against Megatron's closed
 form: counts and bytes (the column-parallel input is cast to bf16 before its DTensor boundary, so the
@@ -311,13 +314,19 @@ def test_real_size_searched_plan_issues_its_records(work: Path, name: str) -> No
         assert s["flops"] == pytest.approx(s["planned_flops"], rel=rehearse.FLOPS_TOL), s["index"]
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(
+ZB_HOLDS_ALL = pytest.mark.xfail(
     strict=True,
-    reason="the layer ILP prices saved activations in the traced dtype (f32, intra_op.nbytes) where the f16/bf16 "
-    "program keeps most of them in the compute dtype: gpt3-6.7b stage 0 rehearses 34 GiB against 65.5 GiB planned",
+    reason="the searched gpt3-6.7b plan runs zb_h1 (P2PPipeline with split backwards): on stages after the first the "
+    "rehearsal keeps every micro-batch's activations until the step ends (stage 1: 187 GiB against 27 GiB planned for "
+    "the 4 in flight), a runtime matter of backends/torch/wsplit.backward_input's retained graphs, not of the pricing "
+    "(stage 0, and the 1F1B gpt3-13b plan, match)",
 )
-def test_real_size_searched_plan_peak_memory(work: Path) -> None:
-    res = _real_size(work, "gpt3-6.7b-search")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt3-13b-search", pytest.param("gpt3-6.7b-search", marks=ZB_HOLDS_ALL)])
+def test_real_size_searched_plan_peak_memory(work: Path, name: str) -> None:
+    """Peak memory per stage within 10% of the plan's record (the rehearsals of the test above, reused)."""
+    res = _real_size(work, name)
     for s in res["stages"]:
         assert s["peak_memory_bytes"] == pytest.approx(s["planned_memory_bytes"], rel=rehearse.MEMORY_TOL), s["index"]
