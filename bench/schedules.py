@@ -8,10 +8,13 @@ times, plus the exposed gradient-sync / optimizer tail. Zero-bubble families (``
 search only ZeRO-0 stages without recompute (what the torch runtime runs with a split backward); the
 row ``1f1b same space`` holds 1F1B to that space too, so the schedule's own effect reads apart from
 the ZeRO / recompute options it gives up. ``runs`` says whether ``emit_torch`` accepts the plan
-(``zbv`` and interleaved with several chunks per rank are priced what-ifs). ``interleaved_1f1b``
-only refines the best 1F1B plans that have several stages; where those have one stage it returns a
-1F1B plan (column ``got``). The row ``default search`` is ``partita compile``'s search (its schedules:
-``SearchOptions().schedules``).
+(``zbv`` searched per rank group is a priced what-if: ``search/config.py``). ``interleaved_1f1b``
+only refines the best 1F1B plans that have several stages, and keeps the candidates the torch
+program runs as model chunks (ZeRO-0/1 over dp > 1, layer kinds kept: ``search/chunk_layout.py``);
+where none qualifies it returns a 1F1B plan (column ``got``); ``interleaved same space`` searches it
+in the ZeRO-0 / no-recompute space, where it can. A chunked plan's layout lists its rank groups, each
+with its chunks' layer counts. The row ``default search`` is ``partita compile``'s search (its
+schedules: ``SearchOptions().schedules``).
 
 Writes ``bench/results/schedules.json`` and prints the table; ``vs best`` is the step time over the
 best family's in the same case (predictions, not measurements).
@@ -43,6 +46,7 @@ ROWS: dict[str, dict[str, Any]] = {
     "1f1b same space": {"schedules": ("1f1b",), "zero_stages": (0,), "recompute": ("none",)},
     "gpipe": {"schedules": ("gpipe",)},
     "interleaved_1f1b": {"schedules": ("interleaved_1f1b",)},
+    "interleaved same space": {"schedules": ("interleaved_1f1b",), "zero_stages": (0,), "recompute": ("none",)},
     "zb_h1": {"schedules": ("zb_h1",)},
     "zbv": {"schedules": ("zbv",)},
 }
@@ -60,7 +64,10 @@ def _runs(plan: Any) -> bool:
 
 def _layout(plan: Any) -> str:
     v = f" v{plan.num_virtual_stages}" if plan.num_virtual_stages > 1 else ""
-    stages = " ".join(f"[{len(s.layers)}L dp{s.dp} tp{s.tp} z{s.zero_stage} {s.recompute}]" for s in plan.stages)
+    stages = " ".join(
+        f"[{'+'.join(str(len(s.layers)) for s in g)}L dp{g[0].dp} tp{g[0].tp} z{g[0].zero_stage} {g[0].recompute}]"
+        for g in plan.positions()  # a chunked plan: its chunks' layer counts per rank group
+    )
     return f"m={plan.num_micro_batches}x{plan.micro_batch_size}{v} {stages}"
 
 
@@ -69,7 +76,7 @@ def main() -> dict:
     cases = []
     print(f"{MODEL[0]}, seq 2048: best plan per pipeline schedule family (predicted by the cost model)")
     print(f"default search schedules: {SearchOptions().schedules}")
-    head = f"{'family':<17} {'got':<16} {'runs':<5} {'step':>8} {'vs best':>8} {'bubble':>8} {'peak mem':>9}  layout"
+    head = f"{'family':<23} {'got':<16} {'runs':<5} {'step':>8} {'vs best':>8} {'bubble':>8} {'peak mem':>9}  layout"
     for cname in CLUSTERS:
         cl = parse_cluster(cname)
         for batch in BATCHES:
@@ -83,7 +90,7 @@ def main() -> dict:
                         "family": name,
                         "schedule": plan.schedule,
                         "num_virtual_stages": plan.num_virtual_stages,
-                        "num_stages": plan.num_stages,
+                        "num_stages": plan.num_positions,
                         "runs_on_torch": _runs(plan),
                         "step_time_s": plan.predicted["step_time_s"],
                         "bubble_s": plan.predicted["bubble_s"],
@@ -100,7 +107,7 @@ def main() -> dict:
             for r in rows:
                 got = r["schedule"] + (f" v{r['num_virtual_stages']}" if r["num_virtual_stages"] > 1 else "")
                 print(
-                    f"{r['family']:<17} {got:<16} {'yes' if r['runs_on_torch'] else 'no':<5} "
+                    f"{r['family']:<23} {got:<16} {'yes' if r['runs_on_torch'] else 'no':<5} "
                     f"{r['step_time_s']:7.3f}s {r['vs_best']:7.3f}x {r['bubble_s']:7.3f}s "
                     f"{r['peak_memory_bytes'] / 2**30:6.1f} GiB  {r['layout']}",
                     flush=True,

@@ -13,6 +13,14 @@ Vocabulary (Megatron's, so hand-made configurations read the same):
   for replica ``i`` (they sum to ``micro_batch_size * dp``), and gradients are averaged with those
   weights;
 * ``global_batch = num_micro_batches * sum(batch_shares)`` for every stage;
+* model chunks (virtual stages, issue 19): under ``interleaved_1f1b`` with ``num_virtual_stages = v >
+  1`` and under ``zbv`` (``v = 2``) a rank group holds several model chunks. Such a plan lists one
+  ``Stage`` per virtual stage, in model order, and the chunks of one rank group repeat its ranks and
+  mesh: chunk ``c`` of pipeline position ``r`` is virtual stage ``c * p + r`` (loop placement,
+  interleaved) or stages ``r`` and ``2p - 1 - r`` (V placement, zbv), ``p`` positions
+  (:func:`chunk_position`). :meth:`Plan.stages_of_rank` gives a rank's chunks, :meth:`Plan.positions`
+  the chunks per position. A plan whose stages share no ranks is a plain pipeline (a plan priced with
+  ``num_virtual_stages > 1`` but one range per rank group keeps that meaning: chunks not laid out);
 * placements are per mesh axis, DTensor-style strings: ``"R"``, ``"S(d)"`` (shard tensor dim d),
   ``"SS(d,g)"`` (parameters only: dim d is g equal chunks, each sharded on its own, e.g. GPT-2's
   q|k|v weight split by heads; DTensor's ``_StridedShard(d, split_factor=g)``), ``"P"`` (partial
@@ -22,6 +30,7 @@ Vocabulary (Megatron's, so hand-made configurations read the same):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -34,6 +43,22 @@ PLAN_FORMAT = "partita.plan"
 PLAN_VERSION = 1
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")  # = search.schedule.SCHEDULE_FAMILIES
 RECOMPUTE = ("none", "selective", "full")
+
+
+def chunks_per_rank(schedule: str, num_virtual_stages: int) -> int:
+    """Model chunks a rank group holds under ``schedule`` (= ``search.schedule.virtual_stages``)."""
+    if schedule == "zbv":
+        return 2
+    return num_virtual_stages if schedule == "interleaved_1f1b" else 1
+
+
+def chunk_position(schedule: str, stage: int, num_positions: int) -> int:
+    """Pipeline position (rank group, 0 .. p - 1) of virtual stage ``stage``: V placement under zbv
+    (stages ``r`` and ``2p - 1 - r`` on position ``r``), loop placement otherwise (``stage % p``)."""
+    p = num_positions
+    if schedule == "zbv":
+        return stage if stage < p else 2 * p - 1 - stage
+    return stage % p
 
 
 def _round(x: Any) -> Any:
@@ -110,13 +135,43 @@ class Plan:
 
     @property
     def world_size(self) -> int:
-        return sum(s.num_devices for s in self.stages)
+        return len({r for s in self.stages for r in s.ranks})  # chunks of one rank group share ranks
 
     @property
     def num_stages(self) -> int:
+        """Stages listed: virtual stages in a chunked plan (:attr:`chunked`)."""
         return len(self.stages)
 
+    @functools.cached_property  # a frozen dataclass: computed once (records.py asks per stage)
+    def chunked(self) -> bool:
+        """True when rank groups hold several model chunks (stages share ranks; module docstring)."""
+        return sum(len(s.ranks) for s in self.stages) != self.world_size
+
+    @property
+    def num_positions(self) -> int:
+        """Pipeline positions (rank groups): ``num_stages`` unless the plan is chunked."""
+        return (
+            len(self.stages) // chunks_per_rank(self.schedule, self.num_virtual_stages)
+            if self.chunked
+            else len(self.stages)
+        )
+
+    def positions(self) -> tuple[tuple[Stage, ...], ...]:
+        """Per pipeline position, its stages (chunks) in model order; one each in a plain pipeline."""
+        if not self.chunked:
+            return tuple((s,) for s in self.stages)
+        p = self.num_positions
+        return tuple(tuple(s for s in self.stages if chunk_position(self.schedule, s.index, p) == r) for r in range(p))
+
+    def stages_of_rank(self, rank: int) -> tuple[Stage, ...]:
+        """The stages (model chunks, in model order) ``rank`` runs: one unless the plan is chunked."""
+        out = tuple(s for s in self.stages if rank in s.ranks)
+        if not out:
+            self.stage_of_rank(rank)  # raises the error below
+        return out
+
     def stage_of_rank(self, rank: int) -> Stage:
+        """The stage ``rank`` runs; in a chunked plan its first chunk (:meth:`stages_of_rank` gives all)."""
         for s in self.stages:
             if rank in s.ranks:
                 return s
@@ -129,6 +184,12 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["format"] = PLAN_FORMAT
+        for s in d["stages"]:  # a large stage's ranks as runs (issue 20); Stage.ranks stays a tuple
+            if len(s["ranks"]) > RANK_RUNS_ABOVE:
+                s["ranks"] = rank_runs(s["ranks"])
+        used = d["cluster"].get("rank_map")  # plan rank -> cluster rank, as runs when large
+        if isinstance(used, (list, tuple)) and len(used) > RANK_RUNS_ABOVE:
+            d["cluster"] = {**d["cluster"], "rank_map": rank_runs(used)}
         return _round(d)
 
     def to_json(self) -> str:
@@ -163,7 +224,7 @@ class Plan:
                     index=int(s["index"]),
                     layers=tuple(s["layers"]),
                     device_type=str(s["device_type"]),
-                    ranks=tuple(int(r) for r in s["ranks"]),
+                    ranks=ranks_from_runs(s["ranks"]),
                     dp=int(s["dp"]),
                     tp=int(s["tp"]),
                     zero_stage=int(s.get("zero_stage", 0)),
@@ -182,7 +243,7 @@ class Plan:
             )
             plan = Plan(
                 model=dict(d["model"]),
-                cluster=dict(d["cluster"]),
+                cluster=_cluster_from_json(d["cluster"]),
                 training=dict(d["training"]),
                 stages=stages,
                 schedule=str(d["schedule"]),
@@ -201,6 +262,47 @@ class Plan:
             ) from None
         validate(plan, source)
         return plan
+
+
+RANK_RUNS_ABOVE = 64  # stages with more ranks write them as runs; smaller plans keep the plain list
+MAX_RUN_RANKS = 1 << 24  # a run longer than any cluster is a corrupt file, not a reason to allocate
+
+
+def rank_runs(ranks: Sequence[int]) -> list[Any]:
+    """``ranks`` in plan.json form: a rank alone as an int, each ascending run of consecutive ranks
+    as ``[first, last]`` (inclusive), e.g. ``(0, 1, 2, 3, 8)`` -> ``[[0, 3], 8]``; the order is kept."""
+    out: list[Any] = []
+    i = 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out.append([int(ranks[i]), int(ranks[j])] if j > i else int(ranks[i]))
+        i = j + 1
+    return out
+
+
+def ranks_from_runs(items: Any) -> tuple[int, ...]:
+    """The inverse of :func:`rank_runs`; a plain list of ints (every plan written before runs) reads
+    as itself. Raises ValueError / TypeError on anything else (the caller names the file)."""
+    out: list[int] = []
+    for x in items:
+        if isinstance(x, list):
+            first, last = (int(v) for v in x)  # exactly two numbers, else ValueError
+            if last < first or last - first >= MAX_RUN_RANKS:
+                raise ValueError(f"rank run {x} is not [first, last] with first <= last")
+            out.extend(range(first, last + 1))
+        else:
+            out.append(int(x))
+    return tuple(out)
+
+
+def _cluster_from_json(cluster: Any) -> dict[str, Any]:
+    """``plan.cluster`` with a ``rank_map`` written as runs read back as the plain list."""
+    out = dict(cluster)
+    if isinstance(out.get("rank_map"), list):
+        out["rank_map"] = list(ranks_from_runs(out["rank_map"]))
+    return out
 
 
 def read_plan(path: str | Path) -> Plan:
@@ -225,14 +327,18 @@ def validate(plan: Plan, source: str = "plan") -> None:
         raise PlanError(f"{source}: training.global_batch is {batch!r}, not a positive integer.", "recompile the plan.")
     seen: set[int] = set()
     layers: list[str] = []
+    for s in plan.stages:  # before the chunk checks: a rank listed twice in one stage is not a chunk
+        if len(set(s.ranks)) != len(s.ranks):
+            dup = sorted({r for r in s.ranks if s.ranks.count(r) > 1})
+            raise PlanError(
+                f"{source}: stage {s.index} lists ranks {dup} more than once.", "each rank is in one stage, once."
+            )
+    first_chunk = _check_chunks(plan, source) if plan.chunked else {}
     for s in plan.stages:
         where = f"{source}: stage {s.index}"
         if s.dp < 1 or s.tp < 1 or len(s.ranks) != s.dp * s.tp:
             raise PlanError(f"{where} has dp={s.dp}, tp={s.tp} but {len(s.ranks)} ranks.", "need dp*tp ranks.")
-        if len(set(s.ranks)) != len(s.ranks):
-            dup = sorted({r for r in s.ranks if s.ranks.count(r) > 1})
-            raise PlanError(f"{where} lists ranks {dup} more than once.", "each rank is in one stage, once.")
-        if seen & set(s.ranks):
+        if seen & set(s.ranks) and s.index not in first_chunk:
             raise PlanError(f"{where} reuses ranks {sorted(seen & set(s.ranks))}.", "each rank is in one stage.")
         seen |= set(s.ranks)
         if s.zero_stage not in (0, 1, 2, 3) or s.recompute not in RECOMPUTE:
@@ -262,6 +368,44 @@ def validate(plan: Plan, source: str = "plan") -> None:
             f"{source}: stages cover layers {layers}, the model has {expected}.",
             "stages must cover every layer once, in order.",
         )
+
+
+def _check_chunks(plan: Plan, source: str) -> dict[int, Stage]:
+    """A chunked plan (stages sharing ranks): the schedule places chunks, every chunk repeats its
+    position's ranks and mesh, positions are disjoint. Returns chunk index -> its position's first
+    chunk, for the chunks after the first (whose ranks repeat)."""
+    v = chunks_per_rank(plan.schedule, plan.num_virtual_stages)
+    n = len(plan.stages)
+    if v < 2 or n % v or n // v < 2:
+        raise PlanError(
+            f"{source}: stages share ranks (model chunks), but schedule {plan.schedule} with num_virtual_stages="
+            f"{plan.num_virtual_stages} places {v} chunk(s) per rank group and there are {n} stages.",
+            "chunks need interleaved_1f1b (v >= 2) or zbv (v = 2), v * p stages for p >= 2 rank groups; "
+            "recompile the plan.",
+        )
+    p, out = n // v, {}
+    for r, group in enumerate(plan.positions()):
+        head = group[0]
+        key = lambda s: (s.ranks, s.dp, s.tp, s.batch_shares, s.zero_stage, s.device_type, s.replica_device_types)  # noqa: E731
+        for s in group[1:]:
+            if key(s) != key(head):
+                raise PlanError(
+                    f"{source}: stage {s.index} is chunk of pipeline position {r} under {plan.schedule} "
+                    f"(p={p}), but its ranks/mesh/ZeRO/batch shares differ from stage {head.index}'s.",
+                    "every chunk of a rank group repeats that group's ranks, mesh, ZeRO stage and shares; "
+                    "recompile the plan.",
+                )
+            out[s.index] = head
+    heads = [g[0] for g in plan.positions()]
+    for a in heads:
+        for b in heads:
+            if a.index < b.index and set(a.ranks) & set(b.ranks):
+                raise PlanError(
+                    f"{source}: stages {a.index} and {b.index} are different pipeline positions under "
+                    f"{plan.schedule} (p={p}) but share ranks {sorted(set(a.ranks) & set(b.ranks))}.",
+                    "each rank is in one pipeline position; recompile the plan.",
+                )
+    return out
 
 
 def shares(stage: Stage, micro_batch_size: int) -> tuple[int, ...]:

@@ -88,7 +88,7 @@ def cluster_devices(plan: Plan) -> dict[str, int]:
 def used_devices(plan: Plan) -> dict[str, int]:
     """Device type -> number of devices the plan's stages use (a mixed stage counts per replica)."""
     out: dict[str, int] = {}
-    for s in plan.stages:
+    for s in (group[0] for group in plan.positions()):  # model chunks of a rank group count once
         if s.replica_device_types:
             for name in s.replica_device_types:
                 out[name] = out.get(name, 0) + s.tp

@@ -70,14 +70,18 @@ def _schedule(plan: Plan) -> tuple[list[tuple[int, Action, float, float]], float
     number of micro-batches drawn: the plan's action list (``search/schedule.pipeline_actions``) run
     by the simulator that priced it (``search/pipeline_sim``) on the per-stage F, B, W times the plan
     records (``f_action_s`` ...; older plans: forward 1/3, backward 2/3 of compute, no W)."""
-    n, v = plan.num_stages, virtual_stages(plan.schedule, plan.num_virtual_stages)
-    f_s = [float(s.predicted.get("f_action_s") or 0.0) for s in plan.stages]
-    b_s = [float(s.predicted.get("b_action_s") or 0.0) for s in plan.stages]
-    w_s = [float(s.predicted.get("w_action_s") or 0.0) for s in plan.stages]
+    n, v = plan.num_positions, virtual_stages(plan.schedule, plan.num_virtual_stages)
+    # per rank group (a chunked plan's chunks carry their group's times split over them: summed back)
+    groups = plan.positions()
+
+    def per_group(key: str) -> list[float]:
+        return [sum(float(s.predicted.get(key) or 0.0) for s in g) for g in groups]
+
+    f_s, b_s, w_s = per_group("f_action_s"), per_group("b_action_s"), per_group("w_action_s")
     if not all(f > 0 for f in f_s):
         fwd = [
             float(s.predicted.get("forward_s", float(s.predicted.get("compute_s", 0.0) or 0.0) / 3) or 0)
-            for s in plan.stages
+            for s in (g[0] for g in groups)
         ]
         known = [f for f in fwd if f > 0]  # a stage without a predicted time is drawn at the others' mean
         f_s = [f if f > 0 else (sum(known) / len(known) if known else 1.0) for f in fwd]
@@ -107,10 +111,10 @@ def timeline_html(plan: Plan) -> str:
     split, chunks, n = (
         splits_backward(plan.schedule),
         virtual_stages(plan.schedule, plan.num_virtual_stages),
-        plan.num_stages,
+        plan.num_positions,
     )
     rows = []
-    for i in range(plan.num_stages):
+    for i in range(plan.num_positions):
         parts = []
         for si, act, start, dur in boxes:
             if si != i:
@@ -242,7 +246,7 @@ def _cards(plan: Plan) -> str:
         (
             "schedule",
             plan.schedule,
-            f"{plural(plan.num_stages, 'stage')}, {plural(plan.num_micro_batches, 'micro-batch', 'micro-batches')} "
+            f"{plural(plan.num_positions, 'stage')}, {plural(plan.num_micro_batches, 'micro-batch', 'micro-batches')} "
             f"of {plan.micro_batch_size} per replica",
         ),
     ]

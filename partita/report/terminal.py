@@ -50,7 +50,7 @@ def summary_table(plan: Plan) -> Table:
         [
             "schedule",
             f"{plan.schedule}, {plural(plan.num_micro_batches, 'micro-batch', 'micro-batches')} of "
-            f"{plural(plan.micro_batch_size, 'sample')} per replica, {plural(plan.num_stages, 'stage')}"
+            f"{plural(plan.micro_batch_size, 'sample')} per replica, {plural(plan.num_positions, 'stage')}"
             + (f", {plan.num_virtual_stages} virtual stages" if plan.num_virtual_stages > 1 else "")
             + (", weight gradients (W) deferred into the bubble" if splits_backward(plan.schedule) else ""),
         ],

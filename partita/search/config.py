@@ -54,17 +54,25 @@ class SearchOptions:
     * ``schedules``: pipeline schedules to consider. GPipe is off by default because under this cost
       model it is never faster than 1F1B (the simulated schedules) and never holds less memory (pruning
       rule R4 in ``inter_op``).
-      ``interleaved_1f1b`` is off by default and stays out of every search whose plan is emitted: no
-      runtime runs it (a torch plan stage is one contiguous layer range, not round-robin chunks, and
-      the JAX program would run plain 1F1B under the interleaved bubble), so ``emit_torch`` /
-      ``emit_jax`` refuse ``num_virtual_stages > 1`` (issue 15, item 5). Pass it explicitly only to
-      price what-if plans. ``zb_h1`` (issue 19: 1F1B with the weight gradients W deferred into the
+      ``interleaved_1f1b`` (issue 19) is on by default for torch models: the planner refines its best
+      multi-stage plans with ``v`` in ``virtual_stages`` chunks per rank group, priced by simulating the
+      interleaved action list on each rank group's F/B/W split over its chunks, and keeps only the
+      candidates the torch program runs as model chunks (``search/chunk_layout.runnable``: loop
+      placement keeps every rank group's layer kinds, one device type per group, no ZeRO-2/3 over
+      dp > 1, which would sync per backward while the rank's other chunks accumulate); the winner is laid
+      out as one Stage per virtual stage (``chunk_layout.lay_out``, ``plan.py``) and
+      ``backends/torch/schedule.P2PPipeline`` runs it. JAX models leave it out: the JAX program would
+      run plain 1F1B under the interleaved bubble, so ``emit_jax`` refuses ``num_virtual_stages > 1``
+      (issue 15, item 5). ``zb_h1`` (issue 19: 1F1B with the weight gradients W deferred into the
       cool-down bubble, priced by simulating its action list, ``search/pipeline_sim.py``) is on by
       default: the torch program runs it (``backends/torch/schedule.P2PPipeline``) on stages with ZeRO-0
-      and no recompute, the only ones the planner searches under it; JAX models leave it out (no JAX
-      runtime splits the backward). ``zbv`` (ZB-V, two chunks per rank in a V) is off by default and
-      stays out of every emitted search for the reason interleaved does: ``emit_torch`` / ``emit_jax``
-      refuse it. Pass it explicitly to price what-if plans (``bench/schedules.py``).
+      or ZeRO-1 and no recompute, the only ones the planner searches under it; JAX models leave it out (no JAX
+      runtime splits the backward). ``zbv`` (ZB-V, two chunks per rank group in a V) is off by default:
+      the torch program runs a ZB-V plan laid out as chunks (``P2PPipeline``; hand-made plans,
+      ``tests/runtime/test_schedules_runtime.py``), but the planner prices it per rank group (one
+      contiguous range each, split over two chunks), and the V placement puts the model's first and
+      last layers on rank group 0, which such a range never holds: the priced plan is not one the
+      runtime runs. Pass it explicitly to price what-if plans (``bench/schedules.py``).
     * ``zero_stages`` / ``recompute``: per-stage options searched. ``"selective"`` is priced from what
       the runtime recomputes (``search/stage_cost.SolverCosts._selective``): a torch block keeps its
       input and the outputs of its matmuls and tp collectives and runs every other op's forward again
@@ -82,7 +90,7 @@ class SearchOptions:
       without bf16 tensor cores (V100, T4) and none loses by it (``search/precision.py``).
     """
 
-    schedules: tuple[str, ...] = ("1f1b", "zb_h1")  # docstring: what the runtimes run
+    schedules: tuple[str, ...] = ("1f1b", "zb_h1", "interleaved_1f1b")  # docstring: what the runtimes run
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     recompute: tuple[str, ...] = ("none", "selective", "full")
     max_tp: int = 8

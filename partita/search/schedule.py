@@ -23,6 +23,9 @@ input gradient when the schedule splits the backward) or ``"W"`` (the weight gra
   ``2 (p - r) - 1`` chunk-0 forwards, then F/B/W per chunk; it needs ``2p - 1`` micro-batches for
   its shape, and with fewer the actions of the missing ones are dropped.
 
+A Plan with model chunks lists one Stage per virtual stage, placed by ``stage_rank``
+(``plan.chunk_position``); the torch runtime runs every chunk of a rank from its one action list.
+
 The orders equal ``torch.distributed.pipelining``'s (``tests/search/test_schedule.py`` compares them)
 and run without deadlock with buffered sends and blocking receives (``tests/search/test_pipeline_sim.py``).
 
@@ -49,6 +52,7 @@ import functools
 from collections.abc import Sequence
 
 from partita.errors import ConfigError
+from partita.plan import chunk_position
 
 SCHEDULE_FAMILIES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
 KINDS = ("F", "B", "W")
@@ -164,10 +168,8 @@ def stage_rank(schedule: str, stage: int, num_ranks: int, num_virtual: int) -> i
     p = num_ranks
     if not 0 <= stage < p * num_virtual:
         raise ConfigError(f"stage {stage} outside 0..{p * num_virtual - 1}.", "")
-    if schedule == "zbv":
-        return stage if stage < p else 2 * p - 1 - stage
-    if schedule == "interleaved_1f1b":
-        return stage % p
+    if schedule in ("zbv", "interleaved_1f1b"):  # the placement a chunked Plan records (plan.chunk_position)
+        return chunk_position(schedule, stage, p)
     return stage
 
 

@@ -17,6 +17,14 @@ counted in the last step equal the plan's records (the run's own check, ``fideli
 kind, axis, count, bytes; tp records aside, which hand-placed plans lack), the layout's
 first-principles counts (``_first_principles``, as ``plans.expected``; p2p counted here per layout) and are the same for every
 schedule of a layout (a schedule reorders work, it adds no communication).
+
+Model chunks (virtual stages) ride in the same launches: interleaved 1F1B with 2 chunks per rank
+(loop placement) and ZB-V (V placement) on 2 ranks (one layer per chunk), and on 4 ranks with two
+tp=2 rank groups (interleaved, GPT-2's tied wte / lm_head on two rank groups) and two dp=2 rank
+groups (ZB-V, the tied pair on one rank, one module), and two dp=2 ZeRO-1 rank groups under both
+(FSDP2's reduce-scatter once per unit, after the rank's last action), checked the same way (losses,
+gradients, collectives per rank group: the p2p of every chunk, no message for a hand-off between
+chunks of one rank).
 """
 
 from __future__ import annotations
@@ -32,11 +40,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from partita.backends.torch import chunks as vchunks
 from partita.backends.torch.emit import check_schedule, emit_torch
 from partita.backends.torch.schedule import parse_actions
 from partita.backends.torch.train import reference_run
+from partita.cluster import parse_shorthand
 from partita.errors import PlanError
-from partita.plan import Plan, Stage
+from partita.plan import Plan, Stage, chunk_position
 from partita.search.schedule import pipeline_actions
 from tests.runtime import plans
 from tests.runtime.plans import LAYERS, layout, make_plan
@@ -50,8 +60,40 @@ def _halves(model: str) -> tuple[list[str], list[str]]:
     return L[: len(L) // 2], L[len(L) // 2 :]
 
 
+CHUNKED = {  # layout -> rank groups as (ranks, dp, tp, ZeRO); stage i (one layer each) on the group the schedule places
+    "v2": [([0], 1, 1, 0), ([1], 1, 1, 0)],
+    "v2_tp": [([0, 1], 1, 2, 0), ([2, 3], 1, 2, 0)],
+    "v2_dp": [([0, 1], 2, 1, 0), ([2, 3], 2, 1, 0)],
+    "v2_z1": [([0, 1], 2, 1, 1), ([2, 3], 2, 1, 1)],  # ZeRO-1: one reduce-scatter per unit after the last action
+}
+
+
+def chunked_plan(model: str, name: str, schedule: str) -> Plan:
+    """A chunked plan: 4 virtual stages of one layer on 2 rank groups, placed by ``schedule``
+    (interleaved_1f1b with v = 2: loop; zbv: V), 4 micro-batches."""
+    groups, L = CHUNKED[name], LAYERS[model]
+    stages = []
+    for i, layer in enumerate(L):
+        ranks, dp, tp, zero = groups[chunk_position(schedule, i, len(groups))]
+        stages.append(dict(layers=[layer], ranks=ranks, dp=dp, tp=tp, zero_stage=zero))
+    mb = 4 if groups[0][2] > 1 else 2
+    world = sum(len(g[0]) for g in groups)
+    # make_plan's records assume disjoint ranks: build, then give it its schedule, cluster and records
+    base = make_plan(model, stages, micro_batch_size=mb, num_micro_batches=4, global_batch=4 * mb * groups[0][1])
+    cluster = parse_shorthand(f"{world}xCPU")
+    plan = dataclasses.replace(
+        base,
+        schedule=schedule,
+        num_virtual_stages=2,
+        cluster={"name": cluster.name, "fingerprint": cluster.fingerprint(), "spec": cluster.to_dict()},
+    )
+    return Plan.from_json(plans.with_records(plan, model).to_json(), name)
+
+
 def schedule_plan(model: str, name: str, schedule: str) -> Plan:
     """The layouts of this file (4 micro-batches each, so every schedule has a steady state)."""
+    if name in CHUNKED:
+        return chunked_plan(model, name, schedule)
     a, b = _halves(model)
     L, one = LAYERS[model], dict(dp=1, tp=1)
     stages = {
@@ -92,6 +134,14 @@ P2P = {  # layout -> per stage (messages, samples they carry) per micro-batch
     "pp_tp": [(3, 12), (3, 12)],  # activation to 2 tp ranks + 1 gradient back; the mirror
     "reslice": [(4, 6), (2, 4)],
     "pp_zero1": [(2, 4), (2, 4)],  # replica 0 of stage 0 (3 samples) overlaps both replicas of stage 1 (2 + 2)
+    # chunked (per rank group, all its chunks): interleaved, the middle chunks talk both ways; ZB-V, the
+    # turn of the V (stage 1 -> 2) is a local hand-off
+    ("v2", "interleaved_1f1b"): [(6, 12), (6, 12)],
+    ("v2", "zbv"): [(4, 8), (4, 8)],
+    ("v2_tp", "interleaved_1f1b"): [(9, 36), (9, 36)],  # sends go to both tp ranks, gradients come from tp rank 0
+    ("v2_dp", "zbv"): [(4, 8), (4, 8)],
+    ("v2_z1", "zbv"): [(4, 8), (4, 8)],
+    ("v2_z1", "interleaved_1f1b"): [(6, 12), (6, 12)],
 }
 # one sample of a boundary activation, f32: seq 16 x hidden 64 (the tiny LMs), fc1's 64 outputs (mlp)
 SAMPLE_BYTES = {"gpt2-tiny": 16 * 64 * 4, "llama-tiny": 16 * 64 * 4, "mlp": 64 * 4}
@@ -103,6 +153,9 @@ JOBS = {  # world size -> (model, layout, schedule)
     + [("llama-tiny", "reslice", s) for s in ("1f1b", "zb_h1")]
     + [("llama-tiny", "pp_zero1", "zb_h1")],
 }
+JOBS[2] += [("gpt2-tiny", "v2", s) for s in ("interleaved_1f1b", "zbv")]
+JOBS[4] += [("gpt2-tiny", "v2_tp", "interleaved_1f1b"), ("gpt2-tiny", "v2_dp", "zbv")]
+JOBS[4] += [("gpt2-tiny", "v2_z1", "zbv"), ("llama-tiny", "v2_z1", "interleaved_1f1b")]
 
 
 # ---- in process ---------------------------------------------------------------------------------
@@ -160,12 +213,62 @@ def test_refused_schedules() -> None:
 
 def test_malformed_action_lists_are_refused() -> None:
     assert parse_actions("F1.0 F1.1 B1.0 W1.0 B1.1 W1.1", 1, 2) == [
-        ("F", 0), ("F", 1), ("B", 0), ("W", 0), ("B", 1), ("W", 1),
+        ("F", 1, 0), ("F", 1, 1), ("B", 1, 0), ("W", 1, 0), ("B", 1, 1), ("W", 1, 1),
     ]  # fmt: skip
     bad = ["F0.0 B0.0", "F1.0 F1.1 B1.0 B1.1 W1.0", "F1.0 F1.1 B1.1 B1.0 B1.0", "F1.0 F1.2 B1.0 B1.2"]
     for text in [*bad, "F1.0 F1.1 B1.0 X1.1", "F1.a F1.1 B1.0 B1.1", "F1 F1.1 B1.0 B1.1"]:
         with pytest.raises(PlanError, match="regenerate"):
             parse_actions(text, 1, 2)
+    # a rank with chunks 0 and 3: every chunk runs every micro-batch; another rank's chunk is refused
+    assert len(parse_actions("F0.0 F3.0 B3.0 B0.0", [0, 3], 1)) == 4
+    for text in ["F0.0 B0.0", "F0.0 F3.0 B3.0 B0.0 F1.0 B1.0", "F0.0 F3.0 B0.0 B3.0 W3.0"]:
+        with pytest.raises(PlanError, match="regenerate"):
+            parse_actions(text, [0, 3], 1)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zbv"])
+def test_chunked_program_names_schedule_placement_and_actions(schedule: str) -> None:
+    """A chunked plan: one setup_stage per rank group (its chunks' layers), PROGRAM["chunks"] names each
+    virtual stage's layers and group as the schedule places them, ACTIONS are the virtual action lists."""
+    plan = schedule_plan("gpt2-tiny", "v2", schedule)
+    assert plan.chunked and plan.num_positions == 2 and plan.world_size == 2
+    assert [s.index for s in plan.stages_of_rank(0)] == ([0, 2] if schedule == "interleaved_1f1b" else [0, 3])
+    src = emit_torch(plan, "gpt2-tiny")
+    assert _actions_literal(src) == [" ".join(map(str, a)) for a in pipeline_actions(schedule, 2, 4, 2)]
+    assert f"rt.rank, {schedule!r}, 4, rt.loss_fn" in src and 'chunks=PROGRAM["chunks"]' in src
+    ns: dict = {}
+    exec(src[src.index("PROGRAM = ") : src.index('PROGRAM["__file__"]')], ns)  # noqa: S102 - our emitted data
+    prog = ns["PROGRAM"]
+    assert prog["runner"] == "p2p" and prog["layers"] == LAYERS["gpt2-tiny"]
+    assert [(c["stage"], c["position"]) for c in prog["chunks"]] == [
+        (s.index, 0 if 0 in s.ranks else 1) for s in plan.stages
+    ]
+    assert [s["layers"] for s in prog["stages"]] == [
+        [x for s in plan.stages_of_rank(r) for x in s.layers] for r in (0, 1)
+    ]
+    place = "V placement" if schedule == "zbv" else "loop placement"
+    assert f"Model chunks ({schedule}, 4 virtual stages on 2 rank groups, {place}" in src
+    assert src.count("def setup_stage_") == 2
+    with pytest.raises(PlanError, match="ZeRO-2/3"):  # would sync per backward while other chunks accumulate
+        z = schedule_plan("gpt2-tiny", "v2_dp", schedule)
+        emit_torch(dataclasses.replace(z, stages=tuple(dataclasses.replace(s, zero_stage=2) for s in z.stages)), "x")
+
+
+def test_chunked_plans_are_validated() -> None:
+    """Chunks must repeat their rank group's ranks and mesh, and sit where the schedule places them."""
+    good = schedule_plan("gpt2-tiny", "v2", "zbv")
+    assert Plan.from_json(good.to_json()).stages_of_rank(1) == good.stages[1:3]
+    bad = [
+        (dataclasses.replace(good, schedule="1f1b"), "1 chunk"),  # shared ranks need a chunked schedule
+        (dataclasses.replace(good, schedule="interleaved_1f1b"), "differ|share ranks"),  # V layout, loop schedule
+        (
+            dataclasses.replace(good, stages=(*good.stages[:3], dataclasses.replace(good.stages[3], ranks=(1,)))),
+            "differ|share ranks",
+        ),
+    ]
+    for plan, match in bad:
+        with pytest.raises(PlanError, match=match):
+            Plan.from_json(plan.to_json())
 
 
 # ---- under torchrun --------------------------------------------------------------------------------
@@ -202,7 +305,8 @@ def _first_principles(model: str, plan: Plan, s: Stage) -> dict[str, int]:
 
     add("all_reduce", int(s.dp > 1 and s.zero_stage == 0))
     if s.dp > 1 and s.zero_stage == 1:  # FSDP2, one unit per block + the stage root: gathered, reduced once
-        units = len([x for x in s.layers if x not in ("embed", "head")]) + 1
+        # (the root holds embed / head; a rank group of ZB-V's middle chunks holds only blocks)
+        units = len([x for x in s.layers if x not in ("embed", "head")]) + int(bool({"embed", "head"} & set(s.layers)))
         add("all_gather", units)
         add("reduce_scatter", units)
     holders = [t for t in plan.stages if {"embed", "head"} & set(t.layers)]
@@ -257,12 +361,13 @@ def test_schedules_match_single_device(tmp_path: Path, world: int) -> None:
                 rtol, atol = (1e-5, 1e-5 * float(g.abs().max())) if step == 1 else (1e-4, 1e-5)
                 torch.testing.assert_close(mine[n], g, rtol=rtol, atol=atol, msg=lambda m, n=n, j=job: f"{j} {n}: {m}")
         measured, m = {}, plan.num_micro_batches
-        for s in plan.stages:
+        groups = vchunks.physical_plan(plan)  # per rank group (its chunks merged; the plan itself if unchunked)
+        for s in groups.stages:
             k = f"stage{s.index}"
             measured[k] = _kinds(res["collectives"][k])
-            want = _first_principles(model, plan, s)
+            want = _first_principles(model, groups, s)
             assert {x: c for x, c in measured[k].items() if x != "p2p"} == want, (job, k, measured[k], want)
-            msgs, rows = P2P[name][s.index]
+            msgs, rows = P2P[(name, sched) if name in CHUNKED else name][s.index]
             p2p = res["collectives"][k]["p2p@pp"]
             assert (p2p["count"], p2p["bytes"]) == (msgs * m, rows * SAMPLE_BYTES[model] * m), (job, k, p2p)
             # the run's own check against the plan's records (kind@axis, counts, bytes: fidelity.compare).
@@ -278,7 +383,8 @@ def test_schedules_match_single_device(tmp_path: Path, world: int) -> None:
                 if not (s.tp > 1 and _tp_axis(x)) and not (x.startswith("p2p@pp: measured") and x.endswith(" B"))
             ]
             assert left == [], (job, k, left)
-        assert counts.setdefault((model, name), measured) == measured, job  # the same for every schedule
+        if name not in CHUNKED:  # a chunked layout's placement depends on its schedule
+            assert counts.setdefault((model, name), measured) == measured, job  # the same for every schedule
 
 
 @pytest.mark.slow

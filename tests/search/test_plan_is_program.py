@@ -43,8 +43,11 @@ def _graph(model: str, seq: int):  # noqa: ANN202
     return _GRAPHS[(model, seq)]
 
 
-def test_interleaved_is_not_searched_nor_emitted() -> None:
-    assert "interleaved_1f1b" not in SearchOptions().schedules
+def test_interleaved_is_searched_only_as_model_chunks() -> None:
+    """Interleaved 1F1B is searched (issue 19) and emitted only laid out as model chunks
+    (search/chunk_layout.py; run by tests/runtime/test_schedules_runtime.py); a plan priced with
+    virtual stages but one layer range per rank group is refused."""
+    assert "interleaved_1f1b" in SearchOptions().schedules
     from partita.backends.torch.emit import emit_torch
     from tests.runtime.plans import layout
 

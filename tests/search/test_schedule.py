@@ -119,3 +119,18 @@ def test_the_plan_knows_every_family() -> None:
     from partita.plan import SCHEDULES
 
     assert SCHEDULES == sched.SCHEDULE_FAMILIES
+
+
+def test_chunk_placement_is_one_definition() -> None:
+    """The placement the simulator prices (``stage_rank``) is the one a chunked Plan records."""
+    from partita.plan import chunk_position
+    from partita.search.schedule import stage_rank
+
+    for p in (2, 3, 4):
+        assert [stage_rank("zbv", s, p, 2) for s in range(2 * p)] == [chunk_position("zbv", s, p) for s in range(2 * p)]
+        assert [chunk_position("zbv", s, p) for s in range(2 * p)] == [*range(p), *reversed(range(p))]
+        for v in (2, 3):
+            got = [stage_rank("interleaved_1f1b", s, p, v) for s in range(p * v)]
+            assert (
+                got == [chunk_position("interleaved_1f1b", s, p) for s in range(p * v)] == [s % p for s in range(p * v)]
+            )

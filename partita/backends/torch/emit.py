@@ -42,9 +42,16 @@ What torch cannot express, and what the program does instead (also written into 
   micro-batch as the plan's ZeRO level says (``torch_schedule.zero_micro_batch``; issue 15 item 6).
 * stages of different shapes: ``torch.distributed.pipelining`` needs one equal-shape stage per pp
   rank, so such plans run ``torch_schedule.P2PPipeline`` (explicit send/recv).
-* ``interleaved_1f1b`` with ``num_virtual_stages > 1`` and ``zbv`` (2 chunks per rank in a V): a plan
-  stage holds one contiguous layer range, which cannot be cut into model chunks; refused
-  (``check_schedule``; interleaved with 1 virtual stage is 1F1B).
+* ``interleaved_1f1b`` with ``num_virtual_stages > 1`` and ``zbv`` (2 chunks per rank in a V): run when
+  the plan lays the chunks out (``Plan.chunked``: one Stage per virtual stage, chunks of a rank group
+  repeating its ranks): ``backends/torch/chunks.py`` merges each rank group's chunks into one
+  ``setup_stage`` (one module, one optimizer, one gradient sync), ``PROGRAM["chunks"]`` names each
+  virtual stage's layers and rank group, and ``P2PPipeline`` runs the action list chunk by chunk (a
+  hand-off between two chunks of one rank is local); ZeRO-1 reduce-scatters once, after the rank's last
+  action (as for zb_h1). Refused when the plan priced chunks but lists one layer range per rank group,
+  with ZeRO-2/3 on dp > 1 (FSDP2 would sync a unit's gradients at the last backward of one chunk while
+  the rank's other chunks still accumulate), and for models cut by the generic splitter (one
+  contiguous range per rank).
 * ``zb_h1`` (and any schedule beyond GPipe / 1F1B): ``torch.distributed.pipelining`` runs zero-bubble
   schedules only with several stages per rank, so the plan runs ``torch_schedule.P2PPipeline``, which
   executes the rank's action list, written into ``make_runner`` as ``ACTIONS``
@@ -61,6 +68,7 @@ import dataclasses
 import pprint
 from typing import Any
 
+from partita.backends.torch import chunks as vchunks
 from partita.errors import PartitaError, PlanError
 from partita.plan import Plan, Stage, shares
 from partita.search import records
@@ -283,8 +291,8 @@ def _setup_stage(plan: Plan, s: Stage, facts: StageFacts) -> str:
 
 
 def _make_runner(plan: Plan, kind: str) -> str:
-    m, n = plan.num_micro_batches, plan.num_stages
-    sched = "1f1b" if plan.schedule == "interleaved_1f1b" else plan.schedule
+    m, n = plan.num_micro_batches, plan.num_positions
+    sched = "1f1b" if plan.schedule == "interleaved_1f1b" and not plan.chunked else plan.schedule
     head = ["def make_runner(rt):"]
     if kind == "local":
         body = [
@@ -301,7 +309,15 @@ def _make_runner(plan: Plan, kind: str) -> str:
             f"{sched!r}, {m}, rt.loss_fn, x, out)",
         ]
     else:
-        if plan.schedule not in TORCH_SCHEDULES:
+        if plan.chunked:
+            why = [
+                f"    # {plan.schedule} over {n} rank groups with {len(plan.stages)} model chunks (virtual stages): this",
+                "    # rank's module holds the layers of all its chunks; torch_schedule.P2PPipeline runs each action on",
+                "    # its chunk's layers (PROGRAM['chunks']), moves boundaries between rank groups with dist.isend/recv",
+                "    # and hands them over locally between two chunks of this rank.",
+                *["    # " + line for line in vchunks.placement_lines(plan)],
+            ]
+        elif plan.schedule not in TORCH_SCHEDULES:
             why = [
                 f"    # {plan.schedule} over {n} stages: torch.distributed.pipelining runs zero-bubble schedules only with",
                 "    # several stages per rank, so boundary activations move with explicit dist.isend/recv",
@@ -325,6 +341,7 @@ def _make_runner(plan: Plan, kind: str) -> str:
             "    return torch_schedule.P2PPipeline(",
             f'        rt.module, PROGRAM["stages"], rt.stage["index"], rt.rank, {sched!r}, {m}, rt.loss_fn,',
             f'        {_boundary(plan)}, rt.device, rt.fsdp_modules, rt.stage["zero_stage"], ACTIONS[rt.stage["index"]],',
+            *(['        chunks=PROGRAM["chunks"],'] if plan.chunked else []),
             "    )",
         ]
     return "\n".join(head + body)
@@ -339,10 +356,11 @@ def _action_lines(plan: Plan, schedule: str) -> list[str]:
         "    # (input gradient only), W weight gradient." if split else "    # (the whole backward: no W).",
         "    ACTIONS = [",
     ]
-    per_rank = pipeline_actions(schedule, plan.num_stages, plan.num_micro_batches)
-    for s, acts in zip(plan.stages, per_rank):
+    v = len(plan.stages) // plan.num_positions
+    per_rank = pipeline_actions(schedule, plan.num_positions, plan.num_micro_batches, v)
+    for group, acts in zip(plan.positions(), per_rank):
         words = [str(a) for a in acts]
-        lines.append(f"        # stage {s.index}, ranks {list(s.ranks)}")
+        lines.append(f"        # stage {', '.join(str(s.index) for s in group)}, ranks {list(group[0].ranks)}")
         chunks = [" ".join(words[i : i + 12]) for i in range(0, len(words), 12)]
         for c, text in enumerate(chunks):
             tail = " " if c < len(chunks) - 1 else ""
@@ -360,11 +378,21 @@ def check_schedule(plan: Plan) -> None:
     """Refuse (PlanError) a pipeline schedule this runtime cannot run for ``plan`` (module docstring):
     virtual stages (interleaved with v > 1, zbv), and zb_h1 with ZeRO-2/3 or activation recompute."""
     refit = "recompile with the default search (`partita compile`), or with SearchOptions(schedules=('1f1b',))"
-    if (plan.schedule == "interleaved_1f1b" and plan.num_virtual_stages > 1) or plan.schedule == "zbv":
+    if plan.chunked:
+        fsdp = [s.index for s in plan.stages if s.dp > 1 and s.zero_stage >= 2]
+        if fsdp:
+            raise PlanError(
+                f"schedule {plan.schedule} runs several model chunks per rank, but stage(s) {fsdp} use ZeRO-2/3, "
+                "which reduce-scatter (and reshard) gradients per backward while the rank's other chunks still "
+                "accumulate theirs.",
+                refit + ", or set ZeRO-0/1 on those stages.",
+            )
+    elif (plan.schedule == "interleaved_1f1b" and plan.num_virtual_stages > 1) or plan.schedule == "zbv":
         v = plan.num_virtual_stages if plan.schedule == "interleaved_1f1b" else 2
         raise PlanError(
             f"schedule {plan.schedule} with {v} virtual stages per rank cannot be emitted for PyTorch: each plan "
-            "stage holds one contiguous layer range on its own ranks, not several model chunks per rank.",
+            "stage holds one contiguous layer range on its own ranks; the plan does not lay out the model chunks "
+            "(one Stage per virtual stage, the chunks of a rank group repeating its ranks).",
             refit + " from Python.",
         )
     if plan.num_stages == 1 or not splits_backward(plan.schedule):
@@ -390,10 +418,14 @@ def emit_torch(plan: Plan, model_spec: str) -> str:
     """The source of one Python module that trains ``plan`` for ``model_spec`` under torchrun."""
     check_schedule(plan)
     kind = _runner_kind(plan)
+    chunked, plan = plan, vchunks.physical_plan(plan)  # chunks of a rank group: one setup_stage (chunks.py)
     # tp roles (the model is built on meta only when a stage is tensor-parallel)
     needs_model = any(s.tp > 1 for s in plan.stages)
     facts = stage_facts(plan, _meta_model(model_spec) if needs_model else None)
     prog = _program(plan, model_spec, facts)
+    if chunked.chunked:
+        prog["runner"], prog["chunks"] = kind, vchunks.chunk_table(chunked)
+        prog["layers"] = [name for s in chunked.stages for name in s.layers]  # model order
     stage_lines = "\n".join(
         f"Stage {s.index}: ranks {list(s.ranks)}, mesh (dp={s.dp}, tp={s.tp}) {s.device_type}, layers "
         f"{', '.join(s.layers)}; ZeRO-{s.zero_stage}, recompute {s.recompute}, batch shares "
@@ -415,7 +447,7 @@ def emit_torch(plan: Plan, model_spec: str) -> str:
             schedule=plan.schedule,
             graph=plan.model.get("graph_hash", "?"),
             fingerprint=plan.cluster.get("fingerprint", "?"),
-            stage_lines=stage_lines,
+            stage_lines="\n".join([stage_lines, *vchunks.placement_lines(chunked)]),
             global_batch=plan.training.get("global_batch"),
             num_micro=plan.num_micro_batches,
             mb_total=sum(shares(plan.stages[0], plan.micro_batch_size)),
@@ -426,7 +458,7 @@ def emit_torch(plan: Plan, model_spec: str) -> str:
         'PROGRAM["__file__"] = __file__',
         *(_setup_stage(plan, s, f) for s, f in zip(plan.stages, facts)),
         "SETUP_STAGE = [" + ", ".join(f"setup_stage_{s.index}" for s in plan.stages) + "]",
-        _make_runner(plan, kind),
+        _make_runner(chunked, kind),
         "def lr_lambda(step):\n    return 1.0  # constant learning rate; edit for warmup / decay",
         'if __name__ == "__main__":\n    torch_train.main(PROGRAM, SETUP_STAGE, make_runner, lr_lambda)',
     ]

@@ -252,7 +252,9 @@ def _check_program(plan: Plan, program: ModuleType, program_path: Path) -> None:
     def layout(stages: Sequence[Any]) -> list[tuple[Any, ...]]:
         return [(list(s["ranks"]), s["dp"], s["tp"], list(s["layers"])) for s in stages]
 
-    mine = [dataclasses.asdict(s) for s in plan.stages]
+    from partita.backends.torch.chunks import physical_plan
+
+    mine = [dataclasses.asdict(s) for s in physical_plan(plan).stages]  # model chunks: per rank group
     same = (
         isinstance(prog, dict)
         and prog.get("world_size") == plan.world_size

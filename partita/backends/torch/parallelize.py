@@ -247,7 +247,7 @@ def build(
     x0 = hf.pack(example, packed) if packed else next(iter(example.values()))
     _check_chain(model, list(program["layers"]), x0)
     tied = tpar.tied_groups(model)
-    boundary = tpar.boundary_shapes(model, [s["layers"] for s in stages], x0)
+    boundary = tpar.boundary_shapes(model, torch_train.stage_cuts(program), x0)  # chunks: per virtual stage
     tied_group, tied_n = torch_train._tied_group(model, tied, stages, rank)
     loss = _GlobalLoss()
     loss.shift = torch_train.shift_labels(handle)

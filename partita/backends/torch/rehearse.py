@@ -140,7 +140,7 @@ def rehearse_rank(program: Any, rank: int) -> RankResult:
         # allocated by to_empty under the fake mode (FACTS.md's recipe); the initializer is skipped
         model = handle.build("meta")
         tied = tpar.tied_groups(model)
-        boundary = materialize.boundary_shapes(model, [s["layers"] for s in stages], x0)
+        boundary = materialize.boundary_shapes(model, torch_train.stage_cuts(prog), x0)  # chunks: per virtual stage
         materialize._drop_other_layers(model, me["layers"], [n for s in stages for n in s["layers"]])
         tied_group, tied_n = torch_train._tied_group(model, tied, stages, rank)
         fake = torch_shim.fake_tensor_mode()
@@ -204,7 +204,7 @@ def _measure(
     m, mb = int(prog["num_micro_batches"]), sum(me["shares"])
     lo, hi = replica_ranges(me["shares"])[rt.coords[0]]
 
-    first, last = me["index"] == 0, me["index"] == len(prog["stages"]) - 1
+    first, last = torch_train.holds_ends(prog, me)  # ZB-V: the last chunk is on the first rank group
     clip = optim.grad_clip(training)
     holders = torch_train._tied_holders(model, tied[0], prog["stages"], me) if clip else {}
     host = torch_train.HostCollectives("fake")

@@ -13,7 +13,9 @@ Called by ``torch_train.py``; built by the generated program (``backends/torch/e
   activations with explicit ``dist.isend`` / ``dist.recv``, re-slicing samples between replicas of
   different data-parallel widths, and executes the rank's action list (``search/schedule.py``'s
   ``pipeline_actions``, printed in the program): the same list the cost model simulates. A
-  schedule that splits the backward (``zb_h1``) runs B and W apart (``wsplit.py``).
+  schedule that splits the backward (``zb_h1``, ``zbv``) runs B and W apart (``wsplit.py``); a plan
+  with model chunks (interleaved 1F1B with ``v > 1``, ZB-V) runs every chunk of the rank from the one
+  list, on one module that holds all their layers (``chunks.py``).
 
 Every runner takes ``loss_fn(output, target)`` already divided by the global token count, so the
 sum over replicas and micro-batches is the global mean loss and gradient syncs are plain sums.
@@ -133,9 +135,19 @@ class P2PPipeline:
     ``actions`` is the list the program prints (``"F0.0 F0.1 B0.0 W0.0 ..."``: kind, stage,
     micro-batch). ``F`` runs the forward and sends the output; ``B`` receives the output gradient,
     runs the backward and sends the input gradient; when the schedule splits the backward
-    (``zb_h1``), ``B`` computes only the input gradient and ``W`` later the weight gradients of that
-    micro-batch (``backends/torch/wsplit.py``: one backward's FLOPs in all). The gradient syncs
+    (``zb_h1``, ``zbv``), ``B`` computes only the input gradient and ``W`` later the weight gradients of
+    that micro-batch (``backends/torch/wsplit.py``: one backward's FLOPs in all). The gradient syncs
     (``train.forward_backward``) run after :meth:`step`, so after the stage's last ``W``.
+
+    Model chunks (``chunks``: the program's ``PROGRAM["chunks"]``, one ``{stage, position, layers}``
+    per virtual stage in model order; interleaved 1F1B and ZB-V): ``stages`` are then the pipeline
+    positions, ``stage_index`` this rank's position, ``boundary`` per virtual stage, and ``module``
+    holds the layers of all this position's chunks (one module, one optimizer, one gradient sync);
+    an action of virtual stage ``s`` runs only ``s``'s layers (:func:`run_chunk`). A boundary between
+    two chunks of this position (ZB-V's turn of the V) is a local hand-off: the output is detached into
+    the next chunk's leaf input, and its gradient handed back the same way. Messages carry the tag
+    ``2 * (micro * num_virtual + stage) (+ 1 backward)`` so the two boundaries between one pair of
+    ranks never mix.
     """
 
     def __init__(
@@ -152,71 +164,119 @@ class P2PPipeline:
         fsdp_modules: Sequence[Any] = (),
         zero_stage: int = 0,
         actions: str | None = None,
+        chunks: Sequence[dict[str, Any]] | None = None,
     ) -> None:
         self.module, self.loss_fn, self.m, self.fsdp = module, loss_fn, num_micro_batches, fsdp_modules
         self.zero = zero_stage
-        self.s, self.n, self.schedule, self.device = stage_index, len(stages), schedule, device
+        self.s, self.schedule, self.device = stage_index, schedule, device
+        if chunks is None:  # one stage per position: virtual stage = position, the module's own layers
+            chunks = [{"stage": i, "position": i, "layers": None} for i in range(len(stages))]
+        self.chunks = list(chunks)
+        self.n = len(self.chunks)  # virtual stages
+        mine = [c["stage"] for c in self.chunks if c["position"] == stage_index]
+        if any(c["layers"] is not None for c in self.chunks) and not hasattr(module, "layers"):
+            raise PlanError(
+                f"stage {stage_index}: this model runs through the generic stage splitter (module paths in call "
+                "order), which runs one contiguous layer range per rank, not several model chunks.",
+                "recompile with a schedule without virtual stages (1f1b or zb_h1).",
+            )
         if actions is None:
             from partita.search.schedule import pipeline_actions
 
-            actions = " ".join(map(str, pipeline_actions(schedule, self.n, num_micro_batches)[stage_index]))
-        self.actions = parse_actions(actions, stage_index, num_micro_batches)
-        self.split = any(kind == "W" for kind, _ in self.actions)
-        if self.split and fsdp_modules and zero_stage >= 2:
+            num_virtual = len(self.chunks) // len(stages)
+            per_rank = pipeline_actions(schedule, len(stages), num_micro_batches, num_virtual)
+            actions = " ".join(map(str, per_rank[stage_index]))
+        self.actions = parse_actions(actions, mine, num_micro_batches)
+        self.split = any(kind == "W" for kind, _, _ in self.actions)
+        # ZeRO-1 reduces once after the position's last action, not at a backward: under a split backward
+        # (W after B) and with model chunks (one FSDP2 module for every chunk: a chunk's last backward is
+        # not the module's)
+        self.reduce_at_end = self.split or len(mine) > 1
+        if self.reduce_at_end and fsdp_modules and zero_stage >= 2:
             raise PlanError(
                 f"stage {stage_index}: schedule {schedule!r} splits the backward, and ZeRO-{zero_stage} would sync "
-                "(and reshard) a unit's gradients after every micro-batch's B, before its W has computed them.",
+                "(and reshard) a unit's gradients after every micro-batch's B, before its W (or its other model "
+                "chunks) has computed them.",
                 "recompile with ZeRO-0 or ZeRO-1 for this stage, or with the 1f1b schedule.",
             )
         me = stages[stage_index]
         pos = list(me["ranks"]).index(rank)
         self.i, self.j = pos // me["tp"], pos % me["tp"]
         self.range = replica_ranges(me["shares"])[self.i]
-        prev = stages[stage_index - 1] if stage_index > 0 else None
-        nxt = stages[stage_index + 1] if stage_index < self.n - 1 else None
-        # (peer rank, lo, hi) with lo/hi relative to my replica's sample range.
-        self.fwd_recv = _overlaps(prev, self.range, tp0_only=True) if prev else []
-        self.fwd_send = _overlaps(nxt, self.range, tp0_only=False) if nxt and self.j == 0 else []
-        self.bwd_recv = _overlaps(nxt, self.range, tp0_only=True) if nxt else []
-        self.bwd_send = _overlaps(prev, self.range, tp0_only=False) if prev and self.j == 0 else []
-        self.in_meta = boundary[stage_index - 1] if prev else None
-        self.out_meta = boundary[stage_index] if nxt else None
+        self.boundary = list(boundary)
+        # per virtual stage of mine: peers (rank, lo, hi), lo/hi relative to my replica's sample range;
+        # None where the neighbour is a chunk of this position (local hand-off) or absent
+        self.peers: dict[int, dict[str, list[tuple[int, int, int]] | None]] = {}
+        for v in mine:
+            prev = self.chunks[v - 1]["position"] if v > 0 else None
+            nxt = self.chunks[v + 1]["position"] if v < self.n - 1 else None
+            ps, ns = (
+                (stages[prev] if prev not in (None, stage_index) else None),
+                (stages[nxt] if nxt not in (None, stage_index) else None),
+            )
+            self.peers[v] = {
+                "fwd_recv": _overlaps(ps, self.range, tp0_only=True) if ps else None,
+                "fwd_send": (_overlaps(ns, self.range, tp0_only=False) if self.j == 0 else []) if ns else None,
+                "bwd_recv": _overlaps(ns, self.range, tp0_only=True) if ns else None,
+                "bwd_send": (_overlaps(ps, self.range, tp0_only=False) if self.j == 0 else []) if ps else None,
+            }
+
+    def _tag(self, stage: int, k: int, backward: bool) -> int:
+        return 2 * (k * self.n + stage) + int(backward)
+
+    def _forward(self, stage: int, x: torch.Tensor) -> torch.Tensor:
+        layers = self.chunks[stage]["layers"]
+        return self.module(x) if layers is None else run_chunk(self.module, layers, x)
 
     def step(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        deferred: dict[int, wsplit.Deferred] = {}
+        saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        deferred: dict[tuple[int, int], wsplit.Deferred] = {}
+        handed: dict[tuple[str, int, int], torch.Tensor] = {}  # local hand-offs between chunks of this rank
         losses, handles = [], []
-        first, last = self.s == 0, self.s == self.n - 1
-        last_b = [k for kind, k in self.actions if kind == "B"][-1]  # the stage's last backward
-        for kind, k in self.actions:
+        last_b = [(v, k) for kind, v, k in self.actions if kind == "B"][-1]  # the position's last backward
+        for kind, v, k in self.actions:
+            first, last, peers = v == 0, v == self.n - 1, self.peers[v]
             if kind == "F":
                 if first:
                     x = inputs[k]
+                elif peers["fwd_recv"] is None:
+                    x = handed.pop(("F", v, k)).requires_grad_()
                 else:
-                    x = self._recv(self.fwd_recv, self.in_meta, 2 * k)
+                    x = self._recv(peers["fwd_recv"], self.boundary[v - 1], self._tag(v, k, False))
                     x.requires_grad_(x.is_floating_point())
-                out = self.module(x)
+                out = self._forward(v, x)
                 if last:
                     out = self.loss_fn(out, targets[k])
                     losses.append(out.detach())
+                elif peers["fwd_send"] is None:
+                    handed[("F", v + 1, k)] = out.detach()
                 else:
-                    handles += self._send(out.detach(), self.fwd_send, 2 * k)
-                saved[k] = (x, out)
+                    handles += self._send(out.detach(), peers["fwd_send"], self._tag(v + 1, k, False))
+                saved[(v, k)] = (x, out)
             elif kind == "B":
-                x, out = saved.pop(k)
-                grad = None if last else self._recv(self.bwd_recv, self.out_meta, 2 * k + 1)
-                if self.split:
-                    zero_micro_batch(self.fsdp, self.zero, False)  # FSDP2 reduces after the last W (below)
-                    dx, deferred[k] = wsplit.backward_input(out, grad, None if first else x)
+                x, out = saved.pop((v, k))
+                if last:
+                    grad = None
+                elif peers["bwd_recv"] is None:
+                    grad = handed.pop(("B", v, k))
                 else:
-                    zero_micro_batch(self.fsdp, self.zero, k == last_b)
+                    grad = self._recv(peers["bwd_recv"], self.boundary[v], self._tag(v + 1, k, True))
+                # FSDP2 reduces after the position's last action (below) when self.reduce_at_end
+                zero_micro_batch(self.fsdp, self.zero, (v, k) == last_b and not self.reduce_at_end)
+                if self.split:
+                    dx, deferred[(v, k)] = wsplit.backward_input(out, grad, None if first else x)
+                else:
                     torch.autograd.backward(out, grad)
                     dx = x.grad
                 if not first:  # an output that ignores the input still owes the previous stage a gradient
-                    handles += self._send(dx if dx is not None else torch.zeros_like(x), self.bwd_send, 2 * k + 1)
+                    dx = dx if dx is not None else torch.zeros_like(x)
+                    if peers["bwd_send"] is None:
+                        handed[("B", v - 1, k)] = dx
+                    else:
+                        handles += self._send(dx, peers["bwd_send"], self._tag(v, k, True))
             else:
-                deferred.pop(k).run()
-        if self.split and self.fsdp:  # ZeRO-1: one reduce-scatter per unit, after the stage's last W
+                deferred.pop((v, k)).run()
+        if self.reduce_at_end and self.fsdp:  # ZeRO-1: one reduce-scatter per unit, after the last action
             torch_shim.fsdp_reduce_grads(self.fsdp[-1])  # the stage root, appended last by setup_stage
         for h in handles:
             h.wait()
@@ -236,25 +296,42 @@ class P2PPipeline:
         return [dist.isend(t[lo:hi].contiguous(), dst=peer, tag=tag) for peer, lo, hi in peers]
 
 
-def parse_actions(text: str, stage_index: int, num_micro_batches: int) -> list[tuple[str, int]]:
-    """``"F0.0 F0.1 B0.0 W0.0 ..."`` (kind, stage, micro-batch) -> ``[(kind, micro-batch)]``, checked:
-    every action is this rank's stage, every micro-batch runs F, B and (all or none) W once, in order."""
-    out: list[tuple[str, int]] = []
+def run_chunk(module: nn.Module, layers: Sequence[str], x: torch.Tensor) -> torch.Tensor:
+    """Run only ``layers`` (one model chunk) of a stage module that holds several chunks' layers.
+
+    The module's own ``forward`` runs ``module.layers``; setting them for the call keeps every hook on
+    the module (autocast, recompute) in the path."""
+    held = getattr(module, "layers")  # noqa: B009 - StageModule.layers (a tuple), not a submodule
+    setattr(module, "layers", tuple(layers))  # noqa: B010
+    try:
+        return module(x)
+    finally:
+        setattr(module, "layers", held)  # noqa: B010
+
+
+def parse_actions(text: str, stages: int | Sequence[int], num_micro_batches: int) -> list[tuple[str, int, int]]:
+    """``"F0.0 F0.1 B0.0 W0.0 ..."`` (kind, stage, micro-batch) -> ``[(kind, stage, micro-batch)]``,
+    checked: every action is one of this rank's ``stages`` (its chunks), and for every stage every
+    micro-batch runs F, B and (all or none) W once, in that order."""
+    mine = [stages] if isinstance(stages, int) else list(stages)
+    out: list[tuple[str, int, int]] = []
     for word in text.split():
         kind, rest = word[:1], word[1:].split(".")
         ok = len(rest) == 2 and all(v.isdigit() for v in rest)
         stage, micro = (int(rest[0]), int(rest[1])) if ok else (-1, -1)
-        if kind not in ("F", "B", "W") or stage != stage_index or not 0 <= micro < num_micro_batches:
+        if kind not in ("F", "B", "W") or stage not in mine or not 0 <= micro < num_micro_batches:
             raise PlanError(
-                f"pipeline action {word!r} is not one of stage {stage_index}'s F/B/W over {num_micro_batches} "
+                f"pipeline action {word!r} is not one of stage(s) {mine}'s F/B/W over {num_micro_batches} "
                 "micro-batches.",
                 "regenerate the program from its plan (`partita compile`).",
             )
-        out.append((kind, micro))
-    seen = [tuple(kind for kind, k in out if k == micro) for micro in range(num_micro_batches)]
+        out.append((kind, stage, micro))
+    seen = [
+        tuple(kind for kind, s, k in out if (s, k) == (v, micro)) for v in mine for micro in range(num_micro_batches)
+    ]
     if set(seen) - {("F", "B"), ("F", "B", "W")} or len(set(seen)) != 1:
         raise PlanError(
-            f"the action list of stage {stage_index} does not run each micro-batch's F, then B (then W) once: {seen}.",
+            f"the action list of stage(s) {mine} does not run each micro-batch's F, then B (then W) once: {seen}.",
             "regenerate the program from its plan (`partita compile`).",
         )
     return out
