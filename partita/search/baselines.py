@@ -26,8 +26,8 @@ from partita.search.config import SearchOptions, TrainingConfig
 from partita.search.evaluate import Evaluation, evaluate_config
 from partita.search.plan_build import Candidate, StagePick
 from partita.search.planner import DEFAULT_OPTIONS, Option, Search, plan_graph, powers_of_two
-from partita.search.schedule_cost import w_held
 from partita.search.stage_cost import SolverCosts
+from partita.search.zero_bubble import in_flight_table, range_held
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,8 +120,11 @@ def heterogeneity_unaware(
     picks = []
     index = {name: i for i, name in enumerate(lay.name for lay in graph.layers)}
     p_num = len(plan.stages)
-    held = w_held(graph, training.seq_len)  # issue 19
-    in_flight = np.array([0.0] + [sched.in_flight(plan.schedule, 0, s, m, v, w_held=held) for s in range(1, p_num + 1)])
+    if sched.splits_backward(plan.schedule):  # issue 19: each stage weighs its own deferred W (search/zero_bubble.py)
+        held = range_held(graph, training.seq_len, real.units)
+        in_flight = in_flight_table(held, plan.schedule, m, sched.virtual_stages(plan.schedule, v), p_num)
+    else:
+        in_flight = np.array([0.0] + [sched.in_flight(plan.schedule, 0, s, m, v) for s in range(1, p_num + 1)])
     for st in plan.stages:
         types = [kinds[used[r]] for r in st.ranks]
         devs = tuple((d, types.count(d.name) // st.tp, plan.micro_batch_size) for d in real.types if d.name in types)

@@ -8,7 +8,10 @@ the last the layers after the last block (head). Every stage runs on the cluster
 A layout that cannot be built is refused with one :class:`~partita.errors.ConfigError` before
 anything is priced (:func:`check_layout`): attention heads, key/value heads or block weight dims
 not divisible by ``tp``; ``dp * tp * pp`` above the devices of the type that runs it; blocks that do not split into ``pp``
-stages (times ``num_virtual`` chunks); virtual stages without the interleaved schedule.
+stages (times ``num_virtual`` chunks); virtual stages without the interleaved schedule; a
+zero-bubble schedule (``zb_h1``) with ZeRO-2/3 or recompute, which no runtime runs
+(:func:`check_split_backward`). Under ``zb_h1`` each stage's deferred weight gradients are priced
+with its own layers (``search/zero_bubble.py``), as the planner prices them.
 A ``tp`` wider than a node is priced over the network and said so in the notes (the planner
 itself never searches it, rule R1). Sequence parallelism is refused the same way (``sequence_parallel=True``):
 no emitter realizes Megatron's sequence parallelism (``backends/torch/tp.py`` keeps whole activations on
@@ -35,8 +38,8 @@ from partita.search.config import SearchOptions, TrainingConfig
 from partita.search.plan_build import Candidate, StagePick
 from partita.search.planner import Option, Search
 from partita.search.precision import choose_precision, precision_note
-from partita.search.schedule_cost import w_held
-from partita.search.stage_cost import SolverCosts, StageFactors
+from partita.search.stage_cost import SolverCosts, StageFactors, static_memory
+from partita.search.zero_bubble import RUNNABLE_ZERO, in_flight_table, range_held, stage_in_flight
 
 MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
 
@@ -215,20 +218,50 @@ def check_layout(
     return notes
 
 
+def check_split_backward(schedule: str, pp: int, zero_stage: int, recompute: str) -> None:
+    """Refuse a zero-bubble layout no runtime runs (``search/zero_bubble.py`` says why): ZeRO-2/3 or
+    activation recompute with a schedule that splits the backward into B and W."""
+    if pp < 2 or not sched.splits_backward(schedule):
+        return
+    if zero_stage not in RUNNABLE_ZERO:
+        raise ConfigError(
+            f"schedule {schedule} runs the weight gradients (W) after the input gradients (B), but ZeRO-{zero_stage} "
+            "reduce-scatters each micro-batch's gradients at B, before W has computed them.",
+            f"use --zero 0 or 1 with {schedule}, or --schedule 1f1b with ZeRO-{zero_stage}.",
+        )
+    if recompute != "none":
+        raise ConfigError(
+            f"schedule {schedule} runs the weight gradients (W) in a second backward pass, which would recompute "
+            f"each checkpointed block's forward again ({recompute} recompute): more work than one backward.",
+            f"use --recompute none with {schedule}, or --schedule 1f1b with --recompute {recompute}.",
+        )
+
+
 def memory_by_category(cand: Candidate, i: int) -> dict[str, float]:
     """Stage ``i``'s memory per device split as ``stage_cost.stage_arrays`` sums it."""
     p = cand.stages[i]
     search = cand.search
     dev, _, b = p.option.devices[0]
-    tab = search.table(dev, p.option.tp, b)
     z, r = p.option.combos[p.combo]
-    k, j, dp = p.k, p.j, float(cand.dp)
+    tab = search.table(dev, p.option.tp, b).for_stage(cand.dp, z)  # the stage's precision mode (stage_cost)
+    k, j = p.k, p.j
     sl = slice(k, j)
-    held = w_held(search.graph, search.training.seq_len)  # issue 19
-    in_flight = sched.in_flight(cand.schedule, i, len(cand.stages), cand.m, cand.v, w_held=held)
-    params = float(tab.params[sl].sum()) / (dp if z >= 3 else 1.0)
-    if z >= 3:
-        params += float(tab.max_layer_params[sl].max())
+    if sched.splits_backward(cand.schedule):  # issue 19: a deferred W weighs the stage's own output gradients
+        first, last = search.units[k][0], search.units[j - 1][1]
+        seq = search.training.seq_len
+        in_flight = stage_in_flight(search.graph, seq, cand.schedule, len(cand.stages), cand.m, cand.v, first, last)
+    else:
+        in_flight = sched.in_flight(cand.schedule, i, len(cand.stages), cand.m, cand.v)
+    cats = static_memory(
+        float(tab.params[sl].sum()),
+        float(tab.grads[sl].sum()),
+        float(tab.opt[sl].sum()),
+        float(tab.max_layer_params[sl].max()),
+        cand.dp,
+        z,
+        tab.gather_ratio,
+        tab.fsdp_copies,
+    )
     if r == "none":
         act = float(tab.act[sl].sum()) * in_flight
     elif r == "selective":
@@ -236,9 +269,9 @@ def memory_by_category(cand: Candidate, i: int) -> dict[str, float]:
     else:
         act = float(tab.inputs[sl].sum()) * in_flight + float(tab.max_layer_act[sl].max())
     return {
-        "parameters": params,
-        "gradients": float(tab.grads[sl].sum()) / (dp if z >= 2 else 1.0),
-        "optimizer_state": float(tab.opt[sl].sum()) / (dp if z >= 1 else 1.0),
+        "parameters": cats["parameters"],
+        "gradients": cats["gradients"],
+        "optimizer_state": cats["optimizer"],
         "activations": act,
     }
 
@@ -305,6 +338,7 @@ def evaluate_config(
     if zero_stage and dp == 1:
         notes.append(f"ZeRO-{zero_stage} with dp=1 shards nothing: priced as ZeRO-0.")
         zero_stage = 0
+    check_split_backward(schedule, pp, zero_stage, recompute)
     if costs is None:  # the planner's precision rule (search/precision.py): fp16 where bf16 has no tensor cores
         chosen = choose_precision(cluster, training)
         if chosen.dtype != training.dtype:
@@ -322,8 +356,10 @@ def evaluate_config(
     dev = cluster.device_types()[0]
     m = training.global_batch // (micro_batch * dp)
     v = num_virtual if schedule == "interleaved_1f1b" else 1
-    held = w_held(graph, training.seq_len)  # issue 19
-    in_flight = np.array([0.0] + [sched.in_flight(schedule, 0, s, m, v, w_held=held) for s in range(1, pp + 1)])
+    if sched.splits_backward(schedule):  # issue 19: per stage, its own deferred-W weight (search/zero_bubble.py)
+        in_flight = in_flight_table(range_held(graph, training.seq_len, search.units), schedule, m, v, pp)
+    else:
+        in_flight = np.array([0.0] + [sched.in_flight(schedule, 0, s, m, v) for s in range(1, pp + 1)])
     got = search.arrays(((dev, dp, micro_batch),), dp, tp, in_flight, sched.p2p_multiplier(schedule, v))
     if got is None:
         raise ConfigError(f"the model cannot run with tp={tp} on {dev.name}.", "use another tp.")

@@ -18,13 +18,14 @@ import numpy as np
 from partita.cluster import Cluster
 from partita.ir import Graph
 from partita.plan import Plan
+from partita.search import chunk_layout
 from partita.search import schedule as sched
 from partita.search.config import SearchOptions, TrainingConfig
 from partita.search.evaluate import check_layout, megatron_split
 from partita.search.plan_build import Candidate, StagePick, build_plan
 from partita.search.planner import Option, Search
-from partita.search.schedule_cost import w_held
 from partita.search.stage_cost import SolverCosts
+from partita.search.zero_bubble import in_flight_table, range_held
 
 
 def hand_plan(
@@ -40,6 +41,7 @@ def hand_plan(
     recompute: str = "none",
     schedule: str = "1f1b",
     sequence_parallel: bool = False,
+    num_virtual: int = 1,
 ) -> Plan:
     """The Plan of one Megatron layout (module docstring); ConfigError if it cannot be built."""
     from partita.errors import ConfigError
@@ -54,8 +56,10 @@ def hand_plan(
         dp=dp,
         micro_batch=micro_batch,
         schedule=schedule,
+        num_virtual=num_virtual,
         sequence_parallel=sequence_parallel,
     )
+    v = num_virtual if schedule == "interleaved_1f1b" else 1  # model chunks per rank group (chunk_layout.py)
     if zero_stage and dp == 1:
         notes.append(f"ZeRO-{zero_stage} with dp=1 shards nothing: priced as ZeRO-0.")
         zero_stage = 0
@@ -67,16 +71,20 @@ def hand_plan(
     search = Search(graph, cluster, training, opts, costs, None)
     dev = cluster.device_types()[0]
     m = training.global_batch // (micro_batch * dp)
-    held = w_held(graph, training.seq_len)  # issue 19: a micro-batch between its B and its W
-    in_flight = np.array([0.0] + [sched.in_flight(schedule, 0, s, m, 1, w_held=held) for s in range(1, pp + 1)])
-    got = search.arrays(((dev, dp, micro_batch),), dp, tp, in_flight, sched.p2p_multiplier(schedule, 1))
+    if sched.splits_backward(schedule):  # issue 19: each stage weighs its own deferred W (search/zero_bubble.py)
+        held = range_held(graph, training.seq_len, search.units)
+        in_flight = in_flight_table(held, schedule, m, sched.virtual_stages(schedule, v), pp)
+    else:
+        in_flight = np.array([0.0] + [sched.in_flight(schedule, 0, s, m, v) for s in range(1, pp + 1)])
+    mb = None if sched.splits_backward(schedule) else m  # stage_cost.stage_arrays: gradients at the peak
+    got = search.arrays(((dev, dp, micro_batch),), dp, tp, in_flight, sched.p2p_multiplier(schedule, v), mb)
     if got is None:
         raise ConfigError(f"the model cannot run with tp={tp} on {dev.name}.", "use another tp.")
     per_combo, combos, stack = got
     opt = Option(0, tp, tp, ((dev, dp, micro_batch),), (), per_combo, combos, stack)
     picks = tuple(StagePick(a, b, opt, 0) for a, b in megatron_split(graph, pp))
-    cand = Candidate(dp, micro_batch, m, schedule, 1, picks, search)
-    plan = build_plan(search, [cand], time.perf_counter() - t0)
+    cand = Candidate(dp, micro_batch, m, schedule, v, picks, search)
+    plan = chunk_layout.lay_out(search, build_plan(search, [cand], time.perf_counter() - t0))
     layout = {
         "tp": tp,
         "pp": pp,
@@ -85,6 +93,7 @@ def hand_plan(
         "zero_stage": zero_stage,
         "recompute": recompute,
         "schedule": schedule,
+        **({"num_virtual_stages": v} if v > 1 else {}),
         "dtype": training.dtype,
         "device": dev.name,
         "notes": notes,

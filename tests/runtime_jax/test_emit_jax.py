@@ -48,7 +48,8 @@ def test_program_shows_the_plan() -> None:
     assert "optax.sgd(learning_rate=0.001)" in text
     assert '"all-gather@dp": {"ops": 8' in text  # ZeRO-3: 4 tensors gathered per micro-batch, 2 micro-batches
     pp = emit_jax(make_plan("jax-mlp", "pp", schedule="1f1b"), "jax-mlp")
-    assert "SCHEDULE = [" in pp and '("F", 0, 0), ("B", 1, 0)' in pp
+    # the plan's action lists (search/schedule.pipeline_actions), the loss stage's F and B included
+    assert "SCHEDULE = [" in pp and '("F", 0, 0), ("F", 1, 0), ("F", 0, 1), ("B", 1, 0)' in pp
     uneven = emit_jax(make_plan("jax-mlp", "uneven"), "jax-mlp")
     assert "shares=[1, 1, 2, 4]" in uneven
     inter = emit_jax(make_plan("jax-mlp", "pp", schedule="interleaved_1f1b"), "jax-mlp")

@@ -73,24 +73,30 @@ def test_split_model_stage_order_must_follow_layers() -> None:
 
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("p,m", [(2, 2), (3, 4), (4, 8)])
-def test_pipeline_schedule_is_complete_and_causal(kind: str, p: int, m: int) -> None:
+@pytest.mark.parametrize("p,m", [(2, 2), (3, 4), (4, 8), (4, 2)])
+def test_pipeline_schedule_runs_the_plans_action_lists(kind: str, p: int, m: int) -> None:
+    """The dispatch order holds every stage's action list of ``search/schedule.pipeline_actions`` (the list
+    the cost model simulates) in its own order, merged causally; zero-bubble lists are refused."""
+    from partita.search.schedule import pipeline_actions
+
     acts = jp.pipeline_schedule(kind, p, m)
-    expected = {("F", s, i) for s in range(p - 1) for i in range(m)} | {("B", s, i) for s in range(p) for i in range(m)}
+    expected = {(k, s, i) for s in range(p) for i in range(m) for k in "FB"}
     assert set(acts) == expected and len(acts) == len(expected)
+    for s, mine in enumerate(pipeline_actions(kind, p, m)):
+        assert [a for a in acts if a[1] == s] == [(a.kind, a.stage, a.micro) for a in mine]
     pos = {a: k for k, a in enumerate(acts)}
     for s in range(p):
         for i in range(m):
+            assert pos[("F", s, i)] < pos[("B", s, i)]
             if s < p - 1:
-                assert pos[("F", s, i)] < pos[("B", s + 1, i)] < pos[("B", s, i)]
-            if 0 < s < p - 1:
-                assert pos[("F", s - 1, i)] < pos[("F", s, i)]
-    if kind == "1f1b":  # stage 0 keeps at most p-1 micro-batches in flight before its first backward
-        first = [a for a in acts if a[1] == 0]
+                assert pos[("F", s, i)] < pos[("F", s + 1, i)] and pos[("B", s + 1, i)] < pos[("B", s, i)]
+    first = [a for a in acts if a[1] == 0]
+    if kind == "1f1b":  # stage 0 keeps at most p micro-batches in flight before its first backward
         assert first.index(("B", 0, 0)) == min(p, m)
     else:
-        first = [a for a in acts if a[1] == 0]
         assert first == [("F", 0, i) for i in range(m)] + [("B", 0, i) for i in range(m)]
+    with pytest.raises(PlanError, match="splits the backward"):
+        jp.pipeline_schedule("zb_h1", p, m)
 
 
 def test_module_pins_reach_module_outputs() -> None:

@@ -115,3 +115,53 @@ def test_v100_layout_is_priced_in_fp16_and_says_so(g12) -> None:  # noqa: ANN001
         g12, cl, TR, tp=1, pp=1, dp=8, micro_batch=2, costs=SolverCosts(g12, cl, TR, tp_style="megatron")
     )
     assert held.layout["dtype"] == "bf16" and held.predicted_step_time_s > 1.5 * ev.predicted_step_time_s
+
+
+def test_zb_h1_prices_each_stage_with_its_own_deferred_weight_gradients() -> None:
+    """Under zb_h1 a micro-batch between its B and its W weighs its stage's own output gradients: the stage
+    with the head (logits) holds relatively more than the blocks' stage, and the activations differ from
+    1F1B's by exactly the per-stage counts (search/zero_bubble.py)."""
+    from partita.frontends.trace import trace_handle
+    from partita.models import resolve_model
+    from partita.search import schedule as sched
+    from partita.search.zero_bubble import stage_held
+
+    g = trace_handle(resolve_model("gpt2-tiny"), batch=1, seq=32)
+    tr = TrainingConfig(global_batch=16, seq_len=32)
+    cl = parse_cluster("8xA100-80G")
+    kw = {"tp": 1, "pp": 2, "dp": 2, "micro_batch": 1}
+    one, zb = (evaluate_config(g, cl, tr, schedule=s, **kw) for s in ("1f1b", "zb_h1"))
+    assert zb.layout["schedule"] == "zb_h1" and zb.bubble_s < one.bubble_s
+    m, names = zb.layout["num_micro_batches"], [lay.name for lay in g.layers]
+    helds = []
+    for i, (a, b) in enumerate(zip(one.memory_by_category, zb.memory_by_category)):
+        layers = [n for n in names if n in _stage_layers(g, 2, i)]
+        held = stage_held(g, 32, names.index(layers[0]), names.index(layers[-1]) + 1)
+        helds.append(held)
+        count = max(sched.peak_in_flight("zb_h1", 2, m, 1, held))
+        assert b["activations"] == pytest.approx(a["activations"] / sched.in_flight("1f1b", i, 2, m) * count, rel=1e-9)
+        assert {k: v for k, v in a.items() if k != "activations"} == {k: v for k, v in b.items() if k != "activations"}
+    assert 1.0 < helds[0] < helds[1]  # the head's logits gradient: the last stage weighs more, the first less
+
+
+def _stage_layers(g, pp: int, i: int) -> set[str]:  # noqa: ANN001
+    from partita.search.evaluate import megatron_split
+
+    a, b = megatron_split(g, pp)[i]
+    return {lay.name for lay in g.layers[a:b]}
+
+
+def test_zb_h1_refuses_what_no_runtime_runs_and_the_cli_accepts_it(g12, capsys) -> None:  # noqa: ANN001
+    cl = parse_cluster("8xA100-80G")
+    kw = {"tp": 1, "pp": 2, "dp": 2, "micro_batch": 1, "schedule": "zb_h1"}
+    for extra, match in (({"zero_stage": 2}, "ZeRO-2 reduce-scatters"), ({"recompute": "full"}, "second backward")):
+        with pytest.raises(ConfigError, match=match) as e:
+            evaluate_config(g12, cl, TR, **kw, **extra)
+        assert "Fix:" in str(e.value)
+    assert evaluate_config(g12, cl, TR, **kw, zero_stage=1).layout["zero_stage"] == 1
+    argv = ["evaluate", "gpt2-tiny", "--cluster", "4xA100-80G", "--global-batch", "8", "--seq", "32"]
+    assert main([*argv, "--pp", "2", "--dp", "2", "--schedule", "zb_h1", "--json"]) == 0
+    assert '"schedule": "zb_h1"' in capsys.readouterr().out
+    assert main([*argv, "--pp", "2", "--dp", "2", "--schedule", "zb_h1", "--zero", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "ZeRO-3" in err and "Fix:" in err and "Traceback" not in err

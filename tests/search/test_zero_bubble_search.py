@@ -7,12 +7,14 @@ import dataclasses
 import pytest
 
 from partita.cluster import Cluster, cluster_from_dict
+from partita.errors import InfeasibleError
 from partita.ir import Graph
 from partita.search import schedule as sched
 from partita.search.config import SearchOptions, TrainingConfig
 from partita.search.pipeline_sim import simulate
 from partita.search.planner import plan_graph
-from partita.search.schedule_cost import stage_split, w_held, weight_grad_flops
+from partita.search.schedule_cost import stage_split, weight_grad_flops
+from partita.search.zero_bubble import stage_held
 
 TRAIN = TrainingConfig(global_batch=16, seq_len=32)
 # ZeRO-0, no recompute, no tp: the model only fits split into pipeline stages on these devices
@@ -34,6 +36,11 @@ def _tiny(memory_gb: float = 0.0025, n: int = 4) -> Cluster:
             "device_types": [{"name": "Tiny", "peak_tflops": {"bf16": 10}, "memory_GB": memory_gb, "hbm_GBps": 100}],
         }
     )
+
+
+def _layer_range(graph: Graph, layers: tuple[str, ...]) -> tuple[int, int]:
+    names = [lay.name for lay in graph.layers]
+    return names.index(layers[0]), names.index(layers[-1]) + 1
 
 
 def test_weight_gradients_are_the_parameter_matmuls(graph: Graph) -> None:
@@ -72,18 +79,19 @@ def test_search_picks_zb_h1_where_it_wins_and_prices_it_by_simulation(graph: Gra
     )
     assert zb.predicted["step_time_s"] == pytest.approx(sim.step_s + zb.predicted["tail_s"], rel=1e-9)
     assert zb.predicted["bubble_s"] < one.predicted["bubble_s"]
-    # every rank holds rank 0's in-flight micro-batches until their W: priced for every stage
+    # every rank holds the most loaded rank's micro-batches until their W, each stage weighing its own
+    # output gradients between B and W (a stage with the head does not price the blocks' stages)
     p, m = zb.num_stages, zb.num_micro_batches
-    held = w_held(graph, TRAIN.seq_len)  # a micro-batch between B and W also keeps the gradients W needs
-    assert 1.1 < held < 2.0
-    assert [s.predicted["in_flight"] for s in st] == [max(sched.peak_in_flight("zb_h1", p, m, 1, held))] * p
+    helds = [stage_held(graph, TRAIN.seq_len, *_layer_range(graph, s.layers)) for s in st]
+    assert all(1.0 < h < 2.0 for h in helds) and helds[-1] > helds[0]  # the head's logits gradient is large
+    assert [s.predicted["in_flight"] for s in st] == [max(sched.peak_in_flight("zb_h1", p, m, 1, h)) for h in helds]
     assert st[0].predicted["in_flight"] > min(p, m)  # more than 1F1B's first stage holds
     assert all(s.zero_stage == 0 and s.recompute == "none" for s in st)
 
 
 def test_zero_bubble_search_keeps_to_what_the_runtime_runs(graph: Graph) -> None:
     plan = plan_graph(graph, _tiny(), TRAIN, options=SearchOptions(schedules=("zb_h1",), max_tp=1, max_micro_batch=1))
-    assert all(s.zero_stage == 0 and s.recompute == "none" for s in plan.stages)  # emit_torch.check_schedule
+    assert all(s.zero_stage in (0, 1) and s.recompute == "none" for s in plan.stages)  # emit_torch.check_schedule
     assert "zb_h1" in SearchOptions().schedules and "zbv" not in SearchOptions().schedules
     jax_graph = dataclasses.replace(graph, meta={**graph.meta, "framework": "jax"})
     plan = plan_graph(jax_graph, _tiny(), TRAIN, options=SearchOptions(**PIPELINED))
@@ -93,9 +101,11 @@ def test_zero_bubble_search_keeps_to_what_the_runtime_runs(graph: Graph) -> None
 def test_zbv_prices_two_chunks_per_rank(graph: Graph) -> None:
     plan = plan_graph(graph, _tiny(), TRAIN, options=SearchOptions(schedules=("zbv",), **PIPELINED))
     assert plan.schedule == "zbv" and plan.num_virtual_stages == 2
-    held = w_held(graph, TRAIN.seq_len)
-    peaks = sched.peak_in_flight("zbv", plan.num_stages, plan.num_micro_batches, 2, held)
-    assert all(s.predicted["in_flight"] == max(peaks) for s in plan.stages)
+    for s in plan.stages:
+        held = stage_held(graph, TRAIN.seq_len, *_layer_range(graph, s.layers))
+        assert s.predicted["in_flight"] == max(
+            sched.peak_in_flight("zbv", plan.num_stages, plan.num_micro_batches, 2, held)
+        )
 
 
 def test_emitters_refuse_what_they_cannot_run(graph: Graph) -> None:
@@ -125,3 +135,42 @@ def test_plan_says_by_how_much_each_schedule_loses(graph: Graph) -> None:
     text = plan_text(plan, width=200)
     loss = (got["1f1b"] / got["zb_h1"] - 1) * 100
     assert f"1f1b {time_s(got['1f1b'])} (+{loss:.1f}%)" in text
+
+
+def test_zb_h1_searches_zero1_with_data_parallel_replicas(graph: Graph) -> None:
+    """ZeRO-1 keeps each replica's gradients whole until the step's one reduce-scatter, after the last W:
+    the torch runtime runs it (tests/runtime/test_schedules_runtime.py, ``pp_zero1``), so the search has it;
+    ZeRO-2/3 and recompute stay out (their syncs / recompute would run at B, before W)."""
+    from partita.backends.torch.emit import check_schedule
+
+    opts = SearchOptions(schedules=("zb_h1",), zero_stages=(0, 1), recompute=("none",), max_tp=1, max_micro_batch=1)
+    mem, plan = 0.003, None
+    while plan is None or plan.num_stages == 1:  # shrink the devices until the model is pipelined
+        plan = plan_graph(graph, _tiny(mem, n=8), TRAIN, options=opts)  # InfeasibleError: nothing pipelined fits
+        mem *= 0.9
+    assert plan.schedule == "zb_h1"
+    assert all(s.dp > 1 and s.zero_stage == 1 for s in plan.stages)  # the optimizer state sharded over replicas
+    check_schedule(plan)  # the torch emitter accepts it
+    every = SearchOptions(schedules=("zb_h1",), max_tp=1, max_micro_batch=1)
+    plan = plan_graph(graph, _tiny(0.0015, n=8), TRAIN, options=every)
+    assert all(s.zero_stage in (0, 1) and s.recompute == "none" for s in plan.stages)
+    with pytest.raises(InfeasibleError):  # recompute only: no zero-bubble plan at all
+        plan_graph(
+            graph, _tiny(0.0015, n=8), TRAIN, options=dataclasses.replace(every, recompute=("selective", "full"))
+        )
+
+
+@pytest.mark.parametrize("schedule", ["zb_h1", "zbv", "1f1b", "gpipe"])
+def test_in_flight_envelope_equals_the_action_lists(schedule: str) -> None:
+    """``zero_bubble.counts`` (ZB-H1 read off its order in O(p), the others off their lists) is the most
+    loaded rank's peak that ``schedule.peak_in_flight`` counts on the action lists, at any B-to-W weight."""
+    import numpy as np
+
+    from partita.search.zero_bubble import counts
+
+    v = 2 if schedule == "zbv" else 1
+    for p in range(1, 9):
+        for m in (*range(1, 19), 33):
+            got = counts(schedule, p, m, v, np.array([1.0, 1.37, 2.9]))
+            want = [max(sched.peak_in_flight(schedule, p, m, v, h)) for h in (1.0, 1.37, 2.9)]
+            assert got == pytest.approx(want, rel=1e-12, abs=1e-12), (p, m)

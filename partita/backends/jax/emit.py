@@ -66,7 +66,11 @@ def _check(plan: Plan) -> None:
             "recompile with the default search (its schedules leave interleaved_1f1b out).",
         )
     if plan.num_stages > 1 and plan.schedule in ("zb_h1", "zbv"):
-        raise PlanError(  # issue 19: the JAX pipeline runs F and whole-B actions only; W would run unpriced in B
+        # issue 19: the JAX pipeline runs the plan's F and B actions (parallel.pipeline_schedule), B the whole
+        # backward. A W apart from B would be the stage's vjp asked for the parameters only: XLA keeps just the
+        # ops that lead there, which include the input-gradient chain inside the stage that B already ran, so
+        # B + W would cost more than the one backward the plan prices (torch splits per autograd node instead)
+        raise PlanError(
             f"schedule {plan.schedule} splits the backward into input and weight gradients, which the JAX "
             "program cannot run (its pipeline runs each stage's whole backward at once).",
             "recompile for JAX with the default search (it leaves zero-bubble schedules out for JAX models).",
@@ -355,8 +359,10 @@ def _source(
         actions = jp.pipeline_schedule(kind, plan.num_stages, plan.num_micro_batches)
         lines += [
             "",
-            f"# {kind} dispatch order (action, stage, micro-batch); each device runs its work in this order.",
-            "# 'B' of the last stage is its fused forward + backward.",
+            f"# {kind} dispatch order (action, stage, micro-batch): each stage's action list from",
+            "# search/schedule.pipeline_actions (the list the cost model simulates), merged in dependency",
+            "# order; each device runs its work in this order. 'F' forward, 'B' backward (the last stage's",
+            "# 'B' starts from the loss).",
             "# fmt: off",
             "SCHEDULE = [",
             *[

@@ -15,7 +15,8 @@ activation pins, schedule) are literal data in the generated file.
   segments, and each stage becomes a function of (its parameters, its boundary inputs). Segments
   are evaluated equation by equation, so values crossing layer boundaries and the outputs of named
   modules can be pinned to a layout.
-* :func:`pipeline_schedule` writes the GPipe / 1F1B action order that the program dispatches.
+* :func:`pipeline_schedule` merges the plan's per-rank action lists (``search/schedule.py``, GPipe /
+  1F1B) into the order the program dispatches.
 
 HLO collective counting and the plan's predictions live in ``backends/jax/fidelity.py``.
 """
@@ -36,6 +37,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from partita.errors import ModelError, PlanError
+from partita.search.schedule import pipeline_actions, splits_backward
 
 AXES = ("dp", "tp")
 _SHARD = re.compile(r"S\((-?\d+)\)")
@@ -486,49 +488,42 @@ def _stage_apply(
 
 
 # ---- schedule --------------------------------------------------------------------------------
-def pipeline_schedule(kind: str, num_stages: int, num_micro_batches: int) -> list[tuple[str, int, int]]:
-    """Dispatch order ``(action, stage, micro_batch)``; action "F" forward, "B" backward.
+def pipeline_schedule(schedule: str, num_stages: int, num_micro_batches: int) -> list[tuple[str, int, int]]:
+    """Dispatch order ``(action, stage, micro_batch)`` of the plan's schedule.
 
-    The last stage's "B" runs its forward and backward fused (it owns the loss). Each stage's own
-    order is GPipe (all F, then all B) or 1F1B (``num_stages - 1 - s`` warm-up forwards, then one
-    forward / one backward); the global list interleaves the per-stage orders respecting the data
-    dependencies. JAX executes each device's work in dispatch order, so this is the order the
-    stages really run in.
+    Each stage's own order is its rank's list in ``search/schedule.pipeline_actions`` (the list the
+    cost model simulates): "F" the forward, "B" the whole backward (the last stage's "B" starts from
+    the loss), "W" never (no JAX program splits the backward). The global list interleaves the
+    per-stage lists respecting the data dependencies (F after the previous stage's F, B after the
+    stage's own F and the next stage's B); JAX executes each device's work in dispatch order, so
+    every stage runs its list in the listed order.
     """
+    if splits_backward(schedule):
+        raise PlanError(
+            f"schedule {schedule} splits the backward into input and weight gradients, which the JAX program "
+            "cannot run.",
+            "use gpipe or 1f1b for JAX plans.",
+        )
     p, m = num_stages, num_micro_batches
-    per_stage: list[list[tuple[str, int]]] = []
-    for s in range(p):
-        if s == p - 1:
-            per_stage.append([("B", i) for i in range(m)])
-        elif kind == "gpipe":
-            per_stage.append([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
-        else:
-            w = min(p - 1 - s, m)
-            order = [("F", i) for i in range(w)]
-            for i in range(m - w):
-                order += [("F", w + i), ("B", i)]
-            order += [("B", i) for i in range(m - w, m)]
-            per_stage.append(order)
+    per_stage = [[(a.kind, a.stage, a.micro) for a in acts] for acts in pipeline_actions(schedule, p, m)]
     done: set[tuple[str, int, int]] = set()
     pos = [0] * p
     out: list[tuple[str, int, int]] = []
     while any(pos[s] < len(per_stage[s]) for s in range(p)):
         progressed = False
-        for s in range(p):
-            if pos[s] >= len(per_stage[s]):
+        for r in range(p):
+            if pos[r] >= len(per_stage[r]):
                 continue
-            act, i = per_stage[s][pos[s]]
-            fwd_ready = s == 0 or ("F", s - 1, i) in done
-            ready = (
-                fwd_ready
-                if act == "F"
-                else (("F", s, i) in done or s == p - 1) and (s == p - 1 and fwd_ready or ("B", s + 1, i) in done)
-            )
+            act, s, i = per_stage[r][pos[r]]
+            if act == "F":
+                ready = s == 0 or ("F", s - 1, i) in done
+            else:
+                ready = ("F", s, i) in done and (s == p - 1 or ("B", s + 1, i) in done)
             if ready:
                 done.add((act, s, i))
                 out.append((act, s, i))
-                pos[s] += 1
+                pos[r] += 1
                 progressed = True
         if not progressed:
-            raise PlanError(f"schedule {kind!r} deadlocks for {p} stages.", "use gpipe or 1f1b.")
+            raise PlanError(f"schedule {schedule!r} deadlocks for {p} stages.", "use gpipe or 1f1b.")
     return out

@@ -18,8 +18,10 @@ PartitionSpec per parameter, activation pins, schedule -- in a :class:`Program`,
   padded to the largest one and the model runs per sample with weight 0 on the padding.
 * per stage a jitted forward (returns its ``jax.vjp`` residuals, so the backward recomputes
   nothing unless the plan says so), backward, fused forward+backward of the loss stage and
-  update, called per micro-batch in the plan's schedule order (one stage: its fused step per
-  micro-batch, then the update); activations and cotangents move between the stage meshes with
+  update, called per micro-batch in the plan's schedule order (the per-stage action lists of
+  ``search/schedule.pipeline_actions``, the ones the cost model simulates, merged by
+  ``parallel.pipeline_schedule``; the loss stage's F and B are two calls, as listed; one stage:
+  its fused step per micro-batch, then the update); activations and cotangents move between the stage meshes with
   ``jax.device_put``. Per-micro-batch calls keep micro-batches apart (:func:`train` says why).
 
 Every compiled function's HLO is read for its collectives (``backends/jax/fidelity.py``).
@@ -375,12 +377,18 @@ def train(
             if action == "F":
                 outs, aux, vjp = fn["forward"](params[s], inputs_of(s, mb, acts, step == 0))
                 saved[(s, mb)] = vjp
+                if s == last:  # the loss stage's forward: its loss now, its backward at its "B"
+                    mb_losses.append((mb, outs[0]))
+                    continue
                 floats = [run.prog.outputs[k] for k in run.fout]
                 others = [i for k, i in enumerate(run.prog.outputs) if k not in run.fout]
                 acts.update(zip([(mb, i) for i in floats], outs))
                 acts.update(zip([(mb, i) for i in others], aux))
                 continue
-            if s == last:
+            if s == last and (s, mb) in saved:  # a pipeline's loss stage: backward from the loss weights
+                loss_dtype = dict(mb_losses)[mb].dtype
+                accs[s], gx = fn["backward"](saved.pop((s, mb)), [weights[mb].astype(loss_dtype)], accs[s])
+            elif s == last:  # one stage: its fused forward + backward
                 xs = inputs_of(s, mb, acts, step == 0)
                 mb_loss, accs[s], gx = fn["last"](params[s], xs, weights[mb], accs[s])
                 mb_losses.append((mb, mb_loss))
@@ -404,7 +412,7 @@ def train(
     fidelity = {}
     m = program.num_micro_batches
     for run, fn in zip(runs, fns):
-        names = ["last", "update"] if run.index == last else ["forward", "backward", "update"]
+        names = ["last", "update"] if len(runs) == 1 else ["forward", "backward", "update"]
         per_fn = {k: fid.count_collectives(fn[k].hlo(), (run.dp, run.tp)) for k in names}
         calls = {k: 1 if k == "update" else m for k in names}
         key = f"stage{run.index}"
