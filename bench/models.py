@@ -45,7 +45,7 @@ def measure(family: str, root: Path, cluster: str, compile_: bool) -> dict[str, 
     row["params_exact"] = row["traced_params"] == row["params"]
     row["layers"] = len(traced.graph.layers)
     row["nodes"] = len(traced.graph.nodes)
-    if traced.graph.meta.get("no_pipeline"):  # the search keeps such a model to one stage (trace_torch.py)
+    if traced.graph.meta.get("no_pipeline"):  # the search keeps such a model to one stage (passes/boundaries.py)
         row["no_pipeline"] = traced.graph.meta["no_pipeline"]
     if compile_:
         t0 = time.perf_counter()
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for r in rows:
         plan = r.get("error") or f"{r.get('stages', '-')} stage(s) on {','.join(r.get('device_types', []))}"
-        plan += " (not pipelined: several inputs)" if r.get("no_pipeline") else ""
+        plan += " (not pipelined: a cut would carry an input-derived tensor)" if r.get("no_pipeline") else ""
         print(
             f"{r['family']:<10} {r['params']:>14,} {str(r['params_exact']):>5} {r['layers']:>6} {r['nodes']:>6} "
             f"{r['trace_s']:>8} {r.get('compile_s', '-'):>9}  {plan}"

@@ -217,22 +217,56 @@ def test_loss_per_task_is_the_models_own(tmp_path, family: str) -> None:
         assert y.shape == (4,) and model(x).logits.shape == (4, 10)
 
 
+class _MaskedBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = torch.nn.LayerNorm(32), torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.fc2(torch.relu(self.fc1(self.norm(h))))
+
+
+class _Masked(torch.nn.Module):
+    """Every block's output is multiplied by a mask built from the ``attention_mask`` input without
+    parameters: a later pipeline stage (which sees the inputs only as zeros) could not rebuild it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 32)
+        self.blocks = torch.nn.ModuleList([_MaskedBlock() for _ in range(4)])
+        self.head = torch.nn.Linear(32, 64)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        keep = attention_mask[:, :, None].float()
+        h = self.embed(input_ids)
+        for b in self.blocks:
+            h = b(h) * keep
+        return self.head(h)
+
+
 def test_search_never_pipelines_a_model_the_runtime_refuses(tmp_path) -> None:
-    """T5 takes two inputs, and a later pipeline stage would get only the boundary activation
-    (``stages.GenericStage`` refuses it): the tracer marks the graph and the search keeps to one
+    """T5 (two inputs, several tensors crossing a decoder cut) pipelines; a model whose cuts carry a
+    tensor computed from an input without parameters does not (``passes/boundaries.pipeline_refusal``:
+    a later stage sees the inputs only as zeros): the pass marks the graph and the search keeps to one
     stage; where only a pipeline would fit, the infeasible message says why none was searched."""
     import dataclasses
 
     from partita.cluster import cluster_from_dict
     from partita.errors import ConfigError, InfeasibleError
     from partita.frontends.trace import trace_handle
+    from partita.frontends.trace_torch import trace_module
+    from partita.passes.pipeline import run_passes
     from partita.search.config import TrainingConfig
     from partita.search.hand_plan import hand_plan
     from partita.search.planner import plan_graph
 
     graph = trace_handle(resolve_model(str(families.write_config(tmp_path / "t5", families.tiny("t5")))), seq=16)
-    assert "takes 2 inputs (input_ids, decoder_input_ids)" in graph.meta["no_pipeline"]
-    free = dataclasses.replace(graph, meta={k: v for k, v in graph.meta.items() if k != "no_pipeline"})
+    assert "no_pipeline" not in graph.meta
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    toy = run_passes(trace_module(_Masked(), {"input_ids": ids, "attention_mask": ids + 1}, name="masked"))
+    why = toy.meta["no_pipeline"]
+    assert "computed from the model input(s) attention_mask without parameters" in why
+    marked = dataclasses.replace(graph, meta={**graph.meta, "no_pipeline": why})
 
     def tiny(memory_gb: float) -> object:
         return cluster_from_dict(
@@ -244,15 +278,15 @@ def test_search_never_pipelines_a_model_the_runtime_refuses(tmp_path) -> None:
             }
         )
 
-    training = TrainingConfig(global_batch=2, seq_len=16)
-    assert plan_graph(free, tiny(0.002), training).num_stages >= 2  # without the mark the search pipelines
-    with pytest.raises(InfeasibleError, match="pipeline stages are not searched for this model: T5"):
-        plan_graph(graph, tiny(0.002), training)
-    one = plan_graph(graph, tiny(1.0), training)
-    assert one.num_stages == 1 and one.search["not_pipelined"] == graph.meta["no_pipeline"]  # the report says why
+    training = TrainingConfig(global_batch=2, seq_len=16)  # 1.4 MB: two stages fit, one stage (1.7 MB) does not
+    assert plan_graph(graph, tiny(0.0014), training).num_stages >= 2  # T5 pipelines where it must
+    with pytest.raises(InfeasibleError, match="pipeline stages are not searched for this model: _Masked: tensor"):
+        plan_graph(marked, tiny(0.0014), training)
+    one = plan_graph(marked, tiny(1.0), training)
+    assert one.num_stages == 1 and one.search["not_pipelined"] == why  # the report says why
     with pytest.raises(ConfigError, match="pp=2 cannot be built"):  # a hand layout (compile --pp 2) neither
-        hand_plan(graph, tiny(1.0), training, tp=1, pp=2, dp=2, micro_batch=1)
-    assert hand_plan(free, tiny(1.0), training, tp=1, pp=2, dp=2, micro_batch=1).num_stages == 2
+        hand_plan(marked, tiny(1.0), training, tp=1, pp=2, dp=2, micro_batch=1)
+    assert hand_plan(graph, tiny(1.0), training, tp=1, pp=2, dp=2, micro_batch=1).num_stages == 2
     gpt = trace_handle(resolve_model(str(families.write_config(tmp_path / "g", families.tiny("gpt2")))), seq=16)
     assert "no_pipeline" not in gpt.meta
 

@@ -155,23 +155,9 @@ def trace_module(
     meta["export_seconds"] = round(time.perf_counter() - start, 3)
     graph = _Lowering(ep, module, name, spec, list(tensors)).run(meta)
     graph.meta.pop("export_seconds", None)  # keep graphs deterministic; timing goes to the caller
-    why = pipeline_refusal(module, [k for k in tensors if k != "labels"])
-    if why:
-        graph.meta["no_pipeline"] = why
+    # Whether the runtime can cut it into pipeline stages is decided on the grouped layers, by the
+    # pass `pipeline_cuts` (passes/boundaries.py): graph.meta["no_pipeline"] says why not.
     return graph
-
-
-def pipeline_refusal(module: torch.nn.Module, model_inputs: Sequence[str]) -> str:
-    """Why the torch runtime cannot pipeline ``module`` ("" when it can): the search reads it from
-    ``graph.meta["no_pipeline"]`` and searches one stage only. ``backends/torch/stages.py`` refuses
-    the same models: a stage after the first receives one boundary activation, so a model with
-    several inputs (an encoder-decoder's ``input_ids`` and ``decoder_input_ids``) cannot be cut."""
-    if len(model_inputs) > 1:
-        return (
-            f"{type(module).__name__} takes {len(model_inputs)} inputs ({', '.join(model_inputs)}) and a "
-            "pipeline stage after the first receives only the boundary activation"
-        )
-    return ""
 
 
 # Loggers that print whole FX graphs when export meets data-dependent code; quiet unless TORCH_LOGS asks.

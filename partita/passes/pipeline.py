@@ -15,9 +15,11 @@ from pathlib import Path
 from partita.errors import IRError
 from partita.ir import Graph
 from partita.passes.annotate import annotate
+from partita.passes.boundaries import pipeline_refusal
 from partita.passes.fused_split import split_fused_projections
 from partita.passes.fusion import fuse_pointwise
 from partita.passes.layers import group_layers
+from partita.passes.moe import mark_experts
 
 Pass = Callable[[Graph], Graph]
 
@@ -38,12 +40,27 @@ def dce(graph: Graph) -> Graph:
     return dataclasses.replace(graph, tensors=tensors, nodes=kept, layers=[])
 
 
+def pipeline_cuts(graph: Graph) -> Graph:
+    """Mark a torch graph that no pipeline cut can run (``passes/boundaries.pipeline_refusal``): the
+    search then keeps it to one stage and says why (``graph.meta["no_pipeline"]``)."""
+    if graph.meta.get("no_pipeline") or graph.meta.get("framework", "torch") != "torch":
+        return graph  # a reason given before (kept), or a JAX graph (its runtime cuts by its own rules)
+    why = pipeline_refusal(graph)
+    if not why:
+        return graph
+    return dataclasses.replace(
+        graph, meta={**graph.meta, "no_pipeline": f"{graph.meta.get('model_class', graph.name)}: {why}"}
+    )
+
+
 PASSES: list[tuple[str, Pass]] = [
     ("dce", dce),  # remove dead nodes before costing them
     ("split_fused_projections", split_fused_projections),  # q|k|v in one weight: shardable per chunk
+    ("mark_experts", mark_experts),  # MoE experts subgraphs: the expert-parallel strategy's nodes
     ("annotate", annotate),  # node.flops / node.bytes_moved
     ("group_layers", group_layers),  # node.layer, graph.layers with structural kinds
     ("fuse_pointwise", fuse_pointwise),  # drop bytes of intermediates a fusing backend keeps on chip
+    ("pipeline_cuts", pipeline_cuts),  # meta["no_pipeline"]: why the torch runtime cannot cut it (or none)
 ]
 
 

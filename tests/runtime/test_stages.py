@@ -1,5 +1,7 @@
-"""Stages of any module tree (``backends/torch/stages.py``), in one process: cut a model into two stages,
-run stage 0 then stage 1 on its output, and compare the logits and every gradient with the whole model.
+"""Stages of any module tree (``backends/torch/stages.py``), in one process: cut a model into stages,
+run them in a chain (each on the previous one's output) and back, and compare the logits and every
+gradient with the whole model. T5's cuts carry several tensors (decoder state, encoder output,
+position bias: ``backends/torch/boundary.py``), one of them through a middle stage that also reads it.
 """
 
 from __future__ import annotations
@@ -24,26 +26,36 @@ def _spec(tmp: Path, name: str) -> str:
     return str(families.write_config(tmp / name, families.tiny(name)))
 
 
-def _two_stages(spec: str, cut: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, dict]:
+def _chained_stages(spec: str, *cuts: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, dict]:
+    """The model cut before plan layers ``cuts`` (two stages for one cut), each stage built from its own
+    copy, run forward in a chain and backward in reverse, as the pipeline runners do."""
     handle = resolve_model(spec)
     layers = ["embed", *stages.guess_blocks(handle.build("meta")), "head"]
     inputs = handle.example_inputs(2, 8, "cpu")
     inputs.pop("labels")
-    x = next(iter(inputs.values()))
+    # several inputs (T5: input_ids, decoder_input_ids) travel as the runtime's one batch tensor (hf.pack)
+    x = next(iter(inputs.values())) if len(inputs) == 1 else torch.stack(list(inputs.values()), dim=1)
     ref = handle.build("cpu", seed=0)
     want = stages._logits(ref(**inputs))
     want.square().sum().backward()
-    a, b = layers[:cut], layers[cut:]
+    bounds = [0, *cuts, len(layers)]
+    groups = [layers[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
     parts = []
-    for keep in (a, b):
+    for keep in groups:
         model = handle.build("cpu", seed=0)
-        tpar.boundary_shapes(model, [a, b], x[:1])
+        tpar.boundary_shapes(model, groups, x[:1])
         parts.append(tpar.split_stage(model, keep, layers, CPU))
-    h = parts[0](x)
-    h_in = h.detach().requires_grad_(True)
-    got = parts[1](h_in)
+    sent, received, h = [], [], x
+    for k, part in enumerate(parts):
+        if k:
+            h = h.detach().requires_grad_(True)
+            received.append(h)
+        h = part(h)
+        sent.append(h)
+    got = sent[-1]
     got.square().sum().backward()
-    h.backward(h_in.grad)
+    for out, inp in reversed(list(zip(sent[:-1], received))):
+        out.backward(inp.grad)
     grads = {n: p.grad for part in parts for n, p in part.named_parameters() if p.grad is not None}
     for names in tpar.tied_groups(ref):  # a tied weight's gradient is the sum over the stages holding it
         total = sum(grads[n] for n in names if n in grads)
@@ -51,9 +63,23 @@ def _two_stages(spec: str, cut: int) -> tuple[torch.Tensor, dict[str, torch.Tens
     return want, {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)}, got, grads
 
 
-@pytest.mark.parametrize("name, cut", [("qwen2", 2), ("bloom", 1), ("vit", 3), ("mixer", 3), ("convnet", 1)])
-def test_two_stages_equal_the_whole_model(tmp_path: Path, name: str, cut: int) -> None:
-    want, ref_grads, got, grads = _two_stages(_spec(tmp_path, name), cut)
+@pytest.mark.parametrize(
+    "name, cut",
+    [
+        ("qwen2", 2),
+        ("bloom", 1),
+        ("vit", 3),
+        ("mixer", 3),
+        ("convnet", 1),
+        ("t5", 1),
+        ("t5", 2),
+        ("t5", 4),
+        ("t5", 6),
+        ("t5", (1, 4)),
+    ],
+)
+def test_two_stages_equal_the_whole_model(tmp_path: Path, name: str, cut: int | tuple[int, ...]) -> None:
+    want, ref_grads, got, grads = _chained_stages(_spec(tmp_path, name), *(cut if isinstance(cut, tuple) else (cut,)))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert set(grads) == set(ref_grads)
     for n, g in ref_grads.items():
@@ -95,7 +121,76 @@ def test_encoder_decoder_single_stage_and_refused_pipeline(tmp_path: Path) -> No
     model = handle.build("cpu", seed=0)
     tpar.boundary_shapes(model, [layers], packed[:1])
     torch.testing.assert_close(tpar.split_stage(model, layers, layers, CPU)(packed), want)
+    # two stages cut as the model matrix cuts (after decoder block 0): the boundary carries three tensors
+    half = len(layers) // 2
     model = handle.build("cpu", seed=0)
-    tpar.boundary_shapes(model, [layers[:3], layers[3:]], x[:1])
-    with pytest.raises(PlanError, match="takes 2 inputs"):
-        tpar.split_stage(model, layers[3:], layers, CPU)
+    shapes = tpar.boundary_shapes(model, [layers[:half], layers[half:]], packed[:1])
+    stage = tpar.split_stage(model, layers[half:], layers, CPU)
+    got, sent = stage.boundary_layout()
+    assert not sent and [c.key for c in got] == [
+        ("decoder.block.0.layer.2", 0, 0),  # the decoder's hidden state
+        ("encoder", 0, 0),  # the encoder output every decoder block's cross-attention reads
+        ("decoder.block.0.layer.0", 0, 1),  # block 0's relative position bias, reused by every block
+    ]
+    assert [(c.shape, c.batched) for c in got] == [((8, 64), True), ((8, 64), True), ((1, 4, 8, 8), False)]
+    assert shapes[0] == (torch.Size([2 * 8 * 64 + 4 * 8 * 8]), torch.float32)  # packed: the bias once per sample
+    with pytest.raises(PlanError, match="received a boundary tensor of shape"):
+        stage(torch.zeros(2, 8, 64))  # an unpacked activation: not what the cut carries
+
+
+class _Head(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.fc(h) * (ids[..., None] > 0)
+
+
+class _ReadsInputLate(torch.nn.Module):
+    """A head module that reads a model input itself (a later stage sees inputs only as zeros)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 16)
+        self.blocks = torch.nn.ModuleList(
+            [torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)) for _ in range(2)]
+        )
+        self.head = _Head()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h, ids)
+
+
+def test_boundary_checks_refuse_what_a_cut_cannot_carry() -> None:
+    """A later stage whose module reads a model input is refused (it would read zeros); what a stage
+    returns is checked against the cut's layout (name, shape, dtype)."""
+    from partita.backends.torch import boundary
+
+    layers = ["embed", "blocks.0", "blocks.1", "head"]
+
+    def probed() -> torch.nn.Module:
+        model = _ReadsInputLate()
+        stages.attach_inputs(model, lambda b, s, d: {"ids": torch.ones(b, s, dtype=torch.long, device=d)}, 4)
+        got = tpar.boundary_shapes(model, [layers[:2], layers[2:]], torch.ones(1, 4, dtype=torch.long))
+        assert got[0] == (torch.Size([4, 16]), torch.float32)  # one tensor crosses: sent as it is
+        return model
+
+    tpar.split_stage(probed(), layers[:2], layers, CPU)  # the first stage reads its inputs: fine
+    with pytest.raises(PlanError, match=r"reads model input\(s\) \{'ids': \['head'\]\}"):
+        tpar.split_stage(probed(), layers[2:], layers, CPU)
+    hidden = boundary.Carried(("blocks.0", 0, 0), (4, 16), torch.float32, True)
+    bias = boundary.Carried(("blocks.0", 0, 1), (1, 2, 4, 4), torch.float32, False)
+    h, b = torch.randn(3, 4, 16, requires_grad=True), torch.randn(1, 2, 4, 4, requires_grad=True)
+    x = boundary.pack([h, b], [hidden, bias], "test")
+    assert x.shape == (3, 4 * 16 + 2 * 4 * 4)
+    got = boundary.unpack(x, [hidden, bias], "test")
+    torch.testing.assert_close(got[hidden.key], h)
+    torch.testing.assert_close(got[bias.key], b)
+    (got[hidden.key].sum() + 3 * got[bias.key].sum()).backward()
+    torch.testing.assert_close(b.grad, torch.full_like(b, 3.0))  # the shared tensor's gradient, once
+    with pytest.raises(PlanError, match=r"blocks.0 \(call 0\) output 1 has shape \(2, 2, 4, 4\)"):
+        boundary.pack([h, torch.zeros(2, 2, 4, 4)], [hidden, bias], "test")

@@ -15,19 +15,25 @@ last. A stage does not re-implement the model's forward: it runs the model's own
   latter belong to ``embed`` / ``head`` / the block running before them by the *order the model
   calls them in*, recorded by one probe forward (:func:`probe`, the same order the tracer saw);
 * a unit of another stage becomes a :class:`Ghost` (no parameters, so FQNs of the kept ones are the
-  full model's): one that runs before this stage's first block computes shapes on the meta device
-  and returns zeros; the block just before this stage returns the activation received from the
-  previous stage instead (the block's own output structure, filled with the received tensor);
+  full model's): one of an earlier stage returns its probed output structure with the tensors this
+  stage received in their places (zeros of the probed shape for the rest); one of a later stage that
+  runs before this stage ends computes shapes on the meta device and returns zeros;
 * the stage ends after its last unit: the first ghost called after it stops the forward
-  (:class:`_StageDone`) and the stage returns that unit's output, the boundary tensor.
+  (:class:`_StageDone`) and the stage returns what crosses its cut.
 
-A boundary is the one tensor a block passes to the next (pipelining needs fixed per-sample
-shapes); a block output with several tensors (T5 carries its position bias from block to block)
-cannot be cut there and is refused with a :class:`~partita.errors.PlanError`. Later stages read the
-model's raw inputs only for shapes (masks, position ids): they get zeros of the probed shape.
-Extra model inputs (``decoder_input_ids``) reach a single-stage plan in the batch tensor (the inputs
-stacked on dim 1, ``models/hf.py``'s ``pack``, which the model's own pre-hook unpacks), or through
-:meth:`GenericStage.feed`.
+What crosses a cut (``boundary.py``, the rule ``passes/boundaries.py`` applies to the traced graph,
+so the search prices what is sent): the activation the next block reads (after ``embed``: block 0's
+input), plus every output of a unit before the cut that a unit after it reads and that depends on a
+parameter. The probe (:func:`probe`, :data:`PROBE_BATCH` samples, every parameter requiring grad)
+records which unit returned and which read each tensor. A T5 decoder cut carries the decoder state,
+the encoder output and the relative position bias ``(1, heads, S, S)``: several tensors travel packed
+into one (``boundary.pack``), so the pipeline runners still move one tensor per boundary. Later
+stages read the model's raw inputs only for shapes: they get zeros of the probed shape, and a later
+stage whose unit reads a raw input itself is refused with a :class:`~partita.errors.PlanError` (the
+graph-side check, ``passes/boundaries.pipeline_refusal``, also catches a mask computed from an input
+outside any module). Extra model inputs (``decoder_input_ids``) reach the first stage in the batch
+tensor (the inputs stacked on dim 1, ``models/hf.py``'s ``pack``, which the model's own pre-hook
+unpacks), or through :meth:`GenericStage.feed`.
 """
 
 from __future__ import annotations
@@ -39,13 +45,15 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from partita.backends.torch import boundary
 from partita.errors import PlanError
 from partita.frontends import torch_shim
 
 pytree = torch_shim.pytree()
 
 GROUPS = ("embed", "head")
-_PROBE, _INPUTS = "_partita_probe", "_partita_inputs"
+PROBE_BATCH = 3  # samples in the probe forward: dim 0 of 3 is the batch, 1 a shared tensor
+_PROBE, _INPUTS, _HOOKS = "_partita_probe", "_partita_inputs", "_partita_capture_hooks"
 
 
 _SAVED_OPS = (  # as parallel.py's selective recompute: matmuls and tp collectives are kept
@@ -95,7 +103,12 @@ def candidate_units(model: nn.Module, blocks: Sequence[str]) -> list[str]:
     return out
 
 
-def _example(model: nn.Module, x: torch.Tensor | None) -> dict[str, Any]:
+def _example(model: nn.Module, x: torch.Tensor | None, probe: bool = False) -> dict[str, Any]:
+    """The model's inputs for ``x`` (the first input; the others made by the model handle). ``probe``:
+    :data:`PROBE_BATCH` samples (``x``'s first one repeated), so a probed tensor's dim 0 tells a
+    per-sample tensor (the batch) from a shared one (1)."""
+    if probe and x is not None:
+        x = x[:1].expand(PROBE_BATCH, *x.shape[1:]).contiguous()
     got = model.__dict__.get(_INPUTS)
     if got is None:
         if x is None:
@@ -112,7 +125,8 @@ def _example(model: nn.Module, x: torch.Tensor | None) -> dict[str, Any]:
     else:
         seq = min(seq or 8, 8)
     device = str(x.device) if x is not None else str(next(model.parameters()).device)
-    inputs = {k: v for k, v in fn(1, seq, device).items() if k != "labels"}
+    batch = int(x.shape[0]) if x is not None else PROBE_BATCH
+    inputs = {k: v for k, v in fn(batch, seq, device).items() if k != "labels"}
     if packed:
         assert x is not None
         inputs.update({n: x[:, i] for i, n in enumerate(names)})
@@ -129,11 +143,16 @@ def _call(model: nn.Module, inputs: Mapping[str, Any]) -> Any:
 
 
 def probe(model: nn.Module, layers: Sequence[str], x: torch.Tensor | None = None) -> dict[str, Any]:
-    """One no-grad forward recording the order modules are called in and each block's output.
+    """One forward (:data:`PROBE_BATCH` samples, every parameter requiring grad, on whatever device
+    the model is: meta costs nothing) recording the order modules are called in and the data flow
+    between them.
 
-    Returns (and caches on ``model``) ``{"units": {plan layer: [unit paths]}, "treespec": {block:
-    output structure}, "leaves": {block: [(per-sample shape, dtype)]}, "first_input": (shape,
-    dtype) of block 0's input, "inputs": {name: (per-sample shape, dtype)}, "output": (shape, dtype)}``.
+    Returns (and caches on ``model``) ``{"units": {plan layer: [unit paths]}, "treespec"/"leaves":
+    {block: output structure / [(per-sample shape, dtype)]}, "first_input": (shape, dtype) of block
+    0's input, "inputs": {name: (per-sample shape, dtype)}, "output": (shape, dtype)}`` and, per call
+    ``k`` of each unit, ``"outs"``/``"specs"``/``"values"`` (full shapes, structure, non-tensor
+    leaves) and, per output leaf ``(path, k, i)``, ``"grad"`` (depends on a parameter) and
+    ``"reads"`` (the units that read it): what ``boundary.cut_layout`` needs.
     """
     cached = model.__dict__.get(_PROBE)
     if cached is not None and cached["layers"] == tuple(layers):
@@ -143,13 +162,30 @@ def probe(model: nn.Module, layers: Sequence[str], x: torch.Tensor | None = None
         _submodule(model, b)
     units = candidate_units(model, blocks)
     events: list[tuple[str, str]] = []
-    info: dict[str, Any] = {"treespec": {}, "leaves": {}, "first_input": None, "carried": {}}
+    info: dict[str, Any] = {
+        "treespec": {},
+        "leaves": {},
+        "first_input": None,
+        "carried": {},
+        "arch": type(model).__name__,
+    }
+    info.update(outs={}, specs={}, values={}, grad={}, reads={}, raw_reads={}, first_input_key=None)
     last_out: dict[str, list[Any]] = {}
+    made: dict[int, tuple[str, int, int]] = {}  # id(tensor) -> (unit, call, leaf) that returned it
+    keep: list[Any] = []  # the probed tensors stay alive, so ids stay unique
+    calls: dict[str, int] = {}
+    raw: dict[int, str] = {}
     handles = []
 
     def pre(path: str) -> Callable[..., None]:
         def hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
             events.append(("pre", path))
+            for t in pytree.tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor):
+                    if id(t) in made:
+                        info["reads"][made[id(t)]].add(path)
+                    if id(t) in raw:
+                        info["raw_reads"].setdefault(raw[id(t)], set()).add(path)
             if path in blocks and blocks.index(path) > 0:  # which outputs of the block before it flow in
                 given = {id(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
                 prev = blocks[blocks.index(path) - 1]
@@ -157,14 +193,29 @@ def probe(model: nn.Module, layers: Sequence[str], x: torch.Tensor | None = None
             if path == (blocks[0] if blocks else None) and info["first_input"] is None:
                 t = _hidden_arg(args, kwargs)
                 info["first_input"] = (tuple(t.shape[1:]), t.dtype)
+                info["first_input_full"] = (tuple(t.shape), t.dtype)
+                info["first_input_key"] = made.get(id(t))
 
         return hook
 
     def post(path: str) -> Callable[..., None]:
         def hook(mod: nn.Module, args: tuple, out: Any) -> None:
             events.append(("post", path))
+            k = calls[path] = calls.get(path, -1) + 1
+            leaves, spec = pytree.tree_flatten(out)
+            info["specs"][(path, k)] = spec
+            info["outs"][(path, k)] = [
+                (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else None for t in leaves
+            ]
+            for i, t in enumerate(leaves):
+                if isinstance(t, torch.Tensor):
+                    made[id(t)] = (path, k, i)
+                    keep.append(t)
+                    info["grad"][(path, k, i)] = t.requires_grad
+                    info["reads"][(path, k, i)] = set()
+                else:
+                    info["values"][(path, k, i)] = t
             if path in blocks and path not in info["treespec"]:
-                leaves, spec = pytree.tree_flatten(out)
                 last_out[path] = leaves
                 info["treespec"][path] = spec
                 info["leaves"][path] = [
@@ -177,13 +228,21 @@ def probe(model: nn.Module, layers: Sequence[str], x: torch.Tensor | None = None
         mod = _submodule(model, path)
         handles.append(mod.register_forward_pre_hook(pre(path), with_kwargs=True))
         handles.append(mod.register_forward_hook(post(path)))
-    inputs = _example(model, x)
+    inputs = _example(model, x, probe=True)
+    raw.update({id(v): k for k, v in inputs.items() if isinstance(v, torch.Tensor)})
+    info["batch"] = int(next(v for v in inputs.values() if isinstance(v, torch.Tensor)).shape[0])
+    # "needs a gradient" = depends on a parameter (the graph side's rule), frozen ones included
+    frozen = [p for p in model.parameters() if not p.requires_grad and p.is_floating_point()]
+    for p in frozen:
+        p.requires_grad_(True)
     try:
-        with torch.no_grad():
+        with torch.enable_grad():
             out = _call(model, inputs)
     finally:
         for h in handles:
             h.remove()
+        for p in frozen:
+            p.requires_grad_(False)
     logits = _logits(out)
     first = next((i for i, (k, p) in enumerate(events) if k == "pre" and p in blocks), len(events))
     last = max((i for i, (k, p) in enumerate(events) if k == "post" and p in blocks), default=-1)
@@ -210,6 +269,24 @@ def probe(model: nn.Module, layers: Sequence[str], x: torch.Tensor | None = None
     )
     model.__dict__[_PROBE] = info
     return info
+
+
+def cut_after(info: Mapping[str, Any], all_layers: Sequence[str], c: int) -> list[boundary.Carried]:
+    """The tensors crossing the cut after plan layer ``all_layers[c]`` (``boundary.cut_layout``): the
+    activation the next block reads (a block's output leaf; after ``embed``, block 0's input), then
+    every other unit output read after the cut that needs a gradient."""
+    owner: dict[str, int] = {}
+    for idx, name in enumerate(all_layers):
+        for p in ([] if name in GROUPS else [name]) + list(info["units"].get(name, ())):
+            owner[p] = idx
+    before = {p for p, i in owner.items() if i <= c}
+    after = {p for p, i in owner.items() if i > c}
+    name = all_layers[c]
+    if name in GROUPS:
+        main = info["first_input_key"] or boundary.INPUT
+    else:
+        main = (name, 0, boundary_leaf(info, name))
+    return boundary.cut_layout(info, before, after, main)
 
 
 def _logits(out: Any) -> torch.Tensor:
@@ -291,9 +368,10 @@ def layer_paths(model: nn.Module, name: str) -> tuple[str, ...]:
 
 
 class Ghost(nn.Module):
-    """Stands in for a unit of another stage: no parameters; returns zeros shaped like its output
-    (computed on the meta device), or the received activation when it is the block just before
-    this stage. Called after this stage's last unit, it ends the stage's forward."""
+    """Stands in for a unit of another stage: no parameters. A unit of an earlier stage returns its
+    probed output structure with the tensors this stage received in their places (zeros of the probed
+    shape elsewhere); a later one called before this stage ends computes its output's shapes on the
+    meta device and returns zeros; called after this stage's last unit, it ends the stage's forward."""
 
     def __init__(self, module: nn.Module, path: str, stage: GenericStage) -> None:
         super().__init__()
@@ -311,10 +389,10 @@ class Ghost(nn.Module):
         stage: GenericStage = self.__dict__["_stage"]
         if stage._done:
             raise _StageDone
-        if self.path in stage._inject_after:
-            return stage._received_output(self.path)
-        if self.path in stage._ghost_blocks:
-            return stage._received_output(stage._inject_from)  # earlier blocks: any value of that structure
+        if self.path in stage._before:
+            got = stage._ghost_output(self.path)
+            if got is not _NOT_PROBED:
+                return got
 
         def to_meta(t: Any) -> Any:
             return t.detach().to("meta") if isinstance(t, torch.Tensor) else t
@@ -326,10 +404,15 @@ class Ghost(nn.Module):
         )
 
 
+_NOT_PROBED = object()
+
+
 class GenericStage(nn.Module):
     """One stage of any model: the model's children (FQNs unchanged), its own forward, units of
     other stages as :class:`Ghost`; ``forward(x)``: stage 0 takes the first model input, later stages
-    the previous stage's boundary tensor; returns this stage's boundary tensor (the logits at the end)."""
+    the previous stage's boundary tensor; returns this stage's boundary tensor (the logits at the end).
+    A boundary carries every tensor crossing the cut (``boundary.py``: one tensor as it is, several
+    packed into one)."""
 
     def __init__(
         self, model: nn.Module, layers: Sequence[str], all_layers: Sequence[str], device: torch.device
@@ -368,28 +451,33 @@ class GenericStage(nn.Module):
             u for n in layers for u in info["units"].get(n, ())
         }
         keep |= set(shared)
-        before = [b for b in blocks if all_layers.index(b) < idx[0]]
-        self._ghost_blocks = set(before)
-        self._inject_from = before[-1] if before else None
-        self._inject_after = {self._inject_from} if before else set()
-        self._inject_into = blocks[0] if (not self.first and not before) else None
-        self._received: torch.Tensor | None = None
-        self._captured: Any = None
+        self._before = {
+            p for n in all_layers[: idx[0]] for p in ([] if n in GROUPS else [n]) + info["units"].get(n, [])
+        }
+        self._inject_into = blocks[0] if (not self.first and all_layers[idx[0] - 1] in GROUPS) else None
+        where = f"{self.arch} stage of {layers[0]} .. {layers[-1]}"
+        self._in = [] if self.first else cut_after(info, all_layers, idx[0] - 1)
+        self._out = [] if self.last else cut_after(info, all_layers, idx[-1])
+        self._where = where
+        self._want = {c.key for c in self._out}
+        self._recv: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._got: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._calls: dict[str, int] = {}
+        self._n = 0
         self._done = False
         self._feed: list[dict[str, Any]] = []
-        self._calls = 0
-        if len(info["inputs"]) > 1 and not (self.first and self.last):
-            raise PlanError(
-                f"{self.arch} takes {len(info['inputs'])} inputs ({', '.join(info['inputs'])}); pipeline "
-                "stages after the first see only the boundary activation.",
-                "compile without pipeline stages for this model (one stage with dp/tp/ZeRO).",
-            )
-        if not self.first:
-            self._check_cut(self._inject_from)
+        self._fed = 0
+        if not self.first:  # later stages get zeros for the model's inputs: none of their units may read one
+            read = {name: sorted(set(us) & keep) for name, us in info["raw_reads"].items() if set(us) & keep}
+            if read:
+                raise PlanError(
+                    f"{where} reads model input(s) {read} (input: modules), which only the first pipeline stage "
+                    "receives.",
+                    "compile without pipeline stages for this model (one stage with dp/tp/ZeRO), or cut so that "
+                    "those modules sit in the first stage.",
+                )
         tail = [n for n in all_layers[idx[-1] :] if n in mine]
         self._end = None if self.last else (_blocks(tail)[-1] if _blocks(tail) else "embed")
-        if self._end and self._end != "embed":
-            self._check_cut(self._end)
         for path in [*blocks, *(u for n, us in info["units"].items() for u in us)]:
             if path in keep:
                 continue
@@ -404,6 +492,11 @@ class GenericStage(nn.Module):
         for b in blocks:
             if b in keep:
                 self._wrap_block(b)
+        for h in model.__dict__.pop(_HOOKS, []):  # a stage built again on this model: its hooks count calls once
+            h.remove()
+        hooks = model.__dict__[_HOOKS] = []
+        for path in sorted({c.key[0] for c in self._out} & keep):  # what this stage sends on: kept at return
+            hooks.append(_submodule(model, path).register_forward_hook(self._capture_output(path)))
         if self._inject_into:
             _submodule(model, self._inject_into).register_forward_pre_hook(self._inject_input, with_kwargs=True)
         if self._end == "embed":
@@ -425,15 +518,19 @@ class GenericStage(nn.Module):
 
     def feed(self, inputs: Sequence[Mapping[str, torch.Tensor]]) -> None:
         """This step's extra model inputs per micro-batch (beyond the first), used in call order."""
-        self._feed, self._calls = [dict(i) for i in inputs], 0
+        self._feed, self._fed = [dict(i) for i in inputs], 0
+
+    def boundary_layout(self) -> tuple[list[boundary.Carried], list[boundary.Carried]]:
+        """(what this stage receives, what it sends): the tensors crossing its cuts."""
+        return list(self._in), list(self._out)
 
     # ---- forward ---------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._done, self._captured = False, None
+        self._done, self._got, self._calls, self._n = False, {}, {}, int(x.shape[0])
         if self.first:
             inputs = {**self._extras(), "__first__": x}
         else:
-            self._received = x
+            self._recv = boundary.unpack(x, self._in, self._where)
             n = x.shape[0]
             inputs = {k: torch.zeros((n, *s), dtype=d, device=x.device) for k, (s, d) in self._info["inputs"].items()}
             inputs["__first__"] = inputs.pop(next(iter(self._info["inputs"])))
@@ -442,53 +539,67 @@ class GenericStage(nn.Module):
         try:
             out = root(first, **inputs)
         except _StageDone:
-            return self._captured
+            out = None
         finally:
-            self._received = None
-        if self._end is not None:
-            return self._captured
-        return _logits(out)
+            self._recv = {}
+        if self._end is None:
+            return _logits(out)
+        missing = [c.name for c in self._out if c.key not in self._got]
+        if missing:
+            raise PlanError(
+                f"{self._where}: the forward did not produce boundary tensor(s) {missing} the next stage reads.",
+                "compile without pipeline stages for this model, or cut elsewhere.",
+            )
+        return boundary.pack([self._got[c.key] for c in self._out], self._out, self._where)
 
     def _extras(self) -> dict[str, Any]:
         if not self._feed:
             return {}
-        got = self._feed[self._calls % len(self._feed)]
-        self._calls += 1
+        got = self._feed[self._fed % len(self._feed)]
+        self._fed += 1
         return got
 
-    def _received_output(self, block: str | None) -> Any:
-        """Block ``block``'s output structure: the received tensor where the boundary leaf is, zeros of
-        the probed shape for the other tensors (outputs the next block does not read, e.g. attention
-        weights), non-tensors as probed."""
-        assert self._received is not None
-        spec, metas = self._info["treespec"][block], self._info["leaves"][block]
-        at, n = boundary_leaf(self._info, block), self._received.shape[0]
-        leaves = [
-            self._received if i == at else (torch.zeros((n, *m[0]), dtype=m[1], device=self._device) if m else None)
-            for i, m in enumerate(metas)
-        ]
-        return pytree.tree_unflatten(leaves, spec)
+    def _ghost_output(self, path: str) -> Any:
+        """Unit ``path`` of an earlier stage: its probed output, received tensors in their places."""
+        k = self._calls[path] = self._calls.get(path, -1) + 1
+        metas = self._info["outs"].get((path, k))
+        if metas is None:
+            return _NOT_PROBED
+        leaves = []
+        for i, m in enumerate(metas):
+            key = (path, k, i)
+            if key in self._recv:
+                t = self._recv[key]
+            elif m is None:
+                t = self._info["values"].get(key)
+            else:
+                shape = (self._n, *m[0][1:]) if m[0] and m[0][0] == self._info["batch"] else m[0]
+                t = torch.zeros(shape, dtype=m[1], device=self._device)
+            if key in self._want:  # passed on to the next stage
+                self._got[key] = t
+            leaves.append(t)
+        return pytree.tree_unflatten(leaves, self._info["specs"][(path, k)])
 
-    def _check_cut(self, block: str | None) -> None:
-        if block is None:
-            return
-        carried = self._info["carried"].get(block) or [boundary_leaf(self._info, block)]
-        if len(carried) != 1:
-            raise PlanError(
-                f"{self.arch}: block {block} passes {len(carried)} tensors to the next block (its output leaves "
-                f"{carried}), and a pipeline boundary carries one activation.",
-                "compile without pipeline stages for this model (one stage with dp/tp/ZeRO), or cut elsewhere.",
-            )
+    def _capture_output(self, path: str) -> Callable[..., None]:
+        def hook(mod: nn.Module, args: tuple, out: Any) -> None:
+            k = self._calls[path] = self._calls.get(path, -1) + 1
+            for i, t in enumerate(pytree.tree_leaves(out)):
+                if (path, k, i) in self._want:
+                    self._got[(path, k, i)] = t
+
+        return hook
 
     def _inject_input(self, mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if self._received is None:
+        got = self._recv.get(boundary.INPUT)
+        if got is None:
             return args, kwargs
         if args and isinstance(args[0], torch.Tensor):
-            return (self._received, *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": self._received}
+            return (got, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": got}
 
     def _capture_input(self, mod: nn.Module, args: tuple, kwargs: dict) -> None:
-        self._captured = _hidden_arg(args, kwargs)
+        if boundary.INPUT in self._want:
+            self._got[boundary.INPUT] = _hidden_arg(args, kwargs)
         self._done = True
         raise _StageDone
 
@@ -506,7 +617,6 @@ class GenericStage(nn.Module):
                     kw["context_fn"] = lambda: create_selective_checkpoint_contexts(_save_matmuls)
                 out = checkpoint(inner, *args, **kw, **kwargs)
             if path == stage._end:
-                stage._captured = pytree.tree_leaves(out)[boundary_leaf(stage._info, path)]
                 stage._done = True
             return out
 
@@ -544,18 +654,26 @@ def split(model: nn.Module, layers: Sequence[str], all_layers: Sequence[str], de
 def boundary_shapes(
     model: nn.Module, stage_layers: Sequence[Sequence[str]], x: torch.Tensor
 ) -> list[tuple[torch.Size, torch.dtype]]:
-    """Per-sample shape and dtype of each stage's output (one probe forward of the full model)."""
+    """Per-sample shape and dtype of the tensor each stage sends (``boundary.wire_shape``: several
+    tensors crossing a cut travel packed), the last stage's output at the end (one probe forward)."""
     all_layers = [n for layers in stage_layers for n in layers]
     info = probe(model, all_layers, x)
-    out = []
+    out, c = [], -1
     for layers in stage_layers[:-1]:
-        blocks = _blocks(layers)
-        if not blocks:
-            shape, dtype = info["first_input"]
-        else:
-            shape, dtype = info["leaves"][blocks[-1]][boundary_leaf(info, blocks[-1])]
-        out.append((torch.Size(shape), dtype))
+        c += len(layers)
+        out.append(boundary.wire_shape(cut_after(info, all_layers, c)))
     out.append((torch.Size(info["output"][0]), info["output"][1]))
+    return out
+
+
+def cut_elems(model: nn.Module, stage_layers: Sequence[Sequence[str]], x: torch.Tensor) -> list[list[tuple[str, int]]]:
+    """Per cut: (tensor, elements per sample) of what crosses it (what ``search/records.py`` prices)."""
+    all_layers = [n for layers in stage_layers for n in layers]
+    info = probe(model, all_layers, x)
+    out, c = [], -1
+    for layers in stage_layers[:-1]:
+        c += len(layers)
+        out.append([(k.name, k.elems) for k in cut_after(info, all_layers, c)])
     return out
 
 
