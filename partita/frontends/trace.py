@@ -11,9 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from partita.ir import Graph
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: importing this module (the driver does) loads no IR or sympy
+    from partita.ir import Graph
     from partita.passes.pipeline import PassOptions
 
 
@@ -60,4 +59,9 @@ def trace_handle(
         graph = got or trace_module(handle.build(device="meta"), inputs, name=handle.name)
     graph.meta.setdefault("framework", handle.framework)
     graph.meta.setdefault("model", handle.name)
-    return run_passes(graph, passes)
+    graph = run_passes(graph, passes)
+    cfg = getattr(handle, "config", None)  # a Mapping for torch zoo/HF models, a dataclass for JAX ones
+    why = cfg.get("no_pipeline") if isinstance(cfg, Mapping) else None  # models/hf.summary (an MoE aux loss)
+    if why and not graph.meta.get("no_pipeline"):
+        graph.meta["no_pipeline"] = f"{graph.meta.get('model_class', graph.name)}: {why}"
+    return graph

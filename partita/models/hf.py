@@ -24,6 +24,9 @@ The loss per task (``backends/torch/train.make_loss`` reads ``config["shift_labe
   input is already the labels shifted right, by T5's own rule: start id, then labels[:-1]);
 * image classification: class-label cross-entropy of the (batch, classes) logits.
 
+MoE models whose config asks for it (``output_router_logits``) also train on the model's own
+load-balancing loss, per sequence (``models/moe_aux.py``); ``summary`` then marks them ``no_pipeline``.
+
 A model with several inputs (seq2seq: ``input_ids`` and ``decoder_input_ids``) is fed one tensor per
 batch, the inputs stacked on dim 1 (:func:`pack`: the runtime slices rows and micro-batches of one
 tensor), and unpacked by a forward pre-hook the builder puts on the model (:func:`unpack_on_call`).
@@ -41,6 +44,7 @@ from typing import Any
 import torch
 
 from partita.errors import ModelError
+from partita.models import moe_aux
 
 TASKS = ("causal-lm", "masked-lm", "seq2seq-lm", "image-classification")
 _MAPPINGS = {
@@ -194,6 +198,9 @@ def summary(cfg: Any, task: str) -> dict[str, Any]:
         "shift_labels": task == "causal-lm",
         "num_experts": experts,
     }
+    if moe_aux.aux_coef(cfg) > 0:  # the load-balancing loss couples every MoE layer: one stage (models/moe_aux.py)
+        out["router_aux_loss_coef"] = moe_aux.aux_coef(cfg)
+        out["no_pipeline"] = moe_aux.NO_PIPELINE
     if task == "seq2seq-lm":
         out["packed_inputs"] = list(PACKED_SEQ2SEQ)
     if task == "masked-lm":  # set mask_token_id in config.json to the tokenizer's [MASK] (BERT's is 103)

@@ -157,7 +157,7 @@ def _vocab_parallel_cross_entropy(
 # ---- the torch runtime's tensor parallelism -------------------------------------------------------
 LINEAR_TARGETS = ("aten.linear", "aten.addmm")  # nn.Linear, transformers' Conv1D
 EMBEDDING_TARGETS = ("aten.embedding",)
-TP_ROLES = ("colwise", "colwise_gather", "rowwise", "rowwise_replicated", "vocab", "embed_dim")
+TP_ROLES = ("colwise", "colwise_gather", "rowwise", "rowwise_replicated", "vocab", "embed_dim", "expert")
 
 
 def linear_operands(node: Node, is_param: Sequence[bool]) -> tuple[int, int, int | None] | None:
@@ -209,19 +209,25 @@ def torch_tp_strategies(
                                                                                        bwd all_gather
     ``vocab``               ``nn.Embedding``'s vocabulary ids -> R                     fwd all_reduce
     ``embed_dim``           ``nn.Embedding``'s hidden dim ids -> R                     fwd all_gather
+    ``expert``              the experts (3-D weights'     R -> R (rows: routed pairs   fwd 2 all_to_all +
+                            dim 0), a whole experts       sharded in between)          2 all_gather, bwd 2
+                            module at once                                             a2a + 2 all_gather
     ======================  ============================  ===========================  ==================
 
     The column input grad (partial on ``tp``) becomes the edge's backward all-reduce
     (``search/intra_op.py``). Left out because the runtime cannot build them (they leave the
     search until it can): the batch or sequence on ``tp`` (``tokens``: sequence parallelism, data
     parallelism inside tp), a reduce-scattered row output, vocab-parallel cross entropy, a sharded
-    norm weight, and expert or other non-``nn.Linear`` weights sharded on ``tp`` (MoE experts run
-    replicated on ``tp``), and a parameter tied to another (``tied``: GPT-2's ``wte`` / ``lm_head``:
+    norm weight, and other non-``nn.Linear`` weights sharded on ``tp`` (MoE experts only as a whole
+    module, :func:`expert_tp_strategies`), and a parameter tied to another (``tied``: GPT-2's ``wte`` / ``lm_head``:
     two layers' solutions could ask two placements of one tensor).
     """
     if "tp" not in mesh.axis_names or mesh.shape[mesh.axis_names.index("tp")] == 1:
         return strats
     tp = mesh.axis_names.index("tp")
+    experts = expert_tp_strategies(node, strats, sizes, mesh, tp, itemsizes)
+    if experts is not None:
+        return experts
     out: list[Strategy] = []
     for s in strats:
         lab = s.axis_labels[tp]
@@ -312,3 +318,96 @@ def _torch_tp_roles(
     if lab in sig.reduced or any(p and lab in labels for p, labels in zip(is_param, sig.inputs)):
         return []
     return [s]
+
+
+# ---- expert parallelism on tp (traced MoE layers, passes/moe.py) --------------------------------------
+def expert_tp_strategies(
+    node: Node,
+    strats: list[Strategy],
+    sizes: Mapping[str, int],
+    mesh: LogicalMesh,
+    tp: int,
+    itemsizes: Sequence[float],
+) -> list[Strategy] | None:
+    """The ``tp`` choices of a node ``passes/moe.py`` marked (None for any other node).
+
+    Every marked node may stay replicated on ``tp`` (the router only that); or the module runs the ``expert`` role
+    (``backends/torch/moe.py``): the expert weights (their permute: ``weight``) ``S(0)``, each rank
+    owning ``num_experts / tp`` experts; ``dispatch`` takes replicated tokens and leaves the routed
+    pairs sharded (``S(0)`` on the rows), ``inner`` nodes run on the rank's pairs, ``combine`` returns
+    them whole. The layouts chain the choices: a replicated node next to a sharded one would need a tp
+    resharding, which the torch runtime does not build (``intra_op.tp_forbidden``), so the ILP takes
+    the whole module expert-parallel or not at all. The collectives are the runtime's, per call:
+    dispatch: forward all_gather of the per-expert counts (int64, tp x experts) and all_to_all of the
+    pairs, backward all_to_all and the all_gathers of the token
+    gradient and of the router weights' gradient (f32); combine: forward all_to_all and the all_gather
+    of the output, backward all_to_all. all_to_all bytes are the balanced share (pairs / tp, the
+    output a rank receives if the router spreads tokens evenly; the real size follows the routing).
+    Needs ``num_experts`` and the micro-batch's token count divisible by ``tp``.
+    """
+    moe = node.attrs.get("moe")
+    if not moe:
+        return None
+    p = mesh.shape[tp]
+    role, num_experts, k = str(moe["role"]), int(moe["num_experts"]), int(moe["top_k"])
+    replicated = [s for s in strats if not s.axis_labels[tp] and not s.op_collectives]
+    if num_experts % p or role == "router":
+        return replicated or strats[:1]
+
+    def on_tp(lay: Layout, pl: str) -> Layout:
+        return lay[:tp] + (pl,) + lay[tp + 1 :]
+
+    def named(s: Strategy, labels: tuple[str, ...]) -> str:
+        return strategy_name(labels, mesh) + ":expert"
+
+    out = list(replicated)
+    sig = node.sig
+    if role in ("weight", "inner"):
+        lab = sig.inputs[0][0] if role == "weight" else sig.outputs[0][0]
+        for s in strats:
+            if s.axis_labels[tp] == lab and not s.op_collectives and lab not in sig.reduced:
+                tp_role = "expert" if role == "weight" else ""
+                out.append(dataclasses.replace(s, name=named(s, s.axis_labels), tp_role=tp_role))
+        return out
+    rows, feat = sig.inputs[0][0], sig.outputs[0][-1]
+    if sizes[rows] % (k * p):
+        return out
+    reason = f"expert parallel {node.module or node.name}"
+    for base in replicated:
+        labels = on_tp(base.axis_labels, sig.fixed[0] if sig.fixed else "e")  # type: ignore[arg-type]
+        w = on_tp(base.in_layouts[1], "S(0)")
+        colls: tuple[OpCollective, ...]
+        if role == "dispatch":
+            pairs = sizes[rows] * sizes[sig.inputs[0][1]] * itemsizes[0]
+            ins = (on_tp(base.in_layouts[0], "R"), w, *base.in_layouts[2:])
+            outs = (on_tp(base.out_layouts[0], "S(0)"),)
+            grads = (on_tp(base.in_grad_layouts[0], "R"), w, *base.in_grad_layouts[2:])
+            colls = (
+                OpCollective("all_gather", tp, p * num_experts * 8.0, "forward", f"{reason}: routing counts"),
+                OpCollective("all_to_all", tp, pairs / p, "forward", f"{reason}: dispatch"),
+                OpCollective("all_to_all", tp, pairs / p, "backward", f"{reason}: dispatch (gradient)"),
+                OpCollective("all_gather", tp, pairs / k, "backward", f"{reason}: token gradient"),
+                OpCollective("all_gather", tp, sizes[rows] * 4.0, "backward", f"{reason}: router weight gradient"),
+            )
+        else:
+            pairs = sizes[rows] * sizes[feat] * itemsizes[-1]
+            ins = (on_tp(base.in_layouts[0], "S(0)"), w, *base.in_layouts[2:])
+            outs = (on_tp(base.out_layouts[0], "R"),)
+            grads = (on_tp(base.in_grad_layouts[0], "S(0)"), w, *base.in_grad_layouts[2:])
+            colls = (
+                OpCollective("all_to_all", tp, pairs / p, "forward", f"{reason}: combine"),
+                OpCollective("all_gather", tp, pairs / k, "forward", f"{reason}: output"),
+                OpCollective("all_to_all", tp, pairs / p, "backward", f"{reason}: combine (gradient)"),
+            )
+        out.append(
+            Strategy(
+                named(base, labels),
+                labels,
+                ins,
+                outs,
+                grads,
+                base.work_divisor * p,
+                colls,
+            )
+        )
+    return out

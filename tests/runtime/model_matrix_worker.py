@@ -5,7 +5,9 @@ every rank joins one gloo group; the seeded single-device references are split o
 (``train.reference_run``, job ``i`` on rank ``i % N``); then each job's plan is emitted
 (``backends/torch/emit.py``), executed in memory and trained by ``train._train``, exactly as the
 generated program's ``__main__`` would, one job after another on the same group. Rank 0 writes
-``{job id: {"losses", "reference", "seconds", "num_stages"}}`` to OUT.
+``{job id: {"losses", "reference", "seconds", "num_stages"}}`` to OUT; a job with ``"count"`` also
+counts collectives (the program's own first/last-step count against the plan's records, and every
+rank's all_to_all over the run: their bytes follow the routing, only the group's sum is fixed).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch.distributed as dist
 
 
 def main(jobs_file: str, out_file: str) -> None:
+    from partita.backends.torch import fidelity
     from partita.backends.torch import train as torch_train
     from partita.backends.torch.emit import emit_torch
     from partita.plan import Plan
@@ -51,9 +54,16 @@ def main(jobs_file: str, out_file: str) -> None:
         path = where / "program_torch.py"
         ns = {"__name__": "partita_matrix", "__file__": str(path)}
         exec(compile(emit_torch(plan, job["spec"]), str(path), "exec"), ns)  # noqa: S102 - our emitted source
-        args = torch_train.parse_args(["--steps", str(job["steps"]), "--no-count", "--checkpoint-every", "0"])
+        count = [] if job.get("count") else ["--no-count"]  # counted: the first and last step's collectives
+        args = torch_train.parse_args(["--steps", str(job["steps"]), *count, "--checkpoint-every", "0"])
         t0 = time.perf_counter()
-        res = torch_train._train(ns["PROGRAM"], ns["SETUP_STAGE"], ns["make_runner"], ns["lr_lambda"], args, "gloo")
+        every_a2a = None
+        with fidelity.CollectiveCounter(enabled=bool(job.get("count"))) as outer:  # every rank's all_to_all
+            res = torch_train._train(ns["PROGRAM"], ns["SETUP_STAGE"], ns["make_runner"], ns["lr_lambda"], args, "gloo")
+        if job.get("count"):
+            a2a = [nbytes for kind, _, nbytes in outer.events if kind == "all_to_all"]
+            every_a2a = [None] * world
+            dist.all_gather_object(every_a2a, {"count": len(a2a), "bytes": sum(a2a)})
         if rank == 0 and res is not None:
             out[job["id"]] = {
                 "losses": res["losses"],
@@ -61,6 +71,10 @@ def main(jobs_file: str, out_file: str) -> None:
                 "seconds": time.perf_counter() - t0,
                 "num_stages": plan.num_stages,
             }
+            if job.get("count"):  # the last step on each stage's first rank, and all_to_all per rank (whole run)
+                out[job["id"]]["collectives"] = res["collectives"]
+                out[job["id"]]["collective_mismatches"] = res["collective_mismatches"]
+                out[job["id"]]["all_to_all_per_rank"] = every_a2a
             print(f"matrix: {job['id']} {out[job['id']]['seconds']:.2f}s", flush=True)
     if rank == 0:
         Path(out_file).write_text(json.dumps(out, indent=1))

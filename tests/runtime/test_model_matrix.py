@@ -10,8 +10,8 @@ that the tracer names the same layers). Layouts on 4 CPU ranks, 3 steps, global 
 * ``pp2``: two stages of dp=2 cut in the middle, 1F1B, ZeRO-0 / ZeRO-2 alternating;
 * ``dp2tp2``: one stage, Megatron tp=2 x dp=2, for Mistral, Qwen2 and Gemma (``TENSOR_PARALLEL``);
 * ``dp4z1``: one stage, dp=4, ZeRO-1, in place of ``pp2`` for the models the runtime does not pipeline
-  (``NOT_PIPELINED``: T5 takes two inputs, and a later stage would see only the boundary activation;
-  the tracer marks its graph so the search never pipelines it, ``tests/test_models.py``).
+  (``NOT_PIPELINED``, empty now: T5's pp2 cut inside the decoder carries three tensors,
+  ``backends/torch/boundary.py``).
 
 Each task trains on its own loss (``train.make_loss``): next-token for causal LMs, the masked positions
 for BERT (``hf.mask_tokens``), the decoder targets for T5 (its inputs packed on dim 1, ``hf.pack``),
@@ -41,9 +41,10 @@ from partita.models import families, resolve_model
 from partita.plan import Plan, Stage
 
 ROOT = Path(__file__).resolve().parents[2]
-# T5 takes input_ids and decoder_input_ids: pipeline stages after the first would see only the boundary
-# activation (stages.GenericStage refuses it; the traced graph's meta["no_pipeline"] keeps it out of the search).
-NOT_PIPELINED = {"t5"}
+# Models the runtime does not pipeline (passes/boundaries.pipeline_refusal marks their graphs): none of the
+# matrix. T5 pipelines: its decoder cut carries the hidden state, the encoder output and the position bias,
+# packed into one boundary tensor (backends/torch/boundary.py).
+NOT_PIPELINED: set[str] = set()
 
 
 # ---- a user's plain torch models ----------------------------------------------------------------
@@ -115,6 +116,10 @@ def mixer() -> tuple[nn.Module, Any]:
 
 
 TENSOR_PARALLEL = {"mistral", "qwen2", "gemma"}
+# expert parallel (tp role ``expert``, backends/torch/moe.py): experts sharded over tp=2, tokens all_to_all'd;
+# the blocks' tp layout is the ILP's own (expert_plan), so the plan carries the records the run is counted against
+EXPERT_PARALLEL = {"mixtral"}
+AUX_COEF = 0.02  # router_aux_loss_coef of the expert-parallel job's config (output_router_logits on)
 THROUGH_API = {"qwen2", "mistral", "gemma", "bert", "t5", "vit", "mixer"}  # also via partita.parallelize(model)
 TORCH_MODELS = {"convnet": "tests.runtime.test_model_matrix:convnet", "mixer": "tests.runtime.test_model_matrix:mixer"}
 
@@ -136,6 +141,79 @@ def megatron(layers: list[str], bias: bool) -> dict[str, tuple[str, str]]:
                 out[f"{b}.{p}.bias"] = ("R", "S(0)")
         out[f"{b}.self_attn.o_proj.weight"] = out[f"{b}.mlp.down_proj.weight"] = ("R", "S(1)")
     return out
+
+
+def expert_plan(spec: str, layers: list[str]) -> Plan:
+    """dp=2 x tp=2 with each block laid out on tp as the search lays it out: the layer ILP
+    (``intra_op.solve_layer``, torch style, 2 CPU ranks, the plan's micro-batch). At this size a
+    replicated block is cheapest, so each block gets 80% of the memory its replicated layout needs;
+    to fit, the ILP shards the experts (``e@tp:expert``, role ``expert``: they are most of the
+    block's bytes). Its placements, roles and records go into the stage and
+    ``search/records.complete`` adds the rest, as ``plan_build`` does. Embedding and head replicated."""
+    from partita.cluster import DEVICE_PRESETS
+    from partita.driver import trace_model
+    from partita.search import records
+    from partita.search.cost_model import CostModel
+    from partita.search.intra_op import solve_layer
+    from partita.search.mesh import LogicalMesh
+
+    plan = make_plan(layers, "dp2tp2")
+    graph = trace_model(spec, batch=plan.micro_batch_size, seq=int(plan.training["seq_len"])).graph
+    cpu = DEVICE_PRESETS["CPU"]
+    mesh = LogicalMesh((1, 2), ("dp", "tp"), cpu, 4)
+    env = {"B": plan.micro_batch_size, "S": int(plan.training["seq_len"])}
+    placements: dict[str, tuple[str, ...]] = {}
+    roles: dict[str, str] = {}
+    colls = []
+    for layer in graph.layers:
+        if layer.name in layers[1:-1]:
+            kw = {"env": env, "dtype": "f32", "cost_model": CostModel.for_device(cpu), "tp_style": "torch"}
+            need = solve_layer(graph, layer, mesh, **kw).memory_bytes  # type: ignore[arg-type]
+            sol = solve_layer(graph, layer, mesh, memory_budget=0.8 * need, **kw)  # type: ignore[arg-type]
+            assert sol.tp_plan == {f"{layer.name}.mlp.experts": "expert"}, sol.tp_plan
+            placements.update(sol.param_placements)
+            roles.update(sol.tp_plan)
+            colls += sol.collectives
+    stage = dataclasses.replace(plan.stages[0], param_placements=placements, tp_plan=roles, collectives=tuple(colls))
+    return records.complete(dataclasses.replace(plan, stages=(stage,)), graph)
+
+
+# pipelines whose counted step must issue the plan's records: T5's cut carries three tensors packed into one
+# (backends/torch/boundary.py), and its p2p bytes are their sum (passes/boundaries.py)
+COUNTED_PIPELINES = {"t5"}
+
+
+def counted_plan(spec: str, plan: Plan) -> Plan:
+    """``plan`` with the records ``search/records.complete`` derives from the traced graph."""
+    from partita.driver import trace_model
+    from partita.search import records
+
+    graph = trace_model(spec, batch=plan.micro_batch_size, seq=int(plan.training["seq_len"])).graph
+    return records.complete(plan, graph)
+
+
+def expert_pipeline(ep: Plan, layers: list[str]) -> Plan:
+    """Two stages of tp=2 (1F1B on ``torch.distributed.pipelining``), each block laid out as in ``ep``
+    (the ILP's expert role): stage 1's first forward runs on uninitialised tensors (pipelining's shape
+    inference), so the tp ranks route different tokens there; the runtime must not assume they agree."""
+    half, stage = len(layers) // 2, ep.stages[0]
+    out = []
+    for i, (names, ranks) in enumerate(((layers[:half], (0, 1)), (layers[half:], (2, 3)))):
+        prefixes = tuple(n + "." for n in names)
+        out.append(
+            dataclasses.replace(
+                stage,
+                index=i,
+                layers=tuple(names),
+                ranks=ranks,
+                dp=1,
+                tp=2,
+                param_placements={k: v for k, v in stage.param_placements.items() if k.startswith(prefixes)},
+                tp_plan={k: v for k, v in stage.tp_plan.items() if k.startswith(prefixes)},
+                collectives=(),
+            )
+        )
+    return dataclasses.replace(make_plan(layers, "pp2"), stages=tuple(out), micro_batch_size=4)
 
 
 def make_plan(layers: list[str], layout: str, zero: int = 0, placements: dict | None = None) -> Plan:
@@ -180,11 +258,20 @@ def jobs(tmp: Path) -> list[dict[str, Any]]:
         for layout, zero in layouts:
             plan = make_plan(layers, layout, zero)
             out.append({"id": f"{name}-{layout}", "spec": spec, "plan": plan.to_json(), "steps": 3})
+            if name in COUNTED_PIPELINES and layout == "pp2":  # the plan's records, counted against the run
+                out[-1].update(plan=counted_plan(spec, plan).to_json(), count=True)
             if name in THROUGH_API:
                 out.append({**out[-1], "id": f"{name}-{layout}-api", "api": True})
         if name in TENSOR_PARALLEL:  # Megatron tp=2 x dp=2 on the model's own attention (local heads)
             plan = make_plan(layers, "dp2tp2", placements=megatron(layers, bias=name == "qwen2"))
             out.append({"id": f"{name}-dp2tp2", "spec": spec, "plan": plan.to_json(), "steps": 3})
+        if name in EXPERT_PARALLEL:  # experts over tp=2, with the load-balancing loss; collectives counted
+            aux = {**families.tiny(name), "output_router_logits": True, "router_aux_loss_coef": AUX_COEF}
+            aux_spec = str(families.write_config(tmp / f"{name}_aux", aux))
+            plan = expert_plan(aux_spec, layers)
+            out.append({"id": f"{name}-ep2", "spec": aux_spec, "plan": plan.to_json(), "steps": 3, "count": True})
+            pp2 = next(j for j in out if j["id"] == f"{name}-pp2")  # its pipeline runs the experts expert-parallel
+            pp2["plan"] = expert_pipeline(plan, layers).to_json()
     return out
 
 
@@ -216,3 +303,38 @@ def test_every_architecture_trains_like_one_device(tmp_path: Path) -> None:
     assert {j.split("-")[0] for j, r in got.items() if j.endswith("-dp2tp2")} == TENSOR_PARALLEL & names
     pipelined = {j.split("-")[0] for j, r in got.items() if r["num_stages"] > 1}
     assert pipelined == names - NOT_PIPELINED
+    assert {j.split("-")[0] for j in got if j.endswith("-ep2")} == EXPERT_PARALLEL & names
+    for job in (j for j in todo if j.get("count") and j["id"].endswith("-pp2")):  # several boundary tensors
+        # the counted step's p2p (count and bytes per stage) is the plan's record: the packed tensors' bytes
+        from partita.search import records
+
+        plan, measured = Plan.from_json(job["plan"], job["id"]), got[job["id"]]["collectives"]
+        for i, s in enumerate(plan.stages):
+            want = records.summary(s.collectives)["p2p@pp"]
+            assert measured[f"stage{i}"]["p2p@pp"] == want, (job["id"], i, measured, want)
+    for job in (j for j in todo if j["id"].endswith("-ep2")):
+        check_expert_parallel(job, got[job["id"]])
+        # same weights and data as the dp4z3 job, plus the load-balancing loss (about 2 x coef for top-2 of 4)
+        name = job["id"].split("-")[0]
+        extra = got[job["id"]]["losses"][0] - got[f"{name}-dp4z3"]["losses"][0]
+        assert 0.5 * AUX_COEF < extra < 5 * AUX_COEF, extra
+
+
+def check_expert_parallel(job: dict[str, Any], r: dict[str, Any]) -> None:
+    """The run issued what the plan records: every kind@axis, count and byte total of the counted
+    step equal the plan's (``fidelity.compare``), except all_to_all bytes, which follow the routing;
+    for those, each rank ran the plan's count every step and each tp group moved, summed over its two
+    ranks, exactly twice the plan's balanced bytes (every routed pair goes somewhere once)."""
+    from partita.search import records
+
+    plan = Plan.from_json(job["plan"], job["id"])
+    want = records.summary(plan.stages[0].collectives)
+    assert {"all_to_all@tp", "all_gather@tp"} <= set(want), want
+    assert set(r["collectives"]["stage0"]) == set(want), (r["collectives"], want)
+    others = [m for m in r["collective_mismatches"]["stage0"] if not m.startswith("all_to_all@tp: measured ")]
+    assert not others and " B, predicted" in "".join(r["collective_mismatches"]["stage0"] or [" B, predicted"])
+    a2a, steps = want["all_to_all@tp"], job["steps"]
+    per_rank = r["all_to_all_per_rank"]
+    assert [x["count"] for x in per_rank] == [steps * a2a["count"]] * 4
+    for group in ((0, 1), (2, 3)):  # the tp groups of a dp=2 x tp=2 mesh
+        assert sum(per_rank[i]["bytes"] for i in group) == steps * 2 * a2a["bytes"], (group, per_rank, a2a)

@@ -23,6 +23,8 @@ role                      what the hooks do                                  for
 ``rowwise_replicated``    replicated input sliced to Shard(-1), Partial -> R all_reduce        all_gather
 ``vocab``                 nn.Embedding sharded on the vocabulary             all_reduce        -
 ``embed_dim``             nn.Embedding sharded on the hidden dim             all_gather        -
+``expert``                an experts module sharded by expert (``moe.py``)   2 all_to_all,     2 all_to_all,
+                          tokens sliced, dispatched, combined, gathered      2 all_gather      2 all_gather
 ========================  =================================================  ===============  =============
 
 (``colwise`` = ``ColwiseParallel(output_layouts=Shard(-1), use_local_output=True)``, ``colwise_gather``
@@ -62,12 +64,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
+from partita.backends.torch import moe
 from partita.errors import PlanError
 from partita.frontends.torch_shim import strided_shard
 
 COLUMN, COLUMN_GATHER, ROW, ROW_REPLICATED = "colwise", "colwise_gather", "rowwise", "rowwise_replicated"
 VOCAB, EMBED_DIM, GENERIC = "vocab", "embed_dim", "generic"
-ROLES = (COLUMN, COLUMN_GATHER, ROW, ROW_REPLICATED, VOCAB, EMBED_DIM, GENERIC)
+EXPERT = moe.EXPERT  # an experts module sharded over tp by expert (backends/torch/moe.py: all_to_all dispatch)
+ROLES = (COLUMN, COLUMN_GATHER, ROW, ROW_REPLICATED, VOCAB, EMBED_DIM, EXPERT, GENERIC)
 
 
 def parse_placement(text: str) -> Placement:
@@ -105,6 +109,8 @@ def _own_role(mod: nn.Module, pl: Mapping[str, str]) -> str | None:
     """Role from a module's own parameter placements alone (column / row resolved later)."""
     if all(v == "R" for v in pl.values()):
         return None
+    if moe.expert_role(mod, dict(pl)):
+        return EXPERT
     w, b = pl.get("weight", "R"), pl.get("bias", "R")
     if isinstance(mod, nn.Embedding) and set(pl) == {"weight"}:
         return {"S(0)": VOCAB, "S(1)": EMBED_DIM}.get(w, GENERIC)
@@ -141,6 +147,7 @@ _ROLE_OF_OWN = {
     ROW: (ROW, ROW_REPLICATED),
     VOCAB: (VOCAB,),
     EMBED_DIM: (EMBED_DIM,),
+    EXPERT: (EXPERT,),
 }
 
 
@@ -236,6 +243,10 @@ def tp_collectives(roles: Mapping[str, str], no_input_grad: Sequence[str] = ()) 
             add(fwd, "all_gather")
         if role == ROW_REPLICATED:
             add(bwd, "all_gather")
+        if role == EXPERT:  # moe.py: fwd counts + output all_gather, dispatch + combine; bwd: also both slices
+            for d, kind in ((fwd, "all_to_all"), (fwd, "all_gather"), (bwd, "all_to_all"), (bwd, "all_gather")):
+                add(d, kind)
+                add(d, kind)
     cols = [p for p, r in roles.items() if r in (COLUMN, COLUMN_GATHER) and p not in no_input_grad]
     for _ in {p.rpartition(".")[0] for p in cols}:
         add(bwd, "all_reduce")
@@ -382,8 +393,11 @@ def tensor_parallel(
                 setattr(mod, a, new)
             done.add(id(new))
     _localize_attrs(module, placements, derived, strided_attrs or {}, mesh.size())
+    moe.apply_expert_parallel(module, mesh, [p for p, r in derived.items() if r == EXPERT])
     hooks = _Hooks(mesh)
     for path, role in derived.items():
+        if role == EXPERT:
+            continue  # its forward is replaced: the experts run on this rank's shard (moe.py)
         mod, parent = module.get_submodule(path), path.rpartition(".")[0]
         mod.register_forward_pre_hook(hooks.pre(role, parent, _in_features(mod)))
         mod.register_forward_hook(hooks.post(role))

@@ -56,7 +56,7 @@ from partita.backends.torch import data as tdata
 from partita.backends.torch import parallel as tpar
 from partita.backends.torch.schedule import replica_ranges
 from partita.errors import PartitaError, PlanError
-from partita.models import hf
+from partita.models import hf, moe_aux
 
 
 # ---- shared with the reference -----------------------------------------------------------------
@@ -171,11 +171,12 @@ def reference_run(
     scaler = optim.LossScaler.from_training(training) if optim.loss_scaling(training) else None
     source = make_data(handle, training, data_seed, data_file, data_dtype, data_fn)
     rows = list(range(int(training["global_batch"])))
+    aux = moe_aux.router_aux(model, len(rows))  # + the MoE load-balancing loss when the config asks for it
     losses, grads, lrs, norms, scales, skipped = [], {}, [], [], [], []
     for step in range(steps):
         x, y = source.rows(step, rows)
         out = tpar.reference_forward(model, x, precision, str(training.get("dtype", "f32")))
-        loss_fn = make_loss(num_targets(y, shift_labels(handle)), shift_labels(handle))
+        loss_fn = aux(make_loss(num_targets(y, shift_labels(handle)), shift_labels(handle)))
         loss = (scaler.wrap(loss_fn) if scaler else loss_fn)(out, y)
         loss.backward()
         overflow, used = False, 1.0
@@ -392,12 +393,15 @@ def _train(
     handle = resolve_model(program["model"])
     x0, _ = make_batch(handle, {**training, "global_batch": 1}, args.data_seed, 0)
     # meta build, only this stage's layers allocated; boundary shapes from meta tensors (materialize.py)
-    built = materialize.materialize(handle, args.seed, [s["layers"] for s in stages], me["layers"], x0)
+    cut = stage_cuts(program)  # model chunks (interleaved 1F1B, ZB-V): boundaries per virtual stage
+    built = materialize.materialize(handle, args.seed, cut, me["layers"], x0)
     model, tied, boundary = built.model, built.tied, built.boundary
     tied_group, tied_n = _tied_group(model, tied, stages, rank)
     _, y1 = make_batch(handle, {**training, "global_batch": 1}, args.data_seed, 0)
     shift = shift_labels(handle)  # per-row target counts are fixed (hf.mask_tokens), so one row gives the total
     loss_fn = make_loss(int(training["global_batch"]) * num_targets(y1, shift), shift)
+    # + the MoE load-balancing loss per sequence when the config asks for it (models/moe_aux.py; one stage only)
+    loss_fn = moe_aux.router_aux(model, int(training["global_batch"]), len(cut))(loss_fn)
     scaler = optim.LossScaler.from_training(training) if optim.loss_scaling(training) else None
     if scaler is not None:  # f16: dynamic loss scaling (optim.LossScaler); the schedule sees the scaled loss
         loss_fn = scaler.wrap(loss_fn)
@@ -432,7 +436,7 @@ def _train(
     i, j = rt.coords
     lo, hi = replica_ranges(me["shares"])[i]
     m, mb = program["num_micro_batches"], sum(me["shares"])
-    first, last = me["index"] == 0, me["index"] == len(stages) - 1
+    first, last = holds_ends(program, me)
     rows = tdata.rank_rows(m, mb, lo, hi) if (first or last) else []  # this rank's share of the batch only
     log = StepLog(program, args, rank)
     losses, times, counts, norms, lrs, scales, skipped = [], [], [], [], [], [], []
@@ -488,6 +492,24 @@ def _train(
         "num_params_local": sum(p.numel() for p in rt.module.parameters()),
     }
     return _report(program, args, losses, times, counts, start, extra)
+
+
+def stage_cuts(program: Mapping[str, Any]) -> list[list[str]]:
+    """The layers of each pipeline stage in model order, whose outputs are the boundary tensors: the
+    virtual stages of a program with model chunks (``PROGRAM["chunks"]``, interleaved 1F1B and ZB-V:
+    ``backends/torch/chunks.py``), else the stages."""
+    if "chunks" in program:
+        return [list(c["layers"]) for c in program["chunks"]]
+    return [list(s["layers"]) for s in program["stages"]]
+
+
+def holds_ends(program: Mapping[str, Any], me: Mapping[str, Any]) -> tuple[bool, bool]:
+    """Does stage ``me`` take the model's inputs (first) / compute the loss (last)? Under ZB-V the
+    last model chunk sits on the first rank group."""
+    last = len(program["stages"]) - 1
+    if "chunks" in program:
+        last = program["chunks"][-1]["position"]
+    return me["index"] == 0, me["index"] == last
 
 
 def forward_backward(runner: Any, rt: StageRuntime, me: Mapping[str, Any], xs: list, ys: list, tied: tuple) -> list:

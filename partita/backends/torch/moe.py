@@ -1,0 +1,197 @@
+"""Expert parallelism of Hugging Face MoE layers over the ``tp`` axis: the ``expert`` tp role.
+
+Called by ``backends/torch/tp.py`` (``tensor_parallel``) for every module the plan gives the role
+``expert`` (``Stage.tp_plan``; the search's strategy ``e@tp:expert``, ``search/strategies.py``): a
+transformers experts module (``MixtralExperts``, ``Qwen2MoeExperts``: 3-D ``gate_up_proj`` /
+``down_proj`` stacked over experts) whose parameters the plan places ``S(0)`` on ``tp``. Each of the
+``p`` ranks of the tp group holds ``num_experts / p`` consecutive experts (a DTensor shard).
+
+The router runs replicated on every tp rank (same top-k, same normalization as the model); each rank
+routes the pairs of its own token slice and the group all-gathers the per-expert counts (the split
+sizes of both all_to_all and the order rows arrive in). Nothing assumes the tp ranks' router outputs
+agree bit for bit (``torch.distributed.pipelining`` even runs a first forward on uninitialised
+tensors to infer shapes). One call of the module:
+
+==========  ===================================================================  ============
+step        what                                                                 collective
+==========  ===================================================================  ============
+slice       rank ``r`` takes tokens ``[r T/p, (r+1) T/p)`` and their k choices    bwd all_gather (x2)
+counts      pairs per expert of every rank's slice (int64, ``p x E``)             all_gather
+dispatch    its (token, expert) pairs, sorted by expert, to the owning ranks      all_to_all
+experts     each local expert on the pairs it received (``F.linear``, the gate)  -
+combine     the results back to the pairs' home rank                              all_to_all
+weighting   times the router weights, summed over the k choices                   -
+gather      the ``T/p`` finished rows from every rank: the whole output again    all_gather
+==========  ===================================================================  ============
+
+The backward runs each step in reverse: the two all_to_all again, the gather's backward takes this
+rank's rows (the output gradient is replicated on tp), and the slice's backward all-gathers the
+input gradient and the router-weight gradient, so the replicated router and everything before it
+see the whole gradient on every rank. Expert gradients stay on the expert's owner: no all-reduce over
+tp (they are still summed over ``dp`` with the rest of the stage). What the plan records per call
+(``search/strategies.expert_tp_strategies``, the one prediction): forward 2 all_to_all + 2 all_gather,
+backward 2 all_to_all + 2 all_gather; all_to_all bytes are the balanced share (pairs / p): the real
+size depends on the routing, and only their sum over the group equals the plan's times p.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from partita.errors import PlanError
+
+EXPERT = "expert"
+WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
+
+
+def is_experts_module(mod: nn.Module) -> bool:
+    """A transformers experts module with stacked 3-D expert weights (and no biases)."""
+    if not isinstance(getattr(mod, "num_experts", None), int):
+        return False
+    ws: list[Any] = [w for w in (getattr(mod, a, None) for a in WEIGHTS) if isinstance(w, torch.Tensor)]
+    return len(ws) == 2 and all(w.dim() == 3 and w.shape[0] == mod.num_experts for w in ws)
+
+
+def expert_role(mod: nn.Module, placements: dict[str, str]) -> str | None:
+    """``expert`` when ``mod`` is an experts module whose expert weights are all placed ``S(0)``."""
+    if not is_experts_module(mod) or getattr(mod, "has_bias", False):
+        return None
+    names = [a for a in WEIGHTS if isinstance(getattr(mod, a, None), torch.Tensor)]
+    if set(placements) <= set(names) and all(placements.get(a) == "S(0)" for a in names):
+        return EXPERT
+    return None
+
+
+class _Slice(torch.autograd.Function):
+    """Forward: this rank's rows; backward: the rows' gradients of every rank, all-gathered."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, rank: int, size: int, group: Any) -> torch.Tensor:
+        ctx.rank, ctx.size, ctx.group = rank, size, group
+        n = x.shape[0] // size
+        return x[rank * n : (rank + 1) * n].contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        grad = grad.contiguous()
+        out = grad.new_empty((grad.shape[0] * ctx.size, *grad.shape[1:]))
+        dist.all_gather_single(out, grad, group=ctx.group)
+        return out, None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """``dist.all_to_all_single`` with its backward: the gradients travel the reverse way."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+class _Gather(torch.autograd.Function):
+    """Forward: every rank's rows, all-gathered; backward: this rank's rows of the replicated gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, rank: int, size: int, group: Any) -> torch.Tensor:
+        ctx.rank, ctx.n = rank, x.shape[0]
+        x = x.contiguous()
+        out = x.new_empty((x.shape[0] * size, *x.shape[1:]))
+        dist.all_gather_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return grad[ctx.rank * ctx.n : (ctx.rank + 1) * ctx.n], None, None, None
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    return w.to_local() if isinstance(w, DTensor) else w
+
+
+def _sorted_experts(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert ids sorted, stable order) of a slice's flattened top-k choices."""
+    flat = idx.reshape(-1)
+    e, order = torch.sort(flat, stable=True)
+    return e, order
+
+
+def expert_parallel_forward(
+    self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """The experts module's forward with its experts sharded over the tp group (module docstring)."""
+    if hidden_states.device.type == "meta":  # shape inference (torch.distributed.pipelining's first step)
+        return torch.empty_like(hidden_states)
+    ep = self._partita_ep
+    group, p, r = ep["group"], ep["size"], ep["rank"]
+    num_tokens, k = top_k_index.shape
+    if num_tokens % p:
+        raise PlanError(
+            f"expert parallelism over {p} ranks needs the tokens of a micro-batch ({num_tokens}) to divide by {p}.",
+            "choose a micro-batch size x sequence length divisible by the tp degree, or recompile the plan.",
+        )
+    per_rank = self.num_experts // p
+    n = num_tokens // p
+    x = _Slice.apply(hidden_states, r, p, group)  # [n, h]
+    w = _Slice.apply(top_k_weights, r, p, group)  # [n, k]
+    with torch.no_grad():  # each rank routes its own slice; the per-expert counts are all-gathered
+        mine, order = _sorted_experts(top_k_index[r * n : (r + 1) * n])
+        per_expert = torch.bincount(mine, minlength=self.num_experts)
+        every = per_expert.new_empty(p * self.num_experts)
+        dist.all_gather_single(every, per_expert, group=group)
+        every = every.view(p, self.num_experts)  # [src, expert]
+        counts = every.view(p, p, per_rank).sum(dim=-1)  # [src, dst rank]
+        block = every[:, r * per_rank : (r + 1) * per_rank]  # [src, my expert]: rows arrive in this order
+        recv_e = torch.repeat_interleave(torch.arange(per_rank, device=block.device).repeat(p), block.reshape(-1))
+    send_splits = [int(c) for c in counts[r]]
+    recv_splits = [int(c) for c in counts[:, r]]
+    send = x[order // k]  # [n k, h], grouped by destination rank
+    recv = _AllToAll.apply(send, recv_splits, send_splits, group)
+    gate_up = _local(self.gate_up_proj if self.has_gate else self.up_proj)
+    down = _local(self.down_proj)
+    out = torch.zeros_like(recv)
+    for j in range(per_rank):
+        rows = torch.nonzero(recv_e == j).squeeze(-1)
+        if rows.numel() == 0:
+            continue
+        cur = recv[rows]
+        h1 = cur @ gate_up[j] if self.is_transposed else nn.functional.linear(cur, gate_up[j])
+        h1 = self._apply_gate(h1) if self.has_gate else self.act_fn(h1)
+        h2 = h1 @ down[j] if self.is_transposed else nn.functional.linear(h1, down[j])
+        out = out.index_add(0, rows, h2.to(out.dtype))
+    back = _AllToAll.apply(out, send_splits, recv_splits, group)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)
+    pairs = back[inv] * w.reshape(-1, 1)  # [n k, h], in (token, choice) order
+    local = pairs.view(n, k, -1).sum(dim=1).to(hidden_states.dtype)
+    return _Gather.apply(local, r, p, group)
+
+
+def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh, paths: list[str]) -> None:
+    """Make each experts module of ``paths`` run :func:`expert_parallel_forward` on ``mesh`` (1-D, tp)."""
+    size, rank = mesh.size(), mesh.get_local_rank()
+    for path in paths:
+        mod: Any = module.get_submodule(path)
+        if not is_experts_module(mod) or mod.num_experts % size:
+            raise PlanError(
+                f"{path} is planned expert-parallel over {size} ranks, but it is no experts module with a "
+                f"multiple of {size} experts.",
+                "recompile the plan for this model (`partita compile MODEL ...`).",
+            )
+        mod._partita_ep = {"group": mesh.get_group(), "size": size, "rank": rank}
+        mod.forward = types.MethodType(expert_parallel_forward, mod)

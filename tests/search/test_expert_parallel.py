@@ -1,0 +1,123 @@
+"""Expert parallelism from a traced Hugging Face MoE model (issue 16): marked, searched, priced, applied.
+
+A tiny Mixtral (``models/families.tiny``, 4 experts, top-2) is traced once through its config.json;
+``passes/moe.py`` marks its experts subgraphs, the layer ILP (``search/intra_op.solve_layer``,
+torch style) chooses the ``expert`` strategy on the ``tp`` axis when it pays, and the records it
+writes are the collectives ``backends/torch/moe.py`` issues. The multi-process run that trains the
+same model expert-parallel and counts its collectives against these records is the ``mixtral-ep2``
+job of ``tests/runtime/test_model_matrix.py``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from partita.cluster import DEVICE_PRESETS
+from partita.driver import trace_model
+from partita.errors import PlanError
+from partita.ir import Graph, Layer, dim_size
+from partita.models import families, resolve_model
+from partita.search.cost_model import CostModel
+from partita.search.intra_op import LayerSolution, solve_layer
+from partita.search.mesh import LogicalMesh
+
+CPU = DEVICE_PRESETS["CPU"]
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Graph]:
+    spec = str(families.write_config(Path(tmp_path_factory.mktemp("mixtral")), families.tiny("mixtral")))
+    return spec, trace_model(spec, batch=2, seq=16).graph
+
+
+def _block(graph: Graph) -> Layer:
+    return next(lay for lay in graph.layers if lay.name == "model.layers.0")
+
+
+def _solve(graph: Graph, env: dict[str, int], budget: float | None = None) -> LayerSolution:
+    mesh = LogicalMesh((1, 2), ("dp", "tp"), CPU, 4)
+    cm = CostModel.for_device(CPU)
+    return solve_layer(
+        graph, _block(graph), mesh, env=env, dtype="f32", cost_model=cm, memory_budget=budget, tp_style="torch"
+    )
+
+
+def test_traced_experts_are_marked(mixtral: tuple[str, Graph]) -> None:
+    _, g = mixtral
+    marked = [n for n in g.nodes if "moe" in n.attrs and n.module.startswith("model.layers.0.")]
+    roles = [n.attrs["moe"]["role"] for n in marked]
+    assert roles.count("weight") == 2 and roles.count("dispatch") == 1 and roles.count("combine") == 1
+    assert roles.count("router") == 1 and roles.count("inner") >= 2  # gate activation, product
+    assert {(n.attrs["moe"]["num_experts"], n.attrs["moe"]["top_k"]) for n in marked} == {(4, 2)}
+    weights = {g.tensors[n.inputs[0]].fqn for n in marked if n.attrs["moe"]["role"] == "weight"}
+    assert weights == {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"}
+    (router,) = [n for n in marked if n.attrs["moe"]["role"] == "router"]
+    assert router.module == "model.layers.0.mlp.gate"
+    # every block has them: both layers are one kind, solved once
+    assert sum(1 for n in g.nodes if n.attrs.get("moe", {}).get("role") == "dispatch") == 2
+
+
+def test_the_ilp_shards_experts_when_it_pays(mixtral: tuple[str, Graph]) -> None:
+    _, g = mixtral
+    small = {"B": 2, "S": 16}
+    free = _solve(g, small)
+    assert "expert" not in free.tp_plan.values()  # 32 tokens on 2 CPU ranks: replicated is cheapest
+    tight = _solve(g, small, budget=0.8 * free.memory_bytes)  # the experts are most of the block's bytes
+    assert tight.tp_plan == {"model.layers.0.mlp.experts": "expert"}
+    experts = {k: v for k, v in tight.param_placements.items() if ".experts." in k}
+    assert experts == {
+        "model.layers.0.mlp.experts.gate_up_proj": ("R", "S(0)"),
+        "model.layers.0.mlp.experts.down_proj": ("R", "S(0)"),
+    }
+    assert tight.param_bytes < free.param_bytes
+    # a larger micro-batch makes replicated experts (each rank computing every token's experts) the slower
+    # choice: the ILP takes expert parallelism with no memory pressure; the router stays replicated
+    big = _solve(g, {"B": 8, "S": 256})
+    assert big.tp_plan.get("model.layers.0.mlp.experts") == "expert"
+    assert "model.layers.0.mlp.gate" not in big.tp_plan
+    assert big.op_strategies[next(n.name for n in g.nodes if n.attrs.get("moe", {}).get("role") == "router")] == "R"
+
+
+def test_records_are_the_runtime_collectives(mixtral: tuple[str, Graph]) -> None:
+    """Per experts call (backends/torch/moe.py): forward the routing counts' all_gather, dispatch +
+    combine all_to_all and the output all_gather; backward both all_to_all again and the all_gathers of the token and router-weight
+    gradients. Bytes from the IR's own tensors: all_to_all the balanced share of the routed pairs."""
+    _, g = mixtral
+    env = {"B": 8, "S": 256}
+    sol = _solve(g, env)
+    ep = [c for c in sol.collectives if c.reason.startswith("expert parallel model.layers.0.mlp.experts")]
+    fwd = sorted((c.kind, c.bytes) for c in ep if c.phase == "forward")
+    bwd = sorted((c.kind, c.bytes) for c in ep if c.phase == "backward")
+    dispatch = next(n for n in g.nodes if n.attrs.get("moe", {}).get("role") == "dispatch")
+    rows, hidden = (dim_size(d, env) for d in g.tensors[dispatch.inputs[0]].shape)
+    item = g.tensors[dispatch.inputs[0]].itemsize
+    tokens = rows // 2  # top-2
+    pairs = rows * hidden * item
+    counts = ("all_gather", 2 * 4 * 8.0)  # int64 pairs per expert, 4 experts, from both ranks
+    assert fwd == sorted([("all_to_all", pairs / 2)] * 2 + [("all_gather", tokens * hidden * item), counts])
+    assert bwd == sorted(
+        [("all_to_all", pairs / 2)] * 2 + [("all_gather", tokens * hidden * item), ("all_gather", rows * 4.0)]
+    )
+    assert all(c.axis == "tp" and c.count == 1 for c in ep)
+    # the expert weights' gradients stay on their owner: no sync over the axis they are sharded on
+    assert not [c for c in sol.collectives if c.phase == "optimizer" and "experts" in c.reason]
+
+
+def test_the_runtime_gives_expert_placements_the_expert_role(mixtral: tuple[str, Graph]) -> None:
+    from partita.backends.torch import parallel as tpar
+    from partita.backends.torch import tp as torch_tp
+
+    spec, _ = mixtral
+    model = resolve_model(spec).build("meta")
+    pls = {f"model.layers.{i}.mlp.experts.{w}": "S(0)" for i in (0, 1) for w in ("gate_up_proj", "down_proj")}
+    want = {"model.layers.0.mlp.experts": "expert", "model.layers.1.mlp.experts": "expert"}
+    assert tpar.tp_roles(model, pls) == want
+    assert tpar.tp_roles(model, pls, want) == want  # a searched plan's tp_plan, checked
+    assert torch_tp.tp_collectives({"m": "expert"}) == {
+        "forward": {"all_to_all": 2, "all_gather": 2},
+        "backward": {"all_to_all": 2, "all_gather": 2},
+    }
+    with pytest.raises(PlanError, match="expert"):  # the role needs every expert weight sharded on dim 0
+        tpar.tp_roles(model, {**pls, "model.layers.0.mlp.experts.down_proj": "S(1)"}, want)
