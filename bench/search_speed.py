@@ -18,7 +18,8 @@ Exactness, measured in the same run and code state:
   recorded in ``bench/results/search_speed_exact.json``; the default run's predicted step time
   must be within 0.5% of it.
 
-Usage: ``python bench/search_speed.py [--quick] [--exact]`` (``--quick`` skips 16384 GPUs;
+Usage: ``python bench/search_speed.py [--quick] [--exact]`` (``--quick`` skips 16384 GPUs and keeps
+the last full run's row for it, marked ``carried_over``;
 ``--table`` re-prints the last run's verdicts). Writes ``bench/results/search_speed.json`` and
 prints a table, then each target against the wall and the CPU seconds: met, or missed by how much.
 """
@@ -231,8 +232,15 @@ def main() -> None:
         f"{'model':<10} {'cluster':<62} {'GPUs':>6} {'rc':>3} {'wall':>7} {'cpu':>7} {'trace':>6} {'search':>7} "
         f"{'RSS GiB':>7} {'plan kB':>7} {'step s':>8}"
     )
+    before = json.loads(OUT.read_text()).get("compile", []) if OUT.exists() else []
     for model, cluster, batch, target in CASES:
-        if quick and "4096x" in cluster:
+        if quick and "4096x" in cluster:  # keep the last full run's row, marked as carried over
+            old = [r for r in before if (r["model"], r["cluster"], r["global_batch"]) == (model, cluster, batch)]
+            if old:
+                rows.append({**old[0], "carried_over": True})
+                print(
+                    f"{model:<10} {cluster:<62} {old[0]['num_gpus']:>6}  (not run with --quick: the last full run's row kept)"
+                )
             continue
         row, usage = _timed(lambda: compile_case(model, cluster, batch))  # noqa: B023
         row.update(usage, targets=target)

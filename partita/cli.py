@@ -173,7 +173,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 
 _LAYOUT_FLAGS = ("tp", "pp", "dp", "micro_batch")
-_LAYOUT_OPTIONS = ("zero", "recompute", "schedule")
+_LAYOUT_OPTIONS = ("zero", "recompute", "schedule", "virtual_stages")
 
 
 def _hand_layout(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -198,6 +198,8 @@ def _hand_layout(args: argparse.Namespace) -> dict[str, Any] | None:
         "recompute": args.recompute or "none",
         "schedule": args.schedule or "1f1b",
         "sequence_parallel": args.sequence_parallel,
+        # model chunks per rank group: interleaved 1F1B's v (2 unless given); the hand plan checks the rest
+        "num_virtual": args.virtual_stages or (2 if args.schedule == "interleaved_1f1b" else 1),
     }
 
 
@@ -416,7 +418,10 @@ def build_parser() -> argparse.ArgumentParser:
     hand.add_argument("--micro-batch", type=int, default=None, help="samples per micro-batch and replica")
     hand.add_argument("--zero", type=int, default=None, choices=[0, 1, 2, 3])
     hand.add_argument("--recompute", default=None, choices=["none", "selective", "full"])
-    hand.add_argument("--schedule", default=None, choices=["gpipe", "1f1b", "zb_h1"])
+    hand.add_argument("--schedule", default=None, choices=["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"])
+    hand.add_argument(
+        "--virtual-stages", type=int, default=None, help="model chunks per stage (interleaved_1f1b; default 2)"
+    )
     hand.add_argument("--sequence-parallel", action="store_true", help=_SP_HELP)
     s.set_defaults(fn=cmd_compile)
 
@@ -430,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--micro-batch", type=int, default=1)
     s.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
     s.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
-    s.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved_1f1b"])
+    s.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"])
     s.add_argument("--virtual-stages", type=int, default=1, help="model chunks per stage (interleaved_1f1b)")
     s.add_argument("--sequence-parallel", action="store_true", help=_SP_HELP)
     s.add_argument("--json", action="store_true")

@@ -23,14 +23,16 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from partita.cluster import Cluster, parse_cluster
 from partita.errors import ConfigError, PlanError
 from partita.frontends.trace import TRACE_BATCH, seq_default, trace_handle
-from partita.ir import Graph
 from partita.plan import Plan
 from partita.version import __version__
+
+if TYPE_CHECKING:  # annotations only: the driver needs the IR (and sympy) only when it traces
+    from partita.ir import Graph
 
 PLAN_FILE = "plan.json"
 CACHE_FILE = "cache_key.json"

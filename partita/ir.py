@@ -198,10 +198,19 @@ class Graph:
 
     # ---- queries -------------------------------------------------------------------------
     def node(self, name: str) -> Node:
-        for n in self.nodes:
-            if n.name == name:
-                return n
-        raise KeyError(name)
+        # an index by name (issue 20: the search looks nodes up ~10^5 times at scale), checked on
+        # every hit and rebuilt when ``nodes`` changed under it; the first node of a name wins
+        index = self.__dict__.get("_node_index")
+        i = None if index is None else index.get(name)
+        if i is None or i >= len(self.nodes) or self.nodes[i].name != name:
+            index = {}
+            for k, n in enumerate(self.nodes):
+                index.setdefault(n.name, k)
+            self.__dict__["_node_index"] = index
+            i = index.get(name)
+            if i is None:
+                raise KeyError(name)
+        return self.nodes[i]
 
     def params(self) -> list[Tensor]:
         return [t for t in self.tensors.values() if t.role is Role.PARAMETER]

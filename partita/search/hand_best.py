@@ -68,15 +68,25 @@ def best_hand_layout(
     max_micro_batch: int = 32,
 ) -> dict[str, Any] | None:
     """The record described in the module docstring, or None when no layout over all devices can
-    be built (e.g. the device count does not factor into the model's tp and pp divisors)."""
+    be built (e.g. the device count does not factor into the model's tp and pp divisors).
+
+    Priced cheaply, with the same winner (issue 20): a layout's stages are the only layer ranges it
+    needs, so each ``pp`` gets a ``Search`` whose units *are* its Megatron split (stage arrays of
+    ``pp x (pp + 1)`` ranges instead of every range of every layer), and the simulated step of a
+    (layout, combo) runs only when it could win: a rank runs its ``m`` micro-batches one after
+    another, so ``m * busiest stage period + largest tail`` bounds the step from below, and a
+    fitting pick is skipped once that bound exceeds the best fitting step. Ties go to the first
+    layout in the enumeration order, as when every layout was simulated."""
     dev = cluster.device_types()[0]
     costs = costs or SolverCosts(graph, cluster, training, tp_style=tp_style_of(graph))
     opts = SearchOptions(max_layer_units=0, max_tp=max(1, cluster.gpus_per_node(dev.name)))
-    search = Search(graph, cluster, training, opts, costs, None)
-    cap = dev.memory_bytes * search.factors.memory_usable
-    best: tuple | None = None  # (not fits, step or memory, record)
-    priced = 0
+    searches: dict[int, Search] = {}
+    picks: list[tuple[float, int, Candidate, float, int, str]] = []  # (bound, order, cand, mem, z, r)
     for tp, pp, dp, b in _layouts(graph, cluster, training, max_micro_batch):
+        if pp not in searches:
+            searches[pp] = Search(graph, cluster, training, opts, costs, None)
+            searches[pp].units = megatron_split(graph, pp)  # the stages are the units
+        search = searches[pp]
         m = training.global_batch // (b * dp)
         in_flight = np.array([0.0] + [sched.in_flight(SCHEDULE, 0, s, m, 1) for s in range(1, pp + 1)])
         got = search.arrays(((dev, dp, b),), dp, tp, in_flight, sched.p2p_multiplier(SCHEDULE, 1))
@@ -84,27 +94,35 @@ def best_hand_layout(
             continue
         per_combo, combos, stack = got
         opt = Option(0, tp, tp, ((dev, dp, b),), (), per_combo, combos, stack)
-        split = megatron_split(graph, pp)
-        for c, (z, r) in enumerate(combos):
-            cand = Candidate(dp, b, m, SCHEDULE, 1, tuple(StagePick(a, e, opt, c) for a, e in split), search)
+        for c in range(len(combos)):
+            cand = Candidate(dp, b, m, SCHEDULE, 1, tuple(StagePick(i, i + 1, opt, c) for i in range(pp)), search)
             mem = max(cand.memory(i) for i in range(pp))
             if not np.isfinite(mem):
                 continue
-            priced += 1
-            step = cand.step_time
-            fits = mem <= cap
-            key = (not fits, step if fits else mem)
-            if best is None or key < best[:2]:
-                rec = {
-                    "tp": tp, "pp": pp, "dp": dp, "micro_batch": b, "num_micro_batches": m, "zero_stage": z,
-                    "recompute": r, "schedule": SCHEDULE, "dtype": training.dtype, "device": dev.name,
-                    "devices_used": dp * tp * pp, "step_time_s": float(step), "memory_bytes": float(mem),
-                    "memory_capacity": float(cap), "fits": bool(fits),
-                }  # fmt: skip
-                best = (*key, rec)
-    if best is None:
+            bound = m * max(cand.stage_times) + max(cand.tails)
+            picks.append((bound, len(picks), cand, mem, *combos[c]))
+    if not picks:
         return None
-    return {**best[2], "num_priced": priced}
+    cap = next(iter(searches.values())).factors.memory_usable * dev.memory_bytes
+    best: tuple[bool, float, int, Candidate, float, int, str] | None = None  # (not fits, step or mem, order, ...)
+    for bound, order, cand, mem, z, r in sorted(picks, key=lambda x: (x[0], x[1])):
+        fits = mem <= cap
+        if fits and best is not None and not best[0] and bound * (1 - 1e-9) > best[1]:
+            continue  # its step is at least the bound: it cannot beat the best fitting layout
+        key = (not fits, cand.step_time if fits else mem, order)
+        if best is None or key < best[:3]:
+            best = (*key, cand, mem, z, r)
+    assert best is not None  # picks is not empty: the first one is always taken
+    _, _, _, cand, mem, z, r = best
+    fits = mem <= cap
+    rec = {
+        "tp": cand.stages[0].option.tp, "pp": len(cand.stages), "dp": cand.dp, "micro_batch": cand.b,
+        "num_micro_batches": cand.m, "zero_stage": z, "recompute": r, "schedule": SCHEDULE, "dtype": training.dtype,
+        "device": dev.name, "devices_used": cand.dp * cand.stages[0].option.tp * len(cand.stages),
+        "step_time_s": float(cand.step_time), "memory_bytes": float(mem), "memory_capacity": float(cap),
+        "fits": bool(fits),
+    }  # fmt: skip
+    return {**rec, "num_priced": len(picks)}
 
 
 def summary(rec: dict[str, Any]) -> str:

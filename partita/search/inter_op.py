@@ -163,12 +163,9 @@ def _run(p: StageProblem, t_max: float) -> list[np.ndarray]:
     by_seg = _tables(p)
     # band[s]: the most units of a stage that fits under t_max with s stages left (0: none)
     lengths = np.arange(num_units + 1)[:, None]
+    # (the tables are masked by t_max slice by slice, where read: a narrow band reads a few columns)
     bands = [
-        [
-            (t, np.where(t.shortest <= t_max, lengths, 0).max(axis=0), _masked(t.tab, t_max), _masked(t.diag, t_max))
-            for t in tabs
-        ]
-        for tabs in by_seg
+        [(t, np.where(t.shortest <= t_max, lengths, 0).max(axis=0), t.tab, t.diag) for t in tabs] for tabs in by_seg
     ]
     for s in range(1, min(max_stages, num_units) + 1):
         nk = num_units - s + 1
@@ -189,10 +186,10 @@ def _run(p: StageProblem, t_max: float) -> list[np.ndarray]:
                 if width == 0:
                     continue
                 if 2 * width >= nk:  # wide band: the square corner is as cheap
-                    c = tab[:nk, : nk + 1, s]  # [U - s + 1, U - s + 2]
+                    c = _masked(tab[:nk, : nk + 1, s], t_max)  # [U - s + 1, U - s + 2]
                     cand = (c[:, :, None] + prev[None, :, : cap + 1 - w]).min(axis=1)
                 else:  # cand[k] = min_d diag[k, d] + G[s - 1][k + 1 + d]
-                    d = diag[:nk, :width, s]
+                    d = _masked(diag[:nk, :width, s], t_max)
                     cand = (d[:, :, None] + win[:, :width, : cap + 1 - w]).min(axis=1)  # [U - s + 1, cap + 1 - w]
                 np.minimum(cur[:nk, w:], cand, out=cur[:nk, w:])
     return g

@@ -20,6 +20,8 @@ from partita.passes.annotate import HEAVY_PRIMS, layer_stats
 from partita.plan import Collective, Plan, Stage, validate
 from partita.search import records, schedule_cost
 from partita.search import schedule as sched
+from partita.search.stage_cost import static_memory
+from partita.search.zero_bubble import stage_held
 from partita.version import __version__
 
 
@@ -153,18 +155,33 @@ def _stage_records(
     """
     dev0, tp, mb = p.option.devices[0][0], p.option.tp, p.option.devices[0][2]
     costs = [search.costs.layer(li, dev0, tp, mb)[0] for li in range(a0, b0)]
-    dp = float(best.dp)
-    params = sum(c.param_bytes for c in costs) / (dp if z >= 3 else 1.0)
-    params += max((c.param_bytes for c in costs), default=0.0) if z >= 3 else 0.0
-    grads = sum(c.grad_bytes for c in costs) / (dp if z >= 2 else 1.0)
-    opt = sum(c.optimizer_bytes for c in costs) / (dp if z >= 1 else 1.0)
+    cats = static_memory(  # the terms stage_cost.stage_arrays sums (issue 15: what the program holds)
+        sum(c.param_bytes for c in costs),
+        sum(c.grad_bytes for c in costs),
+        sum(c.optimizer_bytes for c in costs),
+        max((c.param_bytes for c in costs), default=0.0),
+        best.dp,
+        z,
+        max((c.gather_ratio for c in costs), default=1.0),
+        any(c.fsdp_copies for c in costs),
+    )
+    params, grads, opt = cats["parameters"], cats["gradients"], cats["optimizer"]
     total = best.memory(i)
+    split = sched.splits_backward(best.schedule)
+    if not split and r == "none" and sched.in_flight(best.schedule, i, len(best.stages), best.m, best.v) >= best.m:
+        # no forward after the first backward: the peak is the activations before any gradient, or the
+        # gradients (and the flat copy) after the last backward (stage_cost.stage_arrays, num_micro_batches)
+        flat = 2.0 if getattr(search.costs, "flat_sync", False) and best.dp > 1 and z == 0 else 1.0
+        grads = grads if total - params - opt <= flat * grads * (1 + 1e-9) else 0.0
     env = {"B": 1 if search.costs.linear_batch else mb, "S": search.training.seq_len}
     fwd = bwd = 0.0
     g = search.graph
+    by_name: dict[str, Any] = {}
+    for n in g.nodes:
+        by_name.setdefault(n.name, n)  # the first of a name, as Graph.node finds it
     for lay in g.layers[a0:b0]:
         for name in lay.nodes:
-            n = g.node(name)
+            n = by_name[name]
             f = float(dim_size(n.flops, env)) / (tp if "@tp" in strategies.get(name, "R") else 1)
             fwd += f
             bwd += 2 * f if n.prim in HEAVY_PRIMS else f
@@ -243,7 +260,6 @@ def build_plan(search: Any, cands: list[Candidate], elapsed_s: float) -> Plan:
     g, tr = search.graph, search.training
     stage_ranks, used = _assign_ranks(best)
     fbw = best.action_times()  # what Candidate.pipeline simulated; the report redraws it
-    held = schedule_cost.w_held(g, tr.seq_len)  # what the stage memory priced per deferred W (issue 19)
     stages = []
     for i, (p, ranks) in enumerate(zip(best.stages, stage_ranks)):
         z, r = p.option.combos[p.combo]
@@ -295,7 +311,10 @@ def build_plan(search: Any, cands: list[Candidate], elapsed_s: float) -> Plan:
                     "forward_s": (t - comm) / 3,
                     "tail_s": float(arr.tail[p.k, p.j]),
                     "memory_bytes": best.memory(i),
-                    "in_flight": sched.in_flight(best.schedule, i, len(best.stages), best.m, best.v, w_held=held),
+                    # a deferred W's micro-batch weighs the stage's own output gradients (issue 19)
+                    "in_flight": sched.in_flight(
+                        best.schedule, i, len(best.stages), best.m, best.v, w_held=stage_held(g, tr.seq_len, a0, b0)
+                    ),
                     **{f"{k}_action_s": x[i] for k, x in zip("fbw", fbw)},  # the simulated F, B, W (issue 19)
                     **_stage_records(search, best, i, p, a0, b0, z, r, strategies),
                 },
@@ -307,7 +326,8 @@ def build_plan(search: Any, cands: list[Candidate], elapsed_s: float) -> Plan:
     flops = float(sum(s.forward_flops + s.backward_flops for s in stats))
     if search.costs.linear_batch:
         flops *= tr.global_batch
-    used_devs = [search.cluster.ranks()[r][1] for r in used]
+    rank_devs = search.cluster.ranks()  # once: it lists every rank (16384 at the largest scale)
+    used_devs = [rank_devs[r][1] for r in used]
     peak = sum(next(d for d in search.types if d.name == n).flops(tr.dtype) for n in used_devs)
     mem = {}
     for i, s in enumerate(stages):

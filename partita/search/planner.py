@@ -35,8 +35,8 @@ from partita.cluster import Cluster, DeviceType
 from partita.errors import ConfigError, InfeasibleError
 from partita.ir import Graph
 from partita.plan import Plan
+from partita.search import chunk_layout, schedule_cost
 from partita.search import schedule as sched
-from partita.search import schedule_cost
 from partita.search.config import SearchOptions, TrainingConfig
 from partita.search.inter_op import DPStats, solve_stages, stage_problem
 from partita.search.plan_build import Candidate, StagePick, build_plan
@@ -112,9 +112,22 @@ class Option:
         """``best`` / ``pick`` over the combos whose step tail is below ``cap`` (rule R7)."""
         if not math.isfinite(cap):
             return self.best, self.pick
-        masked = np.where(self.tails[:, :, :, None] < cap, self.stack, np.inf)
-        pick = masked.argmin(axis=0)
-        return np.take_along_axis(masked, pick[None], axis=0)[0], pick
+        # Where the uncapped pick's tail is below the cap it stays the pick (masking only raises the
+        # other combos to inf, and it was already the first least one); only the other entries are
+        # re-minimised over the combos under the cap: the same values and ties as masking them all.
+        pick = self.pick
+        num_units, width, depth = pick.shape
+        k = np.arange(num_units)[:, None, None]
+        j = np.arange(width)[None, :, None]
+        redo = np.nonzero(self.tails[pick, k, j] >= cap)
+        if not redo[0].size:
+            return self.best, pick
+        sub = np.where(self.tails[:, redo[0], redo[1]] < cap, self.stack[:, redo[0], redo[1], redo[2]], np.inf)
+        got = sub.argmin(axis=0)
+        best, pick = self.best.copy(), pick.copy()
+        best[redo] = sub[got, np.arange(got.size)]
+        pick[redo] = got
+        return best, pick
 
     @functools.cached_property
     def best(self) -> np.ndarray:
@@ -163,7 +176,10 @@ class Search:
         """``[0, in_flight(s stages)...]`` of the first stage, per s; memoised (configurations with the
         same micro-batch count share it, and a simulated schedule's count is not cheap)."""
         got = self._in_flight.setdefault((schedule, m, v), [0.0])
-        held = schedule_cost.w_held(self.graph, self.training.seq_len)  # B-to-W weight (issue 19)
+        if len(got) > max_stages:
+            return np.array(got[: max_stages + 1])
+        # the B-to-W weight (issue 19) only where the backward splits; other counts ignore it
+        held = schedule_cost.w_held(self.graph, self.training.seq_len) if sched.splits_backward(schedule) else 1.0
         got.extend(sched.in_flight(schedule, 0, s, m, v, w_held=held) for s in range(len(got), max_stages + 1))
         return np.array(got[: max_stages + 1])
 
@@ -172,7 +188,13 @@ class Search:
 
     # ---- stage options -----------------------------------------------------------------
     def arrays(
-        self, devs: tuple[tuple[DeviceType, int, int], ...], dp: int, tp: int, in_flight: np.ndarray, p2p_mult: int
+        self,
+        devs: tuple[tuple[DeviceType, int, int], ...],
+        dp: int,
+        tp: int,
+        in_flight: np.ndarray,
+        p2p_mult: int,
+        num_micro_batches: int | None = None,  # stage_arrays: gradients live at the activation peak or not
     ) -> tuple[list, list[tuple[int, str]], np.ndarray] | None:
         """Per combo arrays for a device class, the combos, and their times (inf where a combo does
         not fit on every device of the class) stacked ``[C, U, U+1, S+1]``."""
@@ -217,6 +239,7 @@ class Search:
                     hbm_bandwidth=dev.hbm_bandwidth,
                     factors=self.factors,
                     flat_sync=getattr(self.costs, "flat_sync", False),  # torch program: sync after the schedule
+                    num_micro_batches=num_micro_batches,
                 )
                 fit = a.memory <= dev.memory_bytes * self.factors.memory_usable
                 ok = fit if ok is None else ok & fit
@@ -315,7 +338,15 @@ class Search:
             for tp in tps:
                 if tp > cap or not self.same_layout(cls, tp):
                     continue
-                got = self.arrays(cls, dp, tp, in_flight, sched.p2p_multiplier(schedule, v))
+                # a split backward (zero bubble) makes the gradients while its W still holds the activations
+                got = self.arrays(
+                    cls,
+                    dp,
+                    tp,
+                    in_flight,
+                    sched.p2p_multiplier(schedule, v),
+                    None if sched.splits_backward(schedule) else m,
+                )
                 if got is None:
                     continue
                 per_combo, combos, stack = got
@@ -426,19 +457,23 @@ def plan_graph(
                     if not sched.splits_backward(schedule):  # a zero-bubble step bounds no 1F1B closed form
                         incumbent = min(incumbent, here)
                     say(f"dp={dp} b={b} {schedule}: {here:.4f} s")
-    if "interleaved_1f1b" in options.schedules:
+    if "interleaved_1f1b" in options.schedules and graph.meta.get("framework") != "jax":  # JAX runs no chunks
         base = sorted(cands, key=lambda c: c.step_time)[:3]
         for c in base:
             for v in options.virtual_stages:
-                if len(c.stages) > 1 and all((p.j - p.k) % v == 0 for p in c.stages):
+                # re-solved with the interleaved objective; whether chunks hold what a rank group was priced
+                # with is decided on the new partition (chunk_layout.runnable: layers, not units)
+                if len(c.stages) > 1:
                     search.num_configs += 1
                     try:
-                        cands.extend(search.solve_config(c.dp, c.b, "interleaved_1f1b", v))
+                        # only what the torch program runs as model chunks (search/chunk_layout.py)
+                        found = search.solve_config(c.dp, c.b, "interleaved_1f1b", v)
+                        cands.extend(x for x in found if chunk_layout.runnable(x))
                     except ConfigError:  # m micro-batches do not split into rounds (schedule.interleave_round)
                         pass
     if not cands:
         raise _infeasible(search)
-    return build_plan(search, cands, time.perf_counter() - t0)
+    return chunk_layout.lay_out(search, build_plan(search, cands, time.perf_counter() - t0))
 
 
 def _solve_schedule(search: Search, dp: int, b: int, schedule: str, incumbent: float) -> list[Candidate]:
