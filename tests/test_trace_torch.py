@@ -118,6 +118,7 @@ def test_data_dependent_model_raises_model_error() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # a time bound: run alone (scripts/test.sh)
 def test_gpt3_175b_traces_fast_and_small() -> None:
     """Build + trace 175B on meta in a fresh process: < 60 s and < 4 GiB peak RSS."""
     script = (

@@ -22,7 +22,7 @@ Setup = Callable[[Path, "Fixtures"], None]
 class Fixtures:
     """Compiled plans the plan and launch cases copy and corrupt (built once per session)."""
 
-    plan4: Path  # mlp, 4xCPU, global batch 64 (dp=4)
+    plan4: Path  # mlp, 4xCPU, global batch 64 (as the search lays it out)
     plan2: Path  # mlp, 2xCPU, global batch 64 (dp=2)
     gpu_plan: Path  # mlp, 1xA100-80G
 
@@ -576,7 +576,7 @@ CASES: list[Case] = [
         "plan",
         "batch shares that do not sum to the micro-batch",
         ("run", "{t}/plan"),
-        ("batch_shares [16, 16, 16]", "dp=4 entries", "recompile"),
+        ("batch_shares [16, 16, 16]", "entries summing to 64", "recompile"),
         _plan(edit=_edit_json(lambda d: d["stages"][0].update(batch_shares=[16, 16, 16]))),
     ),
     Case(

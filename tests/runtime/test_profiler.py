@@ -32,6 +32,8 @@ from partita.profile.step_probe import ADAM_STATE_BYTES, fit_optimizer, fit_step
 from partita.search.cost_model import CostModel, Efficiency, ProfileError
 from partita.search.mesh import AxisLink
 
+pytestmark = pytest.mark.serial  # profiles within a time budget: scripts/test.sh runs this file alone
+
 CPU = DEVICE_PRESETS["CPU"]
 
 
