@@ -191,6 +191,17 @@ def mem_tracker(peak_only: bool = False) -> Any:
         return mt.MemTracker()
 
     class PeakTracker(mt.MemTracker):
+        def __init__(self) -> None:
+            super().__init__()
+            # no module hooks on tensors: ModTracker puts a multi-grad hook on every module's inputs and
+            # outputs whose closure holds their grad_fn, a Node <-> closure cycle through C++ that gc never
+            # frees, so a retained graph (zb_h1's B and W, backends/torch/wsplit.py) lived, with the
+            # gradients those hooks buffer, to the end of the step (issue 19/15); a peak needs no hierarchy
+            mod = self._mod_tracker
+            pre, post = mod._fw_pre_hook, mod._fw_post_hook
+            mod._fw_pre_hook = lambda m, args: pre(m, ())  # type: ignore[method-assign]
+            mod._fw_post_hook = lambda m, args, out: post(m, args, ())  # type: ignore[method-assign]
+
         def _update_peak_stats(self, peak_state: Any) -> None:
             for dev, snap in self._curr_mem_snap.items():
                 total = snap[mt._TOTAL_KEY]

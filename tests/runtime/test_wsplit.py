@@ -8,6 +8,10 @@ backward's, so a schedule that splits the backward does no more work than the pl
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -15,7 +19,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from partita.backends.torch import materialize
 from partita.backends.torch import parallel as tpar
-from partita.backends.torch.wsplit import backward_input
+from partita.backends.torch.wsplit import SavedTensors, backward_input
+from partita.frontends import torch_shim
 from partita.models.zoo import resolve_model
 from tests.runtime.plans import LAYERS
 
@@ -58,16 +63,17 @@ def test_split_equals_plain_backward(name: str) -> None:
     with FlopCounterMode(display=False) as plain:
         out.backward(g)
 
-    x = x0.clone().requires_grad_()
-    with torch.autocast("cpu", torch.bfloat16, enabled=bool(dtype)):
+    x, box = x0.clone().requires_grad_(), SavedTensors()  # the runner's box: the saved tensors live in it
+    with torch.autocast("cpu", torch.bfloat16, enabled=bool(dtype)), box.hooks():
         out = mod(x)
     with FlopCounterMode(display=False) as b:
-        dx, deferred = backward_input(out, g, x)
+        dx, deferred = backward_input(out, g, x, box)
     after_b = {n for n, p in mod.named_parameters() if p.grad is not None}
     with FlopCounterMode(display=False) as w:
         deferred.run()
 
     assert torch.equal(dx, x_ref.grad)
+    assert box.tensors is None  # released by W
     used = 0
     for (n, p), (m, q) in zip(mod.named_parameters(), ref.named_parameters()):
         assert n == m
@@ -94,3 +100,50 @@ def test_no_input_gradient_defers_everything() -> None:
     assert dx is None and lin.weight.grad is None
     deferred.run()
     torch.testing.assert_close(lin.weight.grad, torch.ones(3, 4).T @ x)
+
+
+class _Outputs(torch_shim.TorchDispatchMode):
+    """Weak references to every tensor the ops under it return (the forward's activations)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: list[weakref.ref] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.refs.append(weakref.ref(t))
+        return out
+
+
+def _alive_after_w(boxed: bool, peak_only: bool = False) -> list[int]:
+    """Three micro-batches of a gpt2-tiny stage, each F, B, W (wsplit), under torch's ``MemTracker`` (its
+    module hooks hold every graph node; ``peak_only``: the one ``partita rehearse`` uses, without them);
+    per micro-batch, how many of the forward's op outputs are still alive once its W ran and the
+    runner dropped its references."""
+    mod, x0, g = _stage("gpt2-tiny")
+    alive = []
+    with torch_shim.mem_tracker(peak_only=peak_only) as mt:
+        for _ in range(3):
+            mt.memory_tracking.pop(mod, None)  # the stage root runs once per micro-batch (as rehearse.py does)
+            x, box = x0.clone().requires_grad_(), SavedTensors() if boxed else None
+            with _Outputs() as rec, box.hooks() if box else contextlib.nullcontext():
+                out = mod(x)
+            dx, deferred = backward_input(out, g, x, box)
+            deferred.run()
+            del out, x, dx, deferred, box
+            gc.collect()
+            alive.append(sum(r() is not None for r in rec.refs))
+    return alive
+
+
+def test_activations_die_at_w_whoever_holds_the_graph() -> None:
+    """Issue 19/15: B and W retain the graph, and torch's ``ModTracker`` (under ``MemTracker``) hooks every
+    module's inputs with a closure holding their ``grad_fn``, a cycle ``gc`` cannot free: a graph that
+    owns its saved tensors kept every micro-batch's activations to the end of the step (the control).
+    With the forward under a :class:`SavedTensors` box, W frees them all."""
+    assert all(n > 10 for n in _alive_after_w(boxed=False))  # the holder is real: the control leaks
+    assert _alive_after_w(boxed=True) == [0, 0, 0]
+    # the rehearsal's tracker (torch_shim.mem_tracker(peak_only=True)) keeps no module hooks: no holder
+    assert _alive_after_w(boxed=False, peak_only=True) == [0, 0, 0]

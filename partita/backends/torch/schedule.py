@@ -23,6 +23,7 @@ sum over replicas and micro-batches is the global mean loss and gradient syncs a
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -229,7 +230,7 @@ class P2PPipeline:
         return self.module(x) if layers is None else run_chunk(self.module, layers, x)
 
     def step(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, wsplit.SavedTensors | None]] = {}
         deferred: dict[tuple[int, int], wsplit.Deferred] = {}
         handed: dict[tuple[str, int, int], torch.Tensor] = {}  # local hand-offs between chunks of this rank
         losses, handles = [], []
@@ -244,17 +245,20 @@ class P2PPipeline:
                 else:
                     x = self._recv(peers["fwd_recv"], self.boundary[v - 1], self._tag(v, k, False))
                     x.requires_grad_(x.is_floating_point())
-                out = self._forward(v, x)
+                box = wsplit.SavedTensors() if self.split else None  # freed at W (wsplit: whoever holds the graph)
+                with box.hooks() if box is not None else contextlib.nullcontext():
+                    out = self._forward(v, x)
+                    if last:
+                        out = self.loss_fn(out, targets[k])
                 if last:
-                    out = self.loss_fn(out, targets[k])
                     losses.append(out.detach())
                 elif peers["fwd_send"] is None:
                     handed[("F", v + 1, k)] = out.detach()
                 else:
                     handles += self._send(out.detach(), peers["fwd_send"], self._tag(v + 1, k, False))
-                saved[(v, k)] = (x, out)
+                saved[(v, k)] = (x, out, box)
             elif kind == "B":
-                x, out = saved.pop((v, k))
+                x, out, box = saved.pop((v, k))
                 if last:
                     grad = None
                 elif peers["bwd_recv"] is None:
@@ -264,7 +268,7 @@ class P2PPipeline:
                 # FSDP2 reduces after the position's last action (below) when self.reduce_at_end
                 zero_micro_batch(self.fsdp, self.zero, (v, k) == last_b and not self.reduce_at_end)
                 if self.split:
-                    dx, deferred[(v, k)] = wsplit.backward_input(out, grad, None if first else x)
+                    dx, deferred[(v, k)] = wsplit.backward_input(out, grad, None if first else x, box)
                 else:
                     torch.autograd.backward(out, grad)
                     dx = x.grad

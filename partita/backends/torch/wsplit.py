@@ -35,12 +35,23 @@ second time (more FLOPs than priced). Tensor-parallel (DTensor) weights work: th
 are DTensors and each W runs the same sharded op as a plain backward.
 
 Memory: the graph of a micro-batch (its activations) stays alive from B until its W, which is the
-deferred-weight-gradient memory the schedule's in-flight count prices.
+deferred-weight-gradient memory the schedule's in-flight count prices. B and W retain the graph, so
+its saved tensors die only with the graph's nodes, and anything else that holds a node keeps them:
+torch's ``ModTracker`` (under ``MemTracker``, which ``partita rehearse`` uses) registers a multi-grad
+hook on every module's inputs whose closure holds their ``grad_fn``, a Node <-> closure cycle through
+C++ that ``gc`` never frees; every micro-batch's activations then lived to the end of the step (issue 19/15).
+So the forward's saved tensors are owned here instead (:class:`SavedTensors`, a ``saved_tensors_hooks``
+box the runner opens around a micro-batch's forward and loss) and :meth:`Deferred.run` drops them after
+W, whoever still holds the graph. B also clears the input's ``.grad`` it returns (the leaf outlives B
+in such a graph). (The rehearsal's own tracker, ``torch_shim.mem_tracker(peak_only=True)``, no longer
+installs those hooks: what such a cycle still holds, the input leaf and the gradients the hooks buffer,
+is gone from its counts too.)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import torch
@@ -49,12 +60,55 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 Node = Any  # torch.autograd.graph.Node
 
 
+class _Slot:
+    """What the graph keeps for one saved tensor: its key in the box."""
+
+    __slots__ = ("key", "__weakref__")
+
+    def __init__(self, key: int) -> None:
+        self.key = key
+
+
+class SavedTensors:
+    """The tensors one micro-batch's forward saves for its backward, kept here rather than in the
+    autograd graph: ``with box.hooks(): out = loss(module(x))``; :meth:`release` frees them all. The
+    graph holds a slot per tensor; a tensor whose graph node dies earlier (a branch the output does
+    not use) is dropped with its slot, as it would be without the box."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[int, torch.Tensor] | None = {}
+        self.num_packed = 0
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor) -> _Slot:
+        if self.tensors is None:
+            raise RuntimeError("a released SavedTensors box cannot save tensors again")
+        slot = _Slot(self.num_packed)
+        self.num_packed += 1
+        self.tensors[slot.key] = t.detach()  # not t: a saved output would hold its own node (and slot)
+        weakref.finalize(slot, self.tensors.pop, slot.key, None)
+        return slot
+
+    def _unpack(self, slot: _Slot) -> torch.Tensor:
+        if self.tensors is None:
+            raise RuntimeError("this micro-batch's saved tensors were released after its W: its graph is spent")
+        return self.tensors[slot.key]
+
+    def release(self) -> None:
+        if self.tensors is not None:
+            self.tensors.clear()  # the slots' finalizers hold this dict
+        self.tensors = None
+
+
 @dataclasses.dataclass
 class Deferred:
     """What B leaves for W: per split node, the gradients that flowed into it and its parameters."""
 
     splits: list[tuple[Node, tuple[torch.Tensor | None, ...], list[torch.Tensor]]]
     full: tuple[torch.Tensor, torch.Tensor | None] | None = None  # no input gradient: the whole backward
+    saved: SavedTensors | None = None  # the micro-batch's saved tensors, released after W
 
     def run(self) -> None:
         """The weight gradients (W), accumulated into the parameters' ``.grad``."""
@@ -68,6 +122,9 @@ class Deferred:
                 given = [g for g in grads if g is not None]
                 torch.autograd.backward(edges, given, inputs=params, retain_graph=True)
         self.splits, self.full = [], None  # drop the graph: the micro-batch's activations are freed
+        if self.saved is not None:  # ... even where something else still holds the graph's nodes
+            self.saved.release()
+            self.saved = None
 
 
 def _postorder(root: Node) -> list[Node]:
@@ -130,17 +187,18 @@ def split_nodes(root: Node, target: Node) -> tuple[list[torch.Tensor], list[tupl
 
 
 def backward_input(
-    out: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tensor | None
+    out: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tensor | None, saved: SavedTensors | None = None
 ) -> tuple[torch.Tensor | None, Deferred]:
     """B: the gradient of ``out`` (given ``grad``; None for a scalar loss) with respect to ``inp``.
 
     ``inp`` must be a leaf (the received boundary activation). Returns its gradient (None when it
-    needs none) and the :class:`Deferred` weight gradients; parameters that cannot be deferred
-    (module docstring) get their ``.grad`` here.
+    needs none; ``inp.grad`` is cleared) and the :class:`Deferred` weight gradients; parameters that
+    cannot be deferred (module docstring) get their ``.grad`` here. ``saved``: the box the forward ran
+    under, released by :meth:`Deferred.run`.
     """
     root = out.grad_fn
     if inp is None or not inp.requires_grad or root is None:
-        return None, Deferred([], (out, grad))
+        return None, Deferred([], (out, grad), saved)
     target = get_gradient_edge(inp).node
     params, splits, in_b = split_nodes(root, target)
     captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
@@ -160,4 +218,5 @@ def backward_input(
         for h in handles:
             h.remove()
     todo = [(n, captured[n], [params[i] for i in idx]) for n, idx in splits if n in captured]
-    return inp.grad, Deferred(todo)
+    dx, inp.grad = inp.grad, None
+    return dx, Deferred(todo, saved=saved)
