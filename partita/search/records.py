@@ -196,9 +196,10 @@ def stage_collectives(facts: GraphFacts, plan: Plan, i: int, batch_scale: float 
     _p2p(out, facts, plan, i, item)
     _tied(out, facts, plan, i)
     world = world_axis(plan)
-    if tr.get("grad_clip"):
+    once = _first_chunk(plan, i)  # once per step on each rank: on the first chunk of a rank group
+    if tr.get("grad_clip") and once:
         _add(out, "all_reduce", world, 8.0, 1, "optimizer", "gradient clipping (global norm)")
-    if tr.get("dtype") == "f16":
+    if tr.get("dtype") == "f16" and once:
         _add(out, "all_reduce", world, 8.0, 1, "optimizer", "loss-scale overflow check")
     return tuple(Collective(k, a, b, n, p, r) for (k, a, b, p, r), n in out.items())
 

@@ -330,3 +330,24 @@ def test_real_size_searched_plan_peak_memory(work: Path, name: str) -> None:
     res = _real_size(work, name)
     for s in res["stages"]:
         assert s["peak_memory_bytes"] == pytest.approx(s["planned_memory_bytes"], rel=rehearse.MEMORY_TOL), s["index"]
+
+
+def test_chunked_plan_rehearses_its_records_per_rank_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An interleaved 1F1B hand layout (2 rank groups x 2 chunks, dp 2, f16): one rank issues the records of
+    every chunk it holds (p2p of both chunks, one FSDP/dp sync per group, one overflow check per step), so
+    each rank group matches the plan's chunks summed (the default README plan is such a plan)."""
+    monkeypatch.setenv("PARTITA_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 4, "n_head": 4, "vocab_size": 256}))
+    out = tmp_path / "plan"
+    args = ["compile", str(cfg), "--cluster", "4xCPU", "--global-batch", "8", "--seq", "32", "--tp", "1"]
+    args += ["--pp", "2", "--dp", "2", "--micro-batch", "1", "--schedule", "interleaved_1f1b", "--precision", "f16"]
+    assert cli_main([*args, "--out", str(out)]) == 0
+    res = rehearse.rehearse_dir(out)
+    assert [s["index"] for s in res["stages"]] == [0, 1]  # rank groups, not the 4 virtual stages
+    for s in res["stages"]:
+        assert s["mismatches"] == [], s
+        # 3 cuts touch each group (0|1, 1|2, 2|3): 4 micro-batches x (activation + gradient) each
+        assert s["collectives"]["p2p@pp"]["count"] == 3 * 4 * 2
+        assert s["collectives"]["all_reduce@world"]["count"] == 1
+    assert res["match"]

@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor
 from partita.backends.torch import fidelity, materialize, optim
 from partita.backends.torch import parallel as tpar
 from partita.backends.torch import train as torch_train
+from partita.backends.torch.chunks import physical_plan
 from partita.backends.torch.schedule import replica_ranges
 from partita.errors import PlanError
 from partita.frontends import torch_shim
@@ -424,13 +425,16 @@ def _rehearse(plan: Plan, plan_dir: Path, program: Mapping[str, Any], progress: 
     if progress is not None:
         progress(f"rehearsing ranks {sorted(r for rs in plan_roles.values() for r in rs)} of {plan.world_size}")
     got = run_roles(plan_dir, [r for rs in plan_roles.values() for r in rs])
+    # the program's stages are pipeline positions: a chunked plan's chunks of one rank group merged, their
+    # records together (chunks.physical_plan), which is what one rank of the group issues
+    view = physical_plan(plan)
     stages = []
     for index, ranks in plan_roles.items():
         failure = next((got[r] for r in ranks if isinstance(got[r], str)), None)
         if failure is not None:
-            stages.append(failed_stage(plan.stages[index], ranks, str(failure)))
+            stages.append(failed_stage(view.stages[index], ranks, str(failure)))
         else:
-            stages.append(compare_stage(plan.stages[index], [got[r] for r in ranks]))  # type: ignore[misc]
+            stages.append(compare_stage(view.stages[index], [got[r] for r in ranks]))  # type: ignore[misc]
     return {"match": all(s["match"] for s in stages), "stages": stages}
 
 
