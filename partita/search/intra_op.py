@@ -332,6 +332,12 @@ class _LayerProblem:
                 items = [sp.item[t] for sp in self.saved] or [float(tensors[t].itemsize)]
                 c.sel_keep += keep * items[0]
                 c.sel_keep_alt += keep * items[-1]
+            if t in self.outputs and tensors[t].rank > 0:  # every output that leaves the layer, every graph
+                dst = self.boundary_layout(t)
+                self._add_reshard(c, lay, dst, t, "forward", f"layer output {t} <- {n.name}")
+                c.forbidden += self.tp_forbidden(lay, dst)
+                if t in self.needs_grad:
+                    self._add_reshard(c, dst, grad_requirement(lay), t, "backward", f"grad of layer output {t}")
         if self.saved:
             c.act_bytes, c.act_alt = (self._saved_bytes(sp, n, s) for sp in (self.saved[0], self.saved[-1]))
             if n.prim is Prim.CROSS_ENTROPY and n.inputs:
@@ -340,12 +346,6 @@ class _LayerProblem:
                 c.transient = 3 * self.numel(n.inputs[0]) / shard_factor(s.in_layouts[0], mesh) * 4
         else:
             c.act_alt, c.sel_keep_alt = c.act_bytes, c.sel_keep
-            if t in self.outputs and tensors[t].rank > 0:
-                dst = self.boundary_layout(t)
-                self._add_reshard(c, lay, dst, t, "forward", f"layer output {t} <- {n.name}")
-                c.forbidden += self.tp_forbidden(lay, dst)
-                if t in self.needs_grad:
-                    self._add_reshard(c, dst, grad_requirement(lay), t, "backward", f"grad of layer output {t}")
         return c
 
     def numel(self, t: str) -> float:
