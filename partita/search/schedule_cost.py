@@ -26,13 +26,15 @@ import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from partita.ir import Graph, Role, dim_size
 from partita.passes.annotate import HEAVY_PRIMS, VIEW_PRIMS, layer_stats
 from partita.search.pipeline_sim import SimResult, simulate, step_time
 from partita.search.schedule import PipelineTime, stage_rank, virtual_stages
 
 _WGRAD: dict[tuple, tuple[Graph, tuple[tuple[float, float, float], ...]]] = {}
-_HELD: dict[tuple, tuple[Graph, float]] = {}
+_LAYER_BYTES: dict[tuple, tuple[Graph, np.ndarray, np.ndarray]] = {}
 
 
 def weight_grad_flops(graph: Graph, env: Mapping[str, int]) -> list[float]:
@@ -54,19 +56,28 @@ def weight_grad_flops(graph: Graph, env: Mapping[str, int]) -> list[float]:
 
 def w_held(graph: Graph, seq_len: int) -> float:
     """What a micro-batch weighs between its B and its W, in units of its saved activations:
-    ``1 + max over layers of (output-gradient bytes W needs / saved activation bytes)``.
+    ``1 + max over layers of (output-gradient bytes W needs / saved activation bytes)``
+    (:func:`layer_held_bytes`). The largest layer ratio prices every stage (a bound; the planner's
+    zero-bubble pass prices each stage by its own layers, ``zero_bubble.stage_held``)."""
+    dy, act = layer_held_bytes(graph, seq_len)
+    ratios = [d / a for d, a in zip(dy.tolist(), act.tolist()) if a > 0]
+    return 1.0 + max(ratios, default=0.0)
 
-    W of a node with a parameter operand (a matmul, a norm's scale) needs the gradient of the node's
-    output, which the torch runtime captures at B (``backends/torch/wsplit.py``) and keeps, with the
-    micro-batch's activations, until W. The largest layer ratio prices every stage (a bound)."""
+
+def layer_held_bytes(graph: Graph, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer at batch 1: ``(output-gradient bytes W needs, saved activation bytes)``.
+
+    W of a node with a parameter operand and an activation operand (a matmul, a norm's scale) needs
+    the gradient of the node's output, which the torch runtime captures at B and keeps until W."""
     key = (id(graph), seq_len)
-    hit = _HELD.get(key)
+    hit = _LAYER_BYTES.get(key)
     if hit is not None and hit[0] is graph:
-        return hit[1]
+        return hit[1], hit[2]
     env = {"B": 1, "S": seq_len}
     producers = graph.producers()
     by_name = {n.name: n for n in graph.nodes}
-    ratio = 0.0
+
+    dys, acts = [], []
     for layer, st in zip(graph.layers, layer_stats(graph, env), strict=True):
         dy = 0.0
         for x in layer.nodes:
@@ -76,10 +87,11 @@ def w_held(graph: Graph, seq_len: int) -> float:
             roles = {graph.tensors[_base(i, producers)].role for i in n.inputs}
             if Role.PARAMETER in roles and Role.ACTIVATION in roles:
                 dy += sum(float(dim_size(graph.tensors[o].nbytes(), env)) for o in n.outputs)
-        if st.activation_bytes > 0:
-            ratio = max(ratio, dy / float(st.activation_bytes))
-    _HELD[key] = (graph, 1.0 + ratio)
-    return 1.0 + ratio
+        dys.append(dy)
+        acts.append(float(st.activation_bytes))
+    out = (np.array(dys), np.array(acts))
+    _LAYER_BYTES[key] = (graph, *out)
+    return out
 
 
 def _base(name: str, producers: Mapping) -> str:

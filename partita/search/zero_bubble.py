@@ -42,48 +42,11 @@ from typing import Any
 
 import numpy as np
 
-from partita.ir import Graph, Role, dim_size
-from partita.passes.annotate import VIEW_PRIMS, layer_stats
+from partita.ir import Graph
 from partita.search import schedule as sched
+from partita.search.schedule_cost import layer_held_bytes
 
 RUNNABLE_ZERO = (0, 1)  # ZeRO stages the torch runtime runs with a split backward (docstring)
-
-_LAYER_BYTES: dict[tuple, tuple[Graph, np.ndarray, np.ndarray]] = {}
-
-
-def layer_held_bytes(graph: Graph, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per layer at batch 1: ``(output-gradient bytes W needs, saved activation bytes)``.
-
-    W of a node with a parameter operand and an activation operand (a matmul, a norm's scale) needs
-    the gradient of the node's output, which the torch runtime captures at B and keeps until W."""
-    key = (id(graph), seq_len)
-    hit = _LAYER_BYTES.get(key)
-    if hit is not None and hit[0] is graph:
-        return hit[1], hit[2]
-    env = {"B": 1, "S": seq_len}
-    producers = graph.producers()
-    by_name = {n.name: n for n in graph.nodes}
-
-    def base(name: str) -> str:  # through views to the tensor that holds the data
-        while name in producers and producers[name].prim in VIEW_PRIMS and producers[name].inputs:
-            name = producers[name].inputs[0]
-        return name
-
-    dys, acts = [], []
-    for layer, st in zip(graph.layers, layer_stats(graph, env), strict=True):
-        dy = 0.0
-        for x in layer.nodes:
-            n = by_name[x]
-            if n.prim in VIEW_PRIMS:
-                continue
-            roles = {graph.tensors[base(i)].role for i in n.inputs}
-            if Role.PARAMETER in roles and Role.ACTIVATION in roles:
-                dy += sum(float(dim_size(graph.tensors[o].nbytes(), env)) for o in n.outputs)
-        dys.append(dy)
-        acts.append(float(st.activation_bytes))
-    out = (np.array(dys), np.array(acts))
-    _LAYER_BYTES[key] = (graph, *out)
-    return out
 
 
 def stage_held(graph: Graph, seq_len: int, first: int, last: int) -> float:
