@@ -46,7 +46,7 @@ RECOMPUTE = ("none", "selective", "full")
 
 
 def chunks_per_rank(schedule: str, num_virtual_stages: int) -> int:
-    """Model chunks a rank group holds under ``schedule`` (= ``search.schedule.virtual_stages``)."""
+    """Model chunks a rank group holds under ``schedule`` (``search.schedule.virtual_stages`` calls this)."""
     if schedule == "zbv":
         return 2
     return num_virtual_stages if schedule == "interleaved_1f1b" else 1
@@ -133,7 +133,7 @@ class Plan:
     partita_version: str = ""
     version: int = PLAN_VERSION
 
-    @property
+    @functools.cached_property  # a frozen dataclass: computed once (records and chunked ask per stage)
     def world_size(self) -> int:
         return len({r for s in self.stages for r in s.ranks})  # chunks of one rank group share ranks
 

@@ -52,7 +52,7 @@ import functools
 from collections.abc import Sequence
 
 from partita.errors import ConfigError
-from partita.plan import chunk_position
+from partita.plan import chunk_position, chunks_per_rank
 
 SCHEDULE_FAMILIES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
 KINDS = ("F", "B", "W")
@@ -81,10 +81,8 @@ def splits_backward(schedule: str) -> bool:
 
 
 def virtual_stages(schedule: str, num_virtual: int = 1) -> int:
-    """Chunks per rank the schedule actually uses (1 unless interleaved; 2 for ZB-V)."""
-    if schedule == "zbv":
-        return 2
-    return num_virtual if schedule == "interleaved_1f1b" else 1
+    """Chunks per rank the schedule actually uses (1 unless interleaved; 2 for ZB-V): the plan's rule."""
+    return chunks_per_rank(schedule, num_virtual)
 
 
 def check(schedule: str, num_micro_batches: int, num_virtual: int = 1) -> None:
