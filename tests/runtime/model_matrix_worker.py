@@ -48,6 +48,7 @@ def main(jobs_file: str, out_file: str) -> None:
             if rank == 0:
                 out[job["id"]] = {"losses": losses, "reference": refs[job["id"]], "seconds": time.perf_counter() - t0}
                 out[job["id"]]["num_stages"] = plan.num_stages
+                print(f"matrix: {job['id']} {out[job['id']]['seconds']:.2f}s", flush=True)
             continue
         where = Path(jobs_file).parent / job["id"]
         where.mkdir(parents=True, exist_ok=True)

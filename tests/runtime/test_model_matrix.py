@@ -284,8 +284,13 @@ def test_every_architecture_trains_like_one_device(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
     cmd += [str(ROOT / "tests/runtime/model_matrix_worker.py"), str(tmp_path / "jobs.json"), str(tmp_path / "out.json")]
     t0 = time.perf_counter()
-    with open(tmp_path / "log.txt", "w") as log:
-        proc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=900)
+    with open(tmp_path / "log.txt", "w") as log:  # under pytest's own timeout, so a hang shows its log
+        try:
+            proc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=420)
+        except subprocess.TimeoutExpired:
+            text = (tmp_path / "log.txt").read_text()
+            done = [line for line in text.splitlines() if line.startswith("matrix: ")]
+            pytest.fail(f"the matrix launch hung after {done[-1:] or 'no job'}; log tail:\n{text[-4000:]}")
     text = (tmp_path / "log.txt").read_text()
     first_error = text.find("Traceback")
     assert proc.returncode == 0, text[first_error : first_error + 6000] if first_error >= 0 else text[-6000:]

@@ -120,6 +120,21 @@ class _Gather(torch.autograd.Function):
         return grad[ctx.rank * ctx.n : (ctx.rank + 1) * ctx.n], None, None, None
 
 
+class _Join(torch.autograd.Function):
+    """``out`` unchanged, with ``recv`` as an input whose gradient is zero: the combine all_to_all and
+    the dispatch's backward stay in the autograd graph on a rank whose local experts received no rows.
+    Without it that rank skips both backward all_to_all and the tp group deadlocks."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, recv: torch.Tensor) -> torch.Tensor:
+        ctx.shape = recv.shape
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return grad, grad.new_zeros(ctx.shape)
+
+
 def _local(w: torch.Tensor) -> torch.Tensor:
     return w.to_local() if isinstance(w, DTensor) else w
 
@@ -174,6 +189,7 @@ def expert_parallel_forward(
         h1 = self._apply_gate(h1) if self.has_gate else self.act_fn(h1)
         h2 = h1 @ down[j] if self.is_transposed else nn.functional.linear(h1, down[j])
         out = out.index_add(0, rows, h2.to(out.dtype))
+    out = _Join.apply(out, recv)  # same collectives on every rank, whatever the routing
     back = _AllToAll.apply(out, send_splits, recv_splits, group)
     inv = torch.empty_like(order)
     inv[order] = torch.arange(order.numel(), device=order.device)
