@@ -121,18 +121,20 @@ class _Gather(torch.autograd.Function):
 
 
 class _Join(torch.autograd.Function):
-    """``out`` unchanged, with ``recv`` as an input whose gradient is zero: the combine all_to_all and
-    the dispatch's backward stay in the autograd graph on a rank whose local experts received no rows.
-    Without it that rank skips both backward all_to_all and the tp group deadlocks."""
+    """``out`` unchanged, with ``anchors`` (the received rows, the local expert weights) as inputs whose
+    gradient is zero. On a rank whose local experts received no rows, the combine all_to_all and the
+    dispatch's backward stay in the autograd graph (else that rank skips both backward all_to_all and
+    the tp group deadlocks), and every local expert weight gets a gradient (zeros), so the ``dp``
+    gradient sync issues the same collectives on every rank whatever the routing."""
 
     @staticmethod
-    def forward(ctx: Any, out: torch.Tensor, recv: torch.Tensor) -> torch.Tensor:
-        ctx.shape = recv.shape
+    def forward(ctx: Any, out: torch.Tensor, *anchors: torch.Tensor) -> torch.Tensor:
+        ctx.shapes = [a.shape for a in anchors]
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return grad, grad.new_zeros(ctx.shape)
+        return (grad, *(grad.new_zeros(shape) for shape in ctx.shapes))
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
@@ -189,7 +191,7 @@ def expert_parallel_forward(
         h1 = self._apply_gate(h1) if self.has_gate else self.act_fn(h1)
         h2 = h1 @ down[j] if self.is_transposed else nn.functional.linear(h1, down[j])
         out = out.index_add(0, rows, h2.to(out.dtype))
-    out = _Join.apply(out, recv)  # same collectives on every rank, whatever the routing
+    out = _Join.apply(out, recv, gate_up, down)  # same collectives on every rank, whatever the routing
     back = _AllToAll.apply(out, send_splits, recv_splits, group)
     inv = torch.empty_like(order)
     inv[order] = torch.arange(order.numel(), device=order.device)
