@@ -594,16 +594,35 @@ def run_plan(
 
 def rehearse(plan_dir: str, progress: Any = None) -> dict[str, Any]:
     """``partita rehearse DIR``: run the emitted program at full scale on fake tensors and a fake
-    process group, and compare it with the plan (``backends/torch/rehearse.py``). Writes nothing."""
+    process group (torch, ``backends/torch/rehearse.py``) or compile its step for the full device
+    count on abstract inputs (JAX, ``backends/jax/rehearse.py``), and compare it with the plan.
+    Writes nothing."""
     plan = load_plan(plan_dir)  # no plan / another version / malformed: PlanError before torch loads
-    if plan.model.get("framework", "torch") != "torch":
-        raise PlanError(
-            f"{plan_dir} holds a {plan.model.get('framework')} plan; `partita rehearse` runs PyTorch programs.",
-            "rehearse a plan compiled from a torch model.",
-        )
+    if plan.model.get("framework", "torch") == "jax":
+        return _rehearse_jax(plan, plan_dir, progress)
     from partita.backends.torch.rehearse import rehearse_dir
 
     return rehearse_dir(plan_dir, progress=progress)
+
+
+def _rehearse_jax(plan: Plan, plan_dir: str, progress: Any) -> dict[str, Any]:
+    """A JAX plan's step compiled by XLA at the plan's world size on abstract inputs
+    (``backends/jax/rehearse.py``, in a subprocess owning that many CPU devices), each stage's
+    collectives, memory and FLOPs set beside the plan's with the torch rehearsal's rule."""
+    from partita.backends.jax.run import rehearse as rehearse_jax
+    from partita.backends.torch.rehearse import RankResult, compare_stage
+
+    if progress is not None:
+        progress(f"compiling the JAX step for {plan.world_size} devices on abstract inputs")
+    got = rehearse_jax(plan_dir)
+    stages = []
+    for s in plan.stages:
+        r = got[f"stage{s.index}"]
+        res = RankResult(
+            s.ranks[0], s.index, r["collectives"], int(r["peak_memory_bytes"]), r["memory_by_category"], int(r["flops"])
+        )
+        stages.append(compare_stage(s, [res]))
+    return {"match": all(s["match"] for s in stages), "stages": stages}
 
 
 def report(dirs: Sequence[str], html: str | None = None) -> str:

@@ -135,6 +135,38 @@ def run(
     return result
 
 
+def rehearse(plan_dir: str | Path, *, timeout_s: float = 600.0) -> dict[str, Any]:
+    """Stage -> rehearsed collectives, memory and FLOPs of the JAX program in ``plan_dir``, compiled
+    for the plan's world size on abstract inputs (``backends/jax/rehearse.py``) in a fresh process."""
+    plan_dir = Path(plan_dir)
+    plan = _plan(plan_dir)
+    program = plan_dir / PROGRAM_FILE
+    if not program.exists():
+        raise PlanError(f"{program} does not exist.", "recompile the plan with the JAX emitter (`partita compile`).")
+    with tempfile.TemporaryDirectory(prefix="partita-jax-") as tmp:
+        out = Path(tmp) / "rehearsal.json"
+        cmd = [sys.executable, "-m", "partita.backends.jax.rehearse", str(program), str(out)]
+        try:
+            proc = subprocess.run(
+                cmd, env=device_env(plan.world_size), capture_output=True, text=True, timeout=timeout_s
+            )
+        except subprocess.TimeoutExpired:
+            raise PlanError(
+                f"compiling the JAX step for {plan.world_size} devices took over {timeout_s:.0f} s.",
+                "rehearse a smaller plan, or raise the timeout.",
+            ) from None
+        if proc.returncode or not out.exists():
+            text = proc.stdout + proc.stderr
+            last = text.strip().splitlines()[-1] if text.strip() else ""
+            raise ProgramFailed(
+                f"rehearsing {program} failed (exit code {proc.returncode}): {last}",
+                "see the log above; rerun with the same command to reproduce.",
+                text[-4000:],
+            )
+        result: dict[str, Any] = json.loads(out.read_text())["rehearsal"]
+    return result
+
+
 class ProgramFailed(PlanError):
     """The generated program crashed; ``log`` holds the tail of its output."""
 
