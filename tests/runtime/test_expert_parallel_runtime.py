@@ -96,3 +96,17 @@ def test_expert_parallel_matches_unsharded(tmp_path: Path, skewed: bool) -> None
         torch.testing.assert_close(res[r]["dw"], w.grad)
         for n, p in ref_mod.named_parameters():
             torch.testing.assert_close(res[r]["grads"][n], p.grad[r * per : (r + 1) * per], msg=f"rank {r} {n}")
+
+
+def test_counted_step_compares_all_to_all_by_count_only() -> None:
+    """A rank's all_to_all bytes follow the routing (the plan records the balanced share): the run's
+    first-step check compares their count, and every other kind's bytes as before."""
+    from partita.backends.torch.fidelity import compare
+
+    plan = {"all_to_all@tp": {"count": 4, "bytes": 1000.0}, "all_gather@tp": {"count": 2, "bytes": 500.0}}
+    routed = {"all_to_all@tp": {"count": 4, "bytes": 1700.0}, "all_gather@tp": {"count": 2, "bytes": 500.0}}
+    assert compare(routed, plan) == []
+    assert compare({**routed, "all_to_all@tp": {"count": 3, "bytes": 1000.0}}, plan) == [
+        "all_to_all@tp: measured 3, predicted 4"
+    ]
+    assert compare({**routed, "all_gather@tp": {"count": 2, "bytes": 900.0}}, plan) != []

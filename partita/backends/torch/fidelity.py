@@ -182,7 +182,9 @@ def counted_step(step: int, start: int, steps: int) -> bool:
 
 def compare(measured: Mapping[str, Mapping[str, float]], predicted: Mapping[str, Mapping[str, float]]) -> list[str]:
     """Mismatches, in words, between a counted step and the plan's records ([] when they agree): per
-    ``kind@axis`` the same keys, equal counts, total bytes within :data:`BYTES_TOL`."""
+    ``kind@axis`` the same keys, equal counts, total bytes within :data:`BYTES_TOL`. All-to-all bytes
+    are not compared: expert parallelism's (``backends/torch/moe.py``) follow the routing, and the plan
+    records the balanced share; only their sum over the tp group is fixed, which one rank cannot see."""
     problems = []
     for key in sorted(set(measured) | set(predicted)):
         got, want = measured.get(key), predicted.get(key)
@@ -194,6 +196,8 @@ def compare(measured: Mapping[str, Mapping[str, float]], predicted: Mapping[str,
             )
         elif int(got["count"]) != int(want["count"]):
             problems.append(f"{key}: measured {int(got['count'])}, predicted {int(want['count'])}")
+        elif key.startswith("all_to_all@"):
+            continue
         elif abs(float(got["bytes"]) - float(want["bytes"])) > BYTES_TOL * abs(float(want["bytes"])):
             problems.append(f"{key}: measured {int(got['bytes'])} B, predicted {float(want['bytes']):.0f} B")
     return problems
