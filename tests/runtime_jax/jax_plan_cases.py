@@ -1,7 +1,8 @@
 """Hand-built Plans for the JAX codegen/runtime tests (``searched_plans.py`` has the search's own).
 
 Each case names a model and a layout: ``dp``, ``tp`` (Megatron), ``dp_tp``, ``zero3``, ``pp`` (2 stages
-of dp=2 x tp=2), ``uneven`` (dp=4 replicas taking 1, 1, 2 and 4 samples of each micro-batch) and
+of dp=2 x tp=2), ``interleaved`` (the GPT in 4 model chunks on 2 rank groups of dp=2, interleaved
+1F1B), ``uneven`` (dp=4 replicas taking 1, 1, 2 and 4 samples of each micro-batch) and
 ``uneven_pp`` (2 stages of dp=2, shares 1 and 3); ``dp_tp_remat`` recomputes its layers in the backward. Parameter placements are per mesh axis (dp, tp).
 Hand plans carry no predicted collectives: their HLO is checked against the layout in the tests.
 """
@@ -85,6 +86,11 @@ def make_plan(model: str, layout: str, *, schedule: str = "gpipe", optimizer: st
             _stage(1, rest, range(4, 8), 2, 2, {k: v for k, v in pl.items() if _in(k, rest)}, 0, shares),
         )
         dp = 2
+    elif layout == "interleaved":  # 4 model chunks on 2 rank groups of dp=2 (loop placement: 0, 1, 0, 1)
+        chunks = (layers[:2], layers[2:3], layers[3:4], layers[4:]) if gpt else ((layers[0],), (layers[1],))
+        groups = (range(0, 2), range(2, 4))
+        stages = tuple(_stage(k, c, groups[k % 2], 2, 1, {}, 0) for k, c in enumerate(chunks))
+        dp = 2
     elif layout == "uneven":
         dp = 4
         stages = (_stage(0, layers, range(4), 4, 1, {}, 0, (1, 1, 2, 4)),)
@@ -107,7 +113,8 @@ def make_plan(model: str, layout: str, *, schedule: str = "gpipe", optimizer: st
             "optimizer": optimizer,
         },
         stages=stages,
-        schedule=schedule,
+        schedule="interleaved_1f1b" if layout == "interleaved" else schedule,
+        num_virtual_stages=2 if layout == "interleaved" else 1,
         micro_batch_size=micro_per_replica,
         num_micro_batches=num_micro_batches,
     )

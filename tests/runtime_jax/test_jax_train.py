@@ -30,7 +30,7 @@ from partita.plan import Plan
 HERE = Path(__file__).parent
 STEPS = 3
 RTOL = 1e-4
-HAND = {"jax-mlp": ("tp", "uneven", "uneven_pp"), "jax-gpt-tiny": ("uneven", "dp_tp_remat")}
+HAND = {"jax-mlp": ("tp", "uneven", "uneven_pp"), "jax-gpt-tiny": ("uneven", "dp_tp_remat", "interleaved")}
 SEARCHED = {"jax-mlp": tuple(CASES), "jax-gpt-tiny": ("dp", "tp", "dp_tp", "zero3", "pp")}
 # What each searched layout must show in its HLO (beyond matching the prediction exactly).
 MUST_HAVE = {

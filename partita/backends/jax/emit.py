@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 from partita.backends.jax import fidelity as fid
 from partita.backends.jax import parallel as jp
 from partita.errors import PlanError
-from partita.plan import Plan, placements_to_str, shares
+from partita.plan import Plan, chunks_per_rank, placements_to_str, shares
 
 DEFAULT_LR = 1e-3
 
@@ -59,11 +59,13 @@ def _optimizer_src(training: Mapping[str, Any]) -> str:
 
 
 def _check(plan: Plan) -> None:
-    if plan.num_stages > 1 and plan.schedule == "interleaved_1f1b" and plan.num_virtual_stages > 1:
-        raise PlanError(  # issue 15 item 5: no JAX runtime runs model chunks; plain 1F1B would run unpriced
-            f"interleaved 1F1B with {plan.num_virtual_stages} virtual stages cannot be emitted for JAX: the program "
-            "runs one model chunk per stage (plain 1F1B), not the interleaved schedule the plan prices.",
-            "recompile with the default search (its schedules leave interleaved_1f1b out).",
+    if plan.num_stages > 1 and plan.schedule == "interleaved_1f1b" and plan.num_virtual_stages > 1 and not plan.chunked:
+        raise PlanError(  # issue 15 item 5: chunks not laid out; plain 1F1B would run under the interleaved price
+            f"interleaved 1F1B with {plan.num_virtual_stages} virtual stages cannot be emitted for JAX from a plan "
+            "that lists one stage per rank group: the program runs the model chunks the plan lays out (one Stage "
+            "per virtual stage, the chunks of a rank group on the same ranks), and this plan lays out none.",
+            "recompile with the default search (its JAX schedules leave interleaved_1f1b out), or lay the plan "
+            "out in chunks (`partita compile ... --schedule interleaved_1f1b --virtual-stages V` does).",
         )
     if plan.num_stages > 1 and plan.schedule in ("zb_h1", "zbv"):
         # issue 19: the JAX pipeline runs the plan's F and B actions (parallel.pipeline_schedule), B the whole
@@ -243,7 +245,7 @@ def emit_jax(plan: Plan, model_spec: str) -> str:
     stage_of = {f: st.index for st in split.stages for f in st.param_fqns}
     lay = plan_layouts(plan, handle, shapes, stage_of)
     specs, pins, notes = lay.specs, lay.pins, list(lay.notes)
-    if plan.num_stages > 1 and plan.schedule == "interleaved_1f1b":
+    if plan.num_stages > 1 and plan.schedule == "interleaved_1f1b" and not plan.chunked:
         notes.append(
             f"the plan's interleaved 1F1B (v={plan.num_virtual_stages}) runs as plain 1F1B over its "
             f"{plan.num_stages} stages (one model chunk per stage): the bubble is larger than predicted"
@@ -287,6 +289,8 @@ def _source(
     gb = per_mb * plan.num_micro_batches
     seq = int(plan.training.get("seq_len", 0))
     kind = "spmd" if plan.num_stages == 1 else ("gpipe" if plan.schedule == "gpipe" else "1f1b")
+    if plan.chunked:  # model chunks: the interleaved list of every rank group's chunks
+        kind = plan.schedule
     lines = [
         f'"""Partita-generated JAX program: {plan.model.get("name", model_spec)} on {plan.cluster.get("name", "?")}.',
         "",
@@ -356,7 +360,8 @@ def _source(
         ),
     ]
     if plan.num_stages > 1:
-        actions = jp.pipeline_schedule(kind, plan.num_stages, plan.num_micro_batches)
+        chunks = chunks_per_rank(plan.schedule, plan.num_virtual_stages) if plan.chunked else 1
+        actions = jp.pipeline_schedule(kind, plan.num_stages, plan.num_micro_batches, chunks)
         lines += [
             "",
             f"# {kind} dispatch order (action, stage, micro-batch): each stage's action list from",

@@ -16,7 +16,7 @@ activation pins, schedule) are literal data in the generated file.
   are evaluated equation by equation, so values crossing layer boundaries and the outputs of named
   modules can be pinned to a layout.
 * :func:`pipeline_schedule` merges the plan's per-rank action lists (``search/schedule.py``, GPipe /
-  1F1B) into the order the program dispatches.
+  1F1B / interleaved 1F1B over model chunks) into the order the program dispatches.
 
 HLO collective counting and the plan's predictions live in ``backends/jax/fidelity.py``.
 """
@@ -488,42 +488,49 @@ def _stage_apply(
 
 
 # ---- schedule --------------------------------------------------------------------------------
-def pipeline_schedule(schedule: str, num_stages: int, num_micro_batches: int) -> list[tuple[str, int, int]]:
+def pipeline_schedule(
+    schedule: str, num_stages: int, num_micro_batches: int, num_chunks: int = 1
+) -> list[tuple[str, int, int]]:
     """Dispatch order ``(action, stage, micro_batch)`` of the plan's schedule.
 
-    Each stage's own order is its rank's list in ``search/schedule.pipeline_actions`` (the list the
+    Each rank group's own order is its list in ``search/schedule.pipeline_actions`` (the list the
     cost model simulates): "F" the forward, "B" the whole backward (the last stage's "B" starts from
-    the loss), "W" never (no JAX program splits the backward). The global list interleaves the
-    per-stage lists respecting the data dependencies (F after the previous stage's F, B after the
-    stage's own F and the next stage's B); JAX executes each device's work in dispatch order, so
-    every stage runs its list in the listed order.
+    the loss), "W" never (no JAX program splits the backward). With model chunks (``num_chunks``
+    per rank group, interleaved 1F1B: a chunked plan's ``num_stages`` virtual stages on
+    ``num_stages / num_chunks`` rank groups, loop placement) a list holds the actions of all the
+    group's chunks. The global list interleaves the per-group lists respecting the data dependencies
+    (F after the previous stage's F, B after the stage's own F and the next stage's B); JAX executes
+    each device's work in dispatch order, so every rank group runs its list in the listed order.
     """
     if splits_backward(schedule):
         raise PlanError(
             f"schedule {schedule} splits the backward into input and weight gradients, which the JAX program "
             "cannot run.",
-            "use gpipe or 1f1b for JAX plans.",
+            "use gpipe, 1f1b or interleaved_1f1b for JAX plans.",
         )
-    p, m = num_stages, num_micro_batches
-    per_stage = [[(a.kind, a.stage, a.micro) for a in acts] for acts in pipeline_actions(schedule, p, m)]
+    n, m = num_stages, num_micro_batches
+    groups = n // num_chunks
+    per_group = [
+        [(a.kind, a.stage, a.micro) for a in acts] for acts in pipeline_actions(schedule, groups, m, num_chunks)
+    ]
     done: set[tuple[str, int, int]] = set()
-    pos = [0] * p
+    pos = [0] * groups
     out: list[tuple[str, int, int]] = []
-    while any(pos[s] < len(per_stage[s]) for s in range(p)):
+    while any(pos[r] < len(per_group[r]) for r in range(groups)):
         progressed = False
-        for r in range(p):
-            if pos[r] >= len(per_stage[r]):
+        for r in range(groups):
+            if pos[r] >= len(per_group[r]):
                 continue
-            act, s, i = per_stage[r][pos[r]]
+            act, s, i = per_group[r][pos[r]]
             if act == "F":
                 ready = s == 0 or ("F", s - 1, i) in done
             else:
-                ready = ("F", s, i) in done and (s == p - 1 or ("B", s + 1, i) in done)
+                ready = ("F", s, i) in done and (s == n - 1 or ("B", s + 1, i) in done)
             if ready:
                 done.add((act, s, i))
                 out.append((act, s, i))
                 pos[r] += 1
                 progressed = True
         if not progressed:
-            raise PlanError(f"schedule {schedule!r} deadlocks for {p} stages.", "use gpipe or 1f1b.")
+            raise PlanError(f"schedule {schedule!r} deadlocks for {n} stages.", "use gpipe or 1f1b.")
     return out

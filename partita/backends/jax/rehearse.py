@@ -140,7 +140,7 @@ def rehearse(program: jt.Program, handle: Any) -> dict[str, Any]:
         for key, ops in counts["by_axis"].items():
             kind, axis = key.split("@")
             collectives[f"{KINDS.get(kind, kind)}@{axis}"] = {"count": int(ops), "bytes": float(counts["bytes"][key])}
-        sends = _sends(run, split, acts, m)
+        sends = _sends(run, split, acts, m, meshes)
         if sends["count"]:
             collectives["p2p@pp"] = sends
         persistent = {
@@ -158,14 +158,14 @@ def rehearse(program: jt.Program, handle: Any) -> dict[str, Any]:
     return out
 
 
-def _sends(run: Any, split: Any, acts: Mapping[int, Any], m: int) -> dict[str, float]:
+def _sends(run: Any, split: Any, acts: Mapping[int, Any], m: int, meshes: Sequence[Any]) -> dict[str, float]:
     """This stage's forward sends per step, as the program counts them: one per micro-batch and consumer
-    stage (its ``jax.device_put`` of every value that stage reads), bytes per device (the array over dp
-    replicas)."""
+    stage on another mesh (its ``jax.device_put`` of every value that stage reads; a chunk of the same
+    rank group reads in place), bytes per device (the array over dp replicas)."""
     consumers: set[int] = set()
     nbytes = 0.0
     for i in run.prog.outputs:
-        readers = {s for s, prog in enumerate(split.stages) if s != run.index and i in prog.inputs}
+        readers = {s for s, prog in enumerate(split.stages) if meshes[s] is not meshes[run.index] and i in prog.inputs}
         if i not in acts or not readers:
             continue
         consumers |= readers

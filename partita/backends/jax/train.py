@@ -22,7 +22,8 @@ PartitionSpec per parameter, activation pins, schedule -- in a :class:`Program`,
   ``search/schedule.pipeline_actions``, the ones the cost model simulates, merged by
   ``parallel.pipeline_schedule``; the loss stage's F and B are two calls, as listed; one stage:
   its fused step per micro-batch, then the update); activations and cotangents move between the stage meshes with
-  ``jax.device_put``. Per-micro-batch calls keep micro-batches apart (:func:`train` says why).
+  ``jax.device_put``. A chunked plan (interleaved 1F1B, ``Plan.chunked``) lists one stage per model
+  chunk: the chunks of a rank group share its mesh, and a value passes between them in place. Per-micro-batch calls keep micro-batches apart (:func:`train` says why).
 
 Every compiled function's HLO is read for its collectives (``backends/jax/fidelity.py``).
 """
@@ -281,7 +282,13 @@ def _pins(meshes: Sequence[Any], program: Program) -> tuple[Any, Any]:
 
 
 def _meshes(program: Program) -> list[Any]:
-    return [jp.stage_mesh(s["ranks"], int(s["dp"]), int(s["tp"])) for s in program.stages]
+    """One mesh per rank group: the model chunks of a group (same ranks) share it."""
+    by_group: dict[tuple, Any] = {}
+    for s in program.stages:
+        key = (tuple(s["ranks"]), int(s["dp"]), int(s["tp"]))
+        if key not in by_group:
+            by_group[key] = jp.stage_mesh(s["ranks"], int(s["dp"]), int(s["tp"]))
+    return [by_group[(tuple(s["ranks"]), int(s["dp"]), int(s["tp"]))] for s in program.stages]
 
 
 # ---- the step ----------------------------------------------------------------------------------
@@ -359,9 +366,9 @@ def train(
         for i in runs[s].prog.inputs:
             if split.producer[i] < 0:
                 x = batch[split.batch_ids.index(i)][mb]
-            else:  # stage-to-stage transfer onto this stage's mesh
+            else:  # stage-to-stage transfer onto this stage's mesh (none between chunks of one rank group)
                 x = acts[(mb, i)]
-                if count:
+                if count and meshes[split.producer[i]] is not meshes[s]:
                     _count(sent, f"stage{split.producer[i]}", (mb, s), x)
             xs.append(jax.device_put(x, runs[s].sh(P("dp"))))
         return xs
@@ -398,7 +405,7 @@ def train(
             for k, g in zip(run.diff, gx):  # cotangents go back to the producing stage's mesh
                 i = run.prog.inputs[k]
                 src = split.producer[i]
-                if step == 0:
+                if step == 0 and meshes[src] is not meshes[s]:
                     _count(back, f"stage{s}", (mb, src), g)
                 g = jax.device_put(g, runs[src].sh(P("dp")))
                 cots[(mb, i)] = cots[(mb, i)] + g if (mb, i) in cots else g
