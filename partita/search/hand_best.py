@@ -25,7 +25,7 @@ from partita.errors import ConfigError
 from partita.ir import Graph
 from partita.search import schedule as sched
 from partita.search.config import SearchOptions, TrainingConfig
-from partita.search.evaluate import block_kind, check_layout, megatron_split
+from partita.search.evaluate import block_kind, check_layout, megatron_split, tp_dims
 from partita.search.plan_build import Candidate, StagePick
 from partita.search.planner import Option, Search, powers_of_two
 from partita.search.stage_cost import SolverCosts
@@ -44,6 +44,7 @@ def _layouts(graph: Graph, cluster: Cluster, training: TrainingConfig, max_micro
     dev = cluster.device_types()[0]
     n, gpn = cluster.count(dev.name), cluster.gpus_per_node(dev.name)
     blocks = sum(lay.kind == block_kind(graph) for lay in graph.layers)
+    dims = tp_dims(graph)  # the same for every layout: once, not per check_layout
     out = []
     for tp in powers_of_two(min(gpn, n)):
         for pp in (p for p in range(1, blocks + 1) if blocks % p == 0 and n % (tp * p) == 0):
@@ -52,7 +53,7 @@ def _layouts(graph: Graph, cluster: Cluster, training: TrainingConfig, max_micro
                 if training.global_batch % (b * dp):
                     continue
                 try:
-                    check_layout(graph, cluster, training, tp=tp, pp=pp, dp=dp, micro_batch=b)
+                    check_layout(graph, cluster, training, tp=tp, pp=pp, dp=dp, micro_batch=b, dims=dims)
                 except ConfigError:
                     continue
                 out.append((tp, pp, dp, b))

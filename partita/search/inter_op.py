@@ -146,6 +146,18 @@ def _masked(x: np.ndarray, t_max: float) -> np.ndarray:
     return x if t_max == INF else np.where(x <= t_max, x, INF)
 
 
+PREMASK_MAX = 1 << 16  # tables up to this many entries are masked by t_max whole, once per run
+
+
+def _premasked(t: _Table, t_max: float) -> tuple[np.ndarray, np.ndarray, float]:
+    """``(tab, diag, t_max)`` for :func:`_run`: a small table masked whole here (one ``np.where``
+    instead of one per stage count ``s``), its slices then need no mask (``INF``); a large one is
+    masked slice by slice where read (a narrow band reads a few columns). Same floats either way."""
+    if t_max == INF or t.tab.size > PREMASK_MAX:
+        return t.tab, t.diag, t_max
+    return _masked(t.tab, t_max), _masked(t.diag, t_max), INF
+
+
 def _run(p: StageProblem, t_max: float) -> list[np.ndarray]:
     """Fill ``G[i]`` (shape ``[S + 1, U + 1, cap_i + 1]``) for bound ``t_max``.
 
@@ -163,9 +175,11 @@ def _run(p: StageProblem, t_max: float) -> list[np.ndarray]:
     by_seg = _tables(p)
     # band[s]: the most units of a stage that fits under t_max with s stages left (0: none)
     lengths = np.arange(num_units + 1)[:, None]
-    # (the tables are masked by t_max slice by slice, where read: a narrow band reads a few columns)
+    # (large tables are masked by t_max slice by slice, where read: a narrow band reads a few columns;
+    # small ones whole, once per run: _premasked)
     bands = [
-        [(t, np.where(t.shortest <= t_max, lengths, 0).max(axis=0), t.tab, t.diag) for t in tabs] for tabs in by_seg
+        [(t, np.where(t.shortest <= t_max, lengths, 0).max(axis=0), *_premasked(t, t_max)) for t in tabs]
+        for tabs in by_seg
     ]
     for s in range(1, min(max_stages, num_units) + 1):
         nk = num_units - s + 1
@@ -175,21 +189,21 @@ def _run(p: StageProblem, t_max: float) -> list[np.ndarray]:
                 cur[:nk, :] = g[i + 1][s][:nk, p.capacities[i + 1], None]
             cap = p.capacities[i]
             prev = g[i][s - 1][: nk + 1]
-            widths = [min(int(band[s]), nk) for _, band, _, _ in bands[i]]
+            widths = [min(int(band[s]), nk) for _, band, _, _, _ in bands[i]]
             narrow = max((x for x in widths if 2 * x < nk), default=0)
             if narrow:  # win[k, d, c] = G[s - 1][k + 1 + d, c] (inf past the last unit), a view
                 padded = np.concatenate([prev[1:], np.full((narrow, cap + 1), INF)])
                 r, col = padded.strides
                 win = np.lib.stride_tricks.as_strided(padded, (nk, narrow, cap + 1), (r, r, col), writeable=False)
-            for (t, _, tab, diag), width in zip(bands[i], widths):
+            for (t, _, tab, diag, mask_at), width in zip(bands[i], widths):
                 w = t.width
                 if width == 0:
                     continue
                 if 2 * width >= nk:  # wide band: the square corner is as cheap
-                    c = _masked(tab[:nk, : nk + 1, s], t_max)  # [U - s + 1, U - s + 2]
+                    c = _masked(tab[:nk, : nk + 1, s], mask_at)  # [U - s + 1, U - s + 2]
                     cand = (c[:, :, None] + prev[None, :, : cap + 1 - w]).min(axis=1)
                 else:  # cand[k] = min_d diag[k, d] + G[s - 1][k + 1 + d]
-                    d = _masked(diag[:nk, :width, s], t_max)
+                    d = _masked(diag[:nk, :width, s], mask_at)
                     cand = (d[:, :, None] + win[:, :width, : cap + 1 - w]).min(axis=1)  # [U - s + 1, cap + 1 - w]
                 np.minimum(cur[:nk, w:], cand, out=cur[:nk, w:])
     return g

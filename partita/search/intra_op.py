@@ -174,6 +174,7 @@ class _LayerProblem:
             for t in n.inputs:
                 self.consumers.setdefault(t, []).append(n)
         self._ev: dict[sympy.Expr, int] = {}
+        self._nb: dict[str, float] = {}
         self._rs: dict[tuple[Layout, Layout, float], tuple[float, tuple]] = {}
         self.outputs = set(layer.outputs)
         self.needs_grad = needs_grad(graph)
@@ -228,8 +229,11 @@ class _LayerProblem:
         return self._ev[e]
 
     def nbytes(self, t: str) -> float:
-        ten = self.g.tensors[t]
-        return float(math.prod(self.ev(d) for d in ten.shape) * ten.itemsize)
+        got = self._nb.get(t)  # asked once per strategy that reads t: evaluated once per problem
+        if got is None:
+            ten = self.g.tensors[t]
+            got = self._nb[t] = float(math.prod(self.ev(d) for d in ten.shape) * ten.itemsize)
+        return got
 
     def reshard(self, src: Layout, dst: Layout, t: str) -> tuple[float, tuple]:
         """(seconds, steps) to move tensor ``t`` from ``src`` to ``dst``; cached."""

@@ -3,13 +3,17 @@ on random inputs with ties and infinities (in-process, well under a second)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from partita.cluster import parse_cluster
 from partita.ir import Graph
-from partita.search.config import TrainingConfig
-from partita.search.planner import Option
+from partita.search.config import SearchOptions, TrainingConfig
+from partita.search.plan_build import Candidate
+from partita.search.planner import Option, Search, plan_graph
+from partita.search.stage_cost import UnitTable, _range_max, _range_sum
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +68,9 @@ def test_hand_best_prunes_without_changing_the_winner(graph: Graph) -> None:
 
     cl, tr = parse_cluster("8xA100-80G"), TrainingConfig(global_batch=64, seq_len=32)
     simulated: list[float] = []
-    step = Candidate.step_time
+    step = Candidate.__dict__["step_time"]  # a cached_property: counted here on every read
     try:
-        Candidate.step_time = property(lambda c: simulated.append(1.0) or step.fget(c))  # type: ignore[method-assign]
+        Candidate.step_time = property(lambda c: simulated.append(1.0) or step.func(c))  # type: ignore[method-assign]
         rec = hand_best.best_hand_layout(graph, cl, tr)
     finally:
         Candidate.step_time = step  # type: ignore[method-assign]
@@ -110,3 +114,65 @@ def _every_layout(graph: Graph, cl, tr) -> list[tuple]:  # noqa: ANN001
             mem = max(cand.memory(i) for i in range(pp))
             out.append(((tp, pp, dp, b, z, r), cand.step_time, mem <= cap))
     return out
+
+
+# ---- memoised paths (UnitTable.ranged, Candidate.pipeline / step_time) against plain recomputation ----
+def _fresh(self: UnitTable, name: str) -> np.ndarray:
+    """``UnitTable.ranged`` without its memo (the computation stage_arrays made per combo before)."""
+    if name == "act-sel":
+        return _range_sum(self.act - self.sel_bytes)
+    if name.startswith("max_") or name == "transient":
+        return _range_max(getattr(self, name))
+    return _range_sum(getattr(self, name))
+
+
+def _body(graph: Graph, cluster: str, batch: int) -> str:
+    plan = plan_graph(graph, parse_cluster(cluster), TrainingConfig(global_batch=batch, seq_len=32))
+    d = json.loads(plan.to_json())
+    d.pop("search", None)  # wall times and counters
+    return json.dumps(d, sort_keys=True)
+
+
+@pytest.mark.parametrize(("cluster", "batch"), [("8xA100-80G", 64), ("4xA100-80G+4xV100-32G", 64)])
+def test_memoised_search_gives_the_same_plan(
+    graph: Graph, cluster: str, batch: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fast = _body(graph, cluster, batch)
+    monkeypatch.setattr(UnitTable, "ranged", _fresh)
+    monkeypatch.setattr(Candidate, "pipeline", property(Candidate.__dict__["pipeline"].func))
+    monkeypatch.setattr(Candidate, "step_time", property(Candidate.__dict__["step_time"].func))
+    plain = _body(graph, cluster, batch)
+    assert fast == plain
+
+
+def test_ranged_is_read_only_and_matches(graph: Graph) -> None:
+    """The memo hands out one read-only array per field (stage_arrays never writes into it)."""
+    cl = parse_cluster("8xA100-80G")
+    search = Search(graph, cl, TrainingConfig(global_batch=64, seq_len=32), SearchOptions())
+    tab = search.table(search.types[0], 1, 1)
+    assert tab is not None
+    for name in ("fwd", "act-sel", "max_layer_params", "num_layers"):
+        got = tab.ranged(name)
+        assert got is tab.ranged(name) and not got.flags.writeable
+        assert np.array_equal(got, _fresh(tab, name))
+    with pytest.raises(ValueError):
+        tab.ranged("fwd")[0, 1] = 1.0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_premasked_tables_give_the_same_dp(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``inter_op._run`` with small tables masked whole (``_premasked``) fills the same ``G`` as with
+    every table masked slice by slice, for every t_max candidate (ties and infinities included)."""
+    from partita.search import inter_op
+
+    rng = np.random.default_rng(seed)
+    units, depth = 9, 6
+    times = rng.integers(1, 6, (4, units, units + 1, depth)).astype(float)  # small ints: ties
+    times[rng.random(times.shape) < 0.25] = np.inf
+    p = inter_op.stage_problem(times, [0, 0, 1, 1], [1, 2, 1, 2], [4, 3], 3.0, 1.0)
+    for t in [np.inf, *np.unique(times[np.isfinite(times)])]:
+        monkeypatch.setattr(inter_op, "PREMASK_MAX", 1 << 16)
+        whole = inter_op._run(p, float(t))
+        monkeypatch.setattr(inter_op, "PREMASK_MAX", 0)
+        sliced = inter_op._run(p, float(t))
+        assert all(np.array_equal(a, b) for a, b in zip(whole, sliced, strict=True))
