@@ -418,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     hand.add_argument("--micro-batch", type=int, default=None, help="samples per micro-batch and replica")
     hand.add_argument("--zero", type=int, default=None, choices=[0, 1, 2, 3])
     hand.add_argument("--recompute", default=None, choices=["none", "selective", "full"])
-    hand.add_argument("--schedule", default=None, choices=["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"])
+    hand.add_argument("--schedule", default=None, choices=["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"])
     hand.add_argument(
         "--virtual-stages", type=int, default=None, help="model chunks per stage (interleaved_1f1b; default 2)"
     )

@@ -30,7 +30,8 @@ from partita.report.fmt import (
 )
 from partita.report.run_log import gap_causes
 from partita.report.run_log_view import collective_rows
-from partita.report.terminal import compare_text, plan_text
+from partita.report.terminal import compare_text, plan_text, schedule_losses
+from partita.search.pipeline_sim import simulate
 from partita.search.schedule import Action, pipeline_actions, splits_backward, virtual_stages
 from partita.search.schedule_cost import simulate_stages
 
@@ -93,7 +94,15 @@ def _schedule(plan: Plan) -> tuple[list[tuple[int, Action, float, float]], float
             break
         except PartitaError:
             m -= 1
-    sim = simulate_stages(plan.schedule, m, v, f_s, b_s, w_s)
+    chunks = sorted(plan.stages, key=lambda s: s.index)
+    if plan.chunked and all(float(s.predicted.get("f_action_s") or 0.0) > 0 for s in chunks):
+        # each chunk's own times (ZB-V's V layout prices its chunks unevenly: search/v_layout.py)
+        f_c, b_c, w_c = (
+            [float(s.predicted.get(k) or 0.0) for s in chunks] for k in ("f_action_s", "b_action_s", "w_action_s")
+        )
+        sim = simulate(plan.schedule, n, m, f_c, b_c, w_c, num_virtual=v)
+    else:
+        sim = simulate_stages(plan.schedule, m, v, f_s, b_s, w_s)
     boxes = [(b.rank, b.action, b.start_s, b.end_s - b.start_s) for b in sim.boxes]
     return boxes, sim.step_s or 1.0, m
 
@@ -247,7 +256,7 @@ def _cards(plan: Plan) -> str:
             "schedule",
             plan.schedule,
             f"{plural(plan.num_positions, 'stage')}, {plural(plan.num_micro_batches, 'micro-batch', 'micro-batches')} "
-            f"of {plan.micro_batch_size} per replica",
+            f"of {plan.micro_batch_size} per replica" + schedule_losses(plan),
         ),
     ]
     return (

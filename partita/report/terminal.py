@@ -52,7 +52,8 @@ def summary_table(plan: Plan) -> Table:
             f"{plan.schedule}, {plural(plan.num_micro_batches, 'micro-batch', 'micro-batches')} of "
             f"{plural(plan.micro_batch_size, 'sample')} per replica, {plural(plan.num_positions, 'stage')}"
             + (f", {plan.num_virtual_stages} virtual stages" if plan.num_virtual_stages > 1 else "")
-            + (", weight gradients (W) deferred into the bubble" if splits_backward(plan.schedule) else ""),
+            + (", weight gradients (W) deferred into the bubble" if splits_backward(plan.schedule) else "")
+            + schedule_losses(plan),  # issue 19: how much each other schedule family searched loses
         ],
     ]
     total, used = cluster_devices(plan), used_devices(plan)
@@ -222,6 +223,24 @@ def hand_layout_table(plan: Plan) -> Table | None:
     )
 
 
+def _chosen_step(plan: Plan, per_schedule: dict) -> float:
+    """The chosen plan's step among ``plan.search["schedules"]`` (key ``zbv v2`` with chunks)."""
+    key = plan.schedule + (f" v{plan.num_virtual_stages}" if plan.num_virtual_stages > 1 else "")
+    return float(per_schedule.get(key, min(per_schedule.values(), default=0.0)))
+
+
+def schedule_losses(plan: Plan) -> str:
+    """``"; others: zb_h1 +4.1%, 1f1b +5.0%"``: by how much each other schedule family searched loses
+    against the chosen plan (issue 19; ``schedule_cost.best_per_schedule``), "" when none was."""
+    got = plan.search.get("schedules") if isinstance(plan.search, dict) else None
+    if not isinstance(got, dict) or len(got) < 2:
+        return ""
+    best = _chosen_step(plan, got)
+    key = plan.schedule + (f" v{plan.num_virtual_stages}" if plan.num_virtual_stages > 1 else "")
+    rest = [f"{s} {t / best - 1:+.1%}" for s, t in got.items() if s != key and best > 0]
+    return "; others: " + ", ".join(rest) if rest else ""
+
+
 def search_table(plan: Plan) -> Table:
     rows = []
     for k in sorted(plan.search):
@@ -229,7 +248,7 @@ def search_table(plan: Plan) -> Table:
             continue
         v = plan.search[k]
         if k == "schedules" and isinstance(v, dict):  # each schedule's best step: by how much the others lose
-            best = min(v.values(), default=0.0)
+            best = _chosen_step(plan, v)
             v = "; ".join(
                 f"{s} {time_s(t)}" + (f" (+{t / best - 1:.1%})" if 0 < best < t else "") for s, t in v.items()
             )

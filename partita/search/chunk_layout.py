@@ -20,7 +20,7 @@ chunk, one dp gradient sync per rank group, tied weights across rank groups).
 
 Used by ``search/hand_plan.py`` (``partita compile --schedule interleaved_1f1b --virtual-stages V``).
 ZB-V's V placement puts the model's first and last layers on rank group 0, which a position-priced
-candidate never has: it is not laid out here (module docstring of ``search/config.py``).
+candidate never has: ``search/v_layout.py`` prices and lays out ZB-V on its own chunks.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def runnable(cand: Any) -> bool:
     if cand.schedule != "interleaved_1f1b" or cand.v < 2:
         return True
     s = cand.search
-    if s.graph.meta.get("framework") == "jax":  # the JAX program runs no chunks (search/config.py)
+    if s.graph.meta.get("framework") == "jax":  # no per-chunk JAX records are built (search/config.py)
         return False
     for p in cand.stages:
         z = p.option.combos[p.combo][0]
@@ -108,7 +108,7 @@ def lay_out(search: Any, plan: Plan) -> Plan:
     g, v = search.graph, plan.num_virtual_stages
     if plan.schedule != "interleaved_1f1b" or v < 2 or plan.chunked or plan.num_stages < 2:
         return plan
-    if g.meta.get("framework") == "jax":  # no JAX program runs chunks: the what-if plan stays per rank group
+    if g.meta.get("framework") == "jax":  # JAX per-chunk records are not built: the what-if plan stays per group
         return plan
     index = {lay.name: i for i, lay in enumerate(g.layers)}
     p = plan.num_stages

@@ -24,12 +24,15 @@ tp=2 rank groups (interleaved, GPT-2's tied wte / lm_head on two rank groups) an
 groups (ZB-V, the tied pair on one rank, one module), and two dp=2 ZeRO-1 rank groups under both
 (FSDP2's reduce-scatter once per unit, after the rank's last action), checked the same way (losses,
 gradients, collectives per rank group: the p2p of every chunk, no message for a hand-off between
-chunks of one rank).
+chunks of one rank). One ZB-V plan comes from the search, not by hand (``searched_plan``: gpt2-tiny on
+4 CPU ranks with only zbv allowed, priced on its V layout by ``search/v_layout.py``: two dp=2 rank
+groups, embed + head on the first) and runs in the 4-rank launch, checked the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import json
 import os
@@ -90,8 +93,23 @@ def chunked_plan(model: str, name: str, schedule: str) -> Plan:
     return Plan.from_json(plans.with_records(plan, model).to_json(), name)
 
 
+@functools.lru_cache(maxsize=4)
+def searched_plan(model: str, schedule: str) -> Plan:
+    """The planner's own plan (not hand-made) on 4 CPU ranks, global batch 16, only ``schedule`` allowed:
+    for zbv the V layout priced chunk by chunk (``search/v_layout.py``): dp=2 rank groups, 4 micro-batches."""
+    from partita.search.config import SearchOptions, TrainingConfig
+    from partita.search.planner import plan_graph
+
+    training = TrainingConfig(global_batch=16, seq_len=16, dtype="f32")
+    opts = SearchOptions(schedules=(schedule,), max_micro_batch=2)
+    plan = plan_graph(plans._graph(model), parse_shorthand("4xCPU"), training, options=opts)
+    return Plan.from_json(plan.to_json(), f"searched-{schedule}")
+
+
 def schedule_plan(model: str, name: str, schedule: str) -> Plan:
     """The layouts of this file (4 micro-batches each, so every schedule has a steady state)."""
+    if name == "searched":
+        return searched_plan(model, schedule)
     if name in CHUNKED:
         return chunked_plan(model, name, schedule)
     a, b = _halves(model)
@@ -142,6 +160,7 @@ P2P = {  # layout -> per stage (messages, samples they carry) per micro-batch
     ("v2_dp", "zbv"): [(4, 8), (4, 8)],
     ("v2_z1", "zbv"): [(4, 8), (4, 8)],
     ("v2_z1", "interleaved_1f1b"): [(6, 12), (6, 12)],
+    ("searched", "zbv"): [(4, 8), (4, 8)],  # the search's V layout is v2_dp's (test_searched_zbv_is_the_v_layout)
 }
 # one sample of a boundary activation, f32: seq 16 x hidden 64 (the tiny LMs), fc1's 64 outputs (mlp)
 SAMPLE_BYTES = {"gpt2-tiny": 16 * 64 * 4, "llama-tiny": 16 * 64 * 4, "mlp": 64 * 4}
@@ -156,6 +175,7 @@ JOBS = {  # world size -> (model, layout, schedule)
 JOBS[2] += [("gpt2-tiny", "v2", s) for s in ("interleaved_1f1b", "zbv")]
 JOBS[4] += [("gpt2-tiny", "v2_tp", "interleaved_1f1b"), ("gpt2-tiny", "v2_dp", "zbv")]
 JOBS[4] += [("gpt2-tiny", "v2_z1", "zbv"), ("llama-tiny", "v2_z1", "interleaved_1f1b")]
+JOBS[4] += [("gpt2-tiny", "searched", "zbv")]  # a ZB-V plan from the search, not hand-made
 
 
 # ---- in process ---------------------------------------------------------------------------------
@@ -346,7 +366,7 @@ def test_schedules_match_single_device(tmp_path: Path, world: int) -> None:
     for model, name, sched in JOBS[world]:
         job = f"{model}-{name}-{sched}"
         res, plan = got[job], schedule_plan(model, name, sched)
-        key = (model, plan.training["global_batch"])
+        key = (model, json.dumps(plan.training, sort_keys=True))  # the searched plan trains its own optimizer
         if key not in refs:
             refs[key] = reference_run(model, plan.training, STEPS, dump_steps=tuple(range(1, STEPS + 1)))
         ref = refs[key]
@@ -367,7 +387,7 @@ def test_schedules_match_single_device(tmp_path: Path, world: int) -> None:
             measured[k] = _kinds(res["collectives"][k])
             want = _first_principles(model, groups, s)
             assert {x: c for x, c in measured[k].items() if x != "p2p"} == want, (job, k, measured[k], want)
-            msgs, rows = P2P[(name, sched) if name in CHUNKED else name][s.index]
+            msgs, rows = P2P[(name, sched) if name in CHUNKED or name == "searched" else name][s.index]
             p2p = res["collectives"][k]["p2p@pp"]
             assert (p2p["count"], p2p["bytes"]) == (msgs * m, rows * SAMPLE_BYTES[model] * m), (job, k, p2p)
             # the run's own check against the plan's records (kind@axis, counts, bytes: fidelity.compare).
@@ -383,7 +403,7 @@ def test_schedules_match_single_device(tmp_path: Path, world: int) -> None:
                 if not (s.tp > 1 and _tp_axis(x)) and not (x.startswith("p2p@pp: measured") and x.endswith(" B"))
             ]
             assert left == [], (job, k, left)
-        if name not in CHUNKED:  # a chunked layout's placement depends on its schedule
+        if name not in CHUNKED and name != "searched":  # a chunked layout's placement depends on its schedule
             assert counts.setdefault((model, name), measured) == measured, job  # the same for every schedule
 
 
