@@ -138,6 +138,13 @@ def active_fake_mode() -> Any:
     return active()
 
 
+def is_fake(t: Any) -> bool:
+    """Whether ``t`` is a fake tensor (``torch._subclasses.fake_tensor.is_fake``; DTensors looked through)."""
+    from torch._subclasses.fake_tensor import is_fake as fake
+
+    return bool(fake(t))
+
+
 def fake_tensor_mode() -> Any:
     """A new ``FakeTensorMode`` (``torch._subclasses``): tensors with shapes, dtypes and devices, no data."""
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -131,7 +131,8 @@ def heterogeneity_unaware(
         real.options = dataclasses.replace(
             options, zero_stages=(st.zero_stage,), recompute=(st.recompute,), max_layer_units=0
         )
-        got = real.arrays(devs, st.dp, st.tp, in_flight, sched.p2p_multiplier(plan.schedule, v))
+        mult, split = sched.p2p_multiplier(plan.schedule, v), sched.splits_backward(plan.schedule)
+        got = real.arrays(devs, st.dp, st.tp, in_flight, mult, split_backward=split)  # stage_cost.static_memory
         if got is None:
             return plan, math.inf
         per_combo, combos, stack = got

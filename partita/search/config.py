@@ -61,18 +61,24 @@ class SearchOptions:
       placement keeps every rank group's layer kinds, one device type per group, no ZeRO-2/3 over
       dp > 1, which would sync per backward while the rank's other chunks accumulate); the winner is laid
       out as one Stage per virtual stage (``chunk_layout.lay_out``, ``plan.py``) and
-      ``backends/torch/schedule.P2PPipeline`` runs it. JAX models leave it out: the JAX program would
-      run plain 1F1B under the interleaved bubble, so ``emit_jax`` refuses ``num_virtual_stages > 1``
-      (issue 15, item 5). ``zb_h1`` (issue 19: 1F1B with the weight gradients W deferred into the
+      ``backends/torch/schedule.P2PPipeline`` runs it. JAX models leave it out: the JAX program runs a
+      chunked plan (``backends/jax/parallel.pipeline_schedule``; hand-made plans,
+      ``tests/runtime_jax``), but ``chunk_layout.lay_out`` completes a chunked plan's records the torch
+      program's way (``search/records.py``), and a JAX plan's per-chunk records are not built, so
+      ``emit_jax`` refuses an interleaved plan that is not laid out in chunks (issue 15, item 5). ``zb_h1`` (issue 19: 1F1B with the weight gradients W deferred into the
       cool-down bubble, priced by simulating its action list, ``search/pipeline_sim.py``) is on by
       default: the torch program runs it (``backends/torch/schedule.P2PPipeline``) on stages with ZeRO-0
       or ZeRO-1 and no recompute, the only ones the planner searches under it; JAX models leave it out (no JAX
-      runtime splits the backward). ``zbv`` (ZB-V, two chunks per rank group in a V) is off by default:
-      the torch program runs a ZB-V plan laid out as chunks (``P2PPipeline``; hand-made plans,
-      ``tests/runtime/test_schedules_runtime.py``), but the planner prices it per rank group (one
-      contiguous range each, split over two chunks), and the V placement puts the model's first and
-      last layers on rank group 0, which such a range never holds: the priced plan is not one the
-      runtime runs. Pass it explicitly to price what-if plans (``bench/schedules.py``).
+      runtime splits the backward). ``zbv`` (ZB-V, two chunks per rank group in a V) is priced on
+      the layout the runtime runs (``search/v_layout.py``: from the best ZB-H1 candidates, the model
+      cut into ``2p`` chunks, chunk ``s`` on rank group ``s`` or ``2p - 1 - s``, each chunk's F/B/W and
+      each group's memory from its own layers) and the winner is the chunked plan ``P2PPipeline`` runs
+      (a searched plan matches the single-device run on gloo, ``tests/runtime/test_schedules_runtime.py``).
+      It stays off by default: ``partita rehearse`` of such plans on gpt2-tiny measures 2-7% more
+      peak memory per rank group than priced (ZB-H1 on the same layout: under 1%; cause not found),
+      and counts the tied wte gradient twice in the dp all-reduce of the rank group holding both
+      embedding and head (hand-made V plans too; the gloo run itself measures what the plan records),
+      so the rehearsal does not yet match the plan. Pass it to search it (``bench/schedules.py``).
     * ``zero_stages`` / ``recompute``: per-stage options searched. ``"selective"`` is priced from what
       the runtime recomputes (``search/stage_cost.SolverCosts._selective``): a torch block keeps its
       input and the outputs of its matmuls and tp collectives and runs every other op's forward again

@@ -144,8 +144,10 @@ def check_layout(
     schedule: str = "1f1b",
     num_virtual: int = 1,
     sequence_parallel: bool = False,
+    dims: tuple[dict[str, set[int]], int | None] | None = None,
 ) -> list[str]:
-    """Refuse a layout that cannot be built (module docstring); return notes on one that can."""
+    """Refuse a layout that cannot be built (module docstring); return notes on one that can.
+    ``dims``: ``tp_dims(graph)`` when the caller checks many layouts of one graph (computed once)."""
     check_sequence_parallel(sequence_parallel)
     for name, val in (("tp", tp), ("pp", pp), ("dp", dp), ("micro_batch", micro_batch), ("num_virtual", num_virtual)):
         if val < 1:
@@ -175,7 +177,7 @@ def check_layout(
             f"tp={tp} spans {-(-tp // gpn)} nodes of {gpn} {dev.name}: its per-layer collectives are priced over the "
             f"network ({cluster.network_for(dev.name).describe()}); the planner itself never searches tp beyond a node."
         )
-    need, vocab = tp_dims(graph)
+    need, vocab = dims if dims is not None else tp_dims(graph)
     bad = {k: sorted(x for x in v if x % tp) for k, v in need.items()}
     bad = {k: v for k, v in bad.items() if v}
     if bad:
@@ -261,6 +263,7 @@ def memory_by_category(cand: Candidate, i: int) -> dict[str, float]:
         z,
         tab.gather_ratio,
         tab.fsdp_copies,
+        sched.splits_backward(cand.schedule),  # a deferred W's gradient copy (stage_cost.static_memory)
     )
     if r == "none":
         act = float(tab.act[sl].sum()) * in_flight
@@ -360,7 +363,10 @@ def evaluate_config(
         in_flight = in_flight_table(range_held(graph, training.seq_len, search.units), schedule, m, v, pp)
     else:
         in_flight = np.array([0.0] + [sched.in_flight(schedule, 0, s, m, v) for s in range(1, pp + 1)])
-    got = search.arrays(((dev, dp, micro_batch),), dp, tp, in_flight, sched.p2p_multiplier(schedule, v))
+    split = sched.splits_backward(schedule)  # W's gradient copy (stage_cost.static_memory)
+    got = search.arrays(
+        ((dev, dp, micro_batch),), dp, tp, in_flight, sched.p2p_multiplier(schedule, v), split_backward=split
+    )
     if got is None:
         raise ConfigError(f"the model cannot run with tp={tp} on {dev.name}.", "use another tp.")
     per_combo, combos, stack = got

@@ -18,7 +18,7 @@ import numpy as np
 from partita.cluster import Cluster
 from partita.ir import Graph
 from partita.plan import Plan
-from partita.search import chunk_layout
+from partita.search import chunk_layout, v_layout
 from partita.search import schedule as sched
 from partita.search.config import SearchOptions, TrainingConfig
 from partita.search.evaluate import check_layout, megatron_split
@@ -77,14 +77,31 @@ def hand_plan(
     else:
         in_flight = np.array([0.0] + [sched.in_flight(schedule, 0, s, m, v) for s in range(1, pp + 1)])
     mb = None if sched.splits_backward(schedule) else m  # stage_cost.stage_arrays: gradients at the peak
-    got = search.arrays(((dev, dp, micro_batch),), dp, tp, in_flight, sched.p2p_multiplier(schedule, v), mb)
+    split = sched.splits_backward(schedule)  # W's gradient copy (stage_cost.static_memory)
+    got = search.arrays(
+        ((dev, dp, micro_batch),), dp, tp, in_flight, sched.p2p_multiplier(schedule, v), mb, split_backward=split
+    )
     if got is None:
         raise ConfigError(f"the model cannot run with tp={tp} on {dev.name}.", "use another tp.")
     per_combo, combos, stack = got
     opt = Option(0, tp, tp, ((dev, dp, micro_batch),), (), per_combo, combos, stack)
     picks = tuple(StagePick(a, b, opt, 0) for a, b in megatron_split(graph, pp))
     cand = Candidate(dp, micro_batch, m, schedule, v, picks, search)
-    plan = chunk_layout.lay_out(search, build_plan(search, [cand], time.perf_counter() - t0))
+    if (schedule == "zbv" or (schedule == "interleaved_1f1b" and v > 1)) and graph.meta.get("no_chunks"):
+        raise ConfigError(
+            f"{schedule} needs several model chunks per rank, and {graph.meta['no_chunks']}.",
+            "use --schedule 1f1b or zb_h1 for this model.",
+        )
+    if schedule == "zbv":  # issue 19: the V layout, each stage's blocks halved into its two chunks
+        vc = v_layout.v_candidate(cand, refine=False)
+        if vc is None:
+            raise ConfigError(
+                f"zbv cannot lay out pp={pp} stages of this model as {2 * pp} chunks in a V.",
+                "use fewer stages, or --schedule zb_h1.",
+            )
+        plan = v_layout.lay_out(search, build_plan(search, [vc], time.perf_counter() - t0), vc)
+    else:
+        plan = chunk_layout.lay_out(search, build_plan(search, [cand], time.perf_counter() - t0))
     layout = {
         "tp": tp,
         "pp": pp,

@@ -13,6 +13,7 @@ exposed gradient-sync / optimizer tail.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 from partita.ir import dim_size
@@ -62,9 +63,11 @@ class Candidate:
         left = len(self.stages) if sched.splits_backward(self.schedule) else len(self.stages) - i
         return float(self._arr(i).memory[p.k, p.j, left])
 
-    @property
+    @functools.cached_property
     def pipeline(self) -> sched.PipelineTime:
-        """Step, bubble, busiest period: the simulated action list (``search/schedule_cost.py``)."""
+        """Step, bubble, busiest period: the simulated action list (``search/schedule_cost.py``); once
+        per candidate (its fields never change after construction; the search compares a best with
+        every new candidate, and the simulation dominated the 175B search's profile)."""
         return schedule_cost.pipeline_time(self.schedule, self.m, self.v, *self.action_times())
 
     def action_times(self) -> tuple[list[float], list[float], list[float]]:
@@ -77,7 +80,7 @@ class Candidate:
         computes = [float(self._arr(i).compute[p.k, p.j]) for i, p in enumerate(self.stages)]
         return schedule_cost.action_times(self.stage_times, computes, splits)
 
-    @property
+    @functools.cached_property
     def step_time(self) -> float:
         return self.pipeline.step_s + max(self.tails)
 
@@ -164,6 +167,7 @@ def _stage_records(
         z,
         max((c.gather_ratio for c in costs), default=1.0),
         any(c.fsdp_copies for c in costs),
+        sched.splits_backward(best.schedule),
     )
     params, grads, opt = cats["parameters"], cats["gradients"], cats["optimizer"]
     total = best.memory(i)

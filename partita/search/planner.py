@@ -35,7 +35,7 @@ from partita.cluster import Cluster, DeviceType
 from partita.errors import ConfigError, InfeasibleError
 from partita.ir import Graph
 from partita.plan import Plan
-from partita.search import chunk_layout, schedule_cost
+from partita.search import chunk_layout, schedule_cost, v_layout
 from partita.search import schedule as sched
 from partita.search.config import SearchOptions, TrainingConfig
 from partita.search.inter_op import DPStats, solve_stages, stage_problem
@@ -195,6 +195,7 @@ class Search:
         in_flight: np.ndarray,
         p2p_mult: int,
         num_micro_batches: int | None = None,  # stage_arrays: gradients live at the activation peak or not
+        split_backward: bool = False,  # a zero-bubble schedule: W's gradient copy (stage_cost.static_memory)
     ) -> tuple[list, list[tuple[int, str]], np.ndarray] | None:
         """Per combo arrays for a device class, the combos, and their times (inf where a combo does
         not fit on every device of the class) stacked ``[C, U, U+1, S+1]``."""
@@ -240,6 +241,7 @@ class Search:
                     factors=self.factors,
                     flat_sync=getattr(self.costs, "flat_sync", False),  # torch program: sync after the schedule
                     num_micro_batches=num_micro_batches,
+                    split_backward=split_backward,
                 )
                 fit = a.memory <= dev.memory_bytes * self.factors.memory_usable
                 ok = fit if ok is None else ok & fit
@@ -346,6 +348,7 @@ class Search:
                     in_flight,
                     sched.p2p_multiplier(schedule, v),
                     None if sched.splits_backward(schedule) else m,
+                    split_backward=sched.splits_backward(schedule),
                 )
                 if got is None:
                     continue
@@ -440,7 +443,8 @@ def plan_graph(
     _check_states_fit(search)  # fails fast, before any configuration is priced
     cands: list[Candidate] = []
     incumbent = math.inf  # best step so far: rule R7 stops re-solving a configuration that cannot beat it
-    schedules = [s for s in options.schedules if s != "interleaved_1f1b"] or ["1f1b"]
+    # zbv is priced on its V layout below (search/v_layout.py), never per rank group
+    schedules = [s for s in options.schedules if s not in ("interleaved_1f1b", "zbv")] or ["1f1b"]
     if graph.meta.get("framework") == "jax":  # no JAX runtime splits the backward (backends/jax/emit._check)
         schedules = [s for s in schedules if not sched.splits_backward(s)] or ["1f1b"]
     n = cluster.num_devices
@@ -457,7 +461,9 @@ def plan_graph(
                     if not sched.splits_backward(schedule):  # a zero-bubble step bounds no 1F1B closed form
                         incumbent = min(incumbent, here)
                     say(f"dp={dp} b={b} {schedule}: {here:.4f} s")
-    if "interleaved_1f1b" in options.schedules and graph.meta.get("framework") != "jax":  # JAX runs no chunks
+    chunks = graph.meta.get("framework") != "jax" and not graph.meta.get("no_chunks")  # no JAX chunk records;
+    # a model the torch runtime cuts with its generic splitter runs one layer range per rank (passes/pipeline.py)
+    if "interleaved_1f1b" in options.schedules and chunks:
         base = sorted(cands, key=lambda c: c.step_time)[:3]
         for c in base:
             for v in options.virtual_stages:
@@ -471,9 +477,30 @@ def plan_graph(
                         cands.extend(x for x in found if chunk_layout.runnable(x))
                     except ConfigError:  # m micro-batches do not split into rounds (schedule.interleave_round)
                         pass
+    if "zbv" in options.schedules and chunks:  # issue 19: V layouts
+        vc: list[Candidate] = list(v_layout.v_candidates(_zbv_bases(search, cands)))
+        # zbv alone asked for: its V layouts, 1F1B (searched as their base) only when none exists
+        cands = vc if vc and set(options.schedules) == {"zbv"} else cands + vc
     if not cands:
         raise _infeasible(search)
-    return chunk_layout.lay_out(search, build_plan(search, cands, time.perf_counter() - t0))
+    plan = build_plan(search, cands, time.perf_counter() - t0)
+    best = min(cands, key=lambda c: (round(c.step_time, 12), c.summary()))  # build_plan's pick
+    if isinstance(best, v_layout.VCandidate) and plan.schedule == "zbv":
+        return v_layout.lay_out(search, plan, best)
+    return chunk_layout.lay_out(search, plan)
+
+
+def _zbv_bases(search: Search, cands: list[Candidate]) -> list[Candidate]:
+    """The multi-stage ZB-H1 candidates ZB-V layouts start from (``search/v_layout.py``): the best
+    three found (ZB-H1 searched here when ``options.schedules`` leaves it out; dp below the device
+    count, so that two stages or more are left)."""
+    zb = [c for c in cands if c.schedule == "zb_h1" and len(c.stages) > 1]
+    if "zb_h1" not in search.options.schedules:  # searched here, as plan_graph would (its configurations)
+        for dp in powers_of_two(search.cluster.num_devices // 2):
+            for b in powers_of_two(search.options.max_micro_batch):
+                if search.training.global_batch % (b * dp) == 0:
+                    zb += [c for c in solve_zero_bubble(search, dp, b, "zb_h1") if len(c.stages) > 1]
+    return sorted(zb, key=lambda c: c.step_time)[:3]
 
 
 def _solve_schedule(search: Search, dp: int, b: int, schedule: str, incumbent: float) -> list[Candidate]:

@@ -157,6 +157,26 @@ class UnitTable:
         else ``torch.autocast`` (``backends/torch/parallel.precision_of``; one table when they agree)."""
         return self.alt if self.alt is not None and not (dp > 1 and zero >= 1) else self
 
+    @functools.cached_property
+    def _ranges(self) -> dict[str, np.ndarray]:
+        return {}
+
+    def ranged(self, name: str) -> np.ndarray:
+        """``_range_sum`` (``max_*`` and ``transient`` fields: ``_range_max``) of a field, or of
+        ``act - sel_bytes`` for ``"act-sel"``; once per table (``stage_arrays`` runs once per ZeRO /
+        recompute combo on the same table). Read-only: callers build new arrays from it."""
+        got = self._ranges.get(name)
+        if got is None:
+            if name == "act-sel":
+                got = _range_sum(self.act - self.sel_bytes)
+            elif name.startswith("max_") or name == "transient":
+                got = _range_max(getattr(self, name))
+            else:
+                got = _range_sum(getattr(self, name))
+            got.flags.writeable = False
+            self._ranges[name] = got
+        return got
+
 
 def _autocast(c: LayerCost) -> LayerCost:
     """``c`` with its autocast activations in the default fields (no further alternative)."""
@@ -249,6 +269,7 @@ def stage_arrays(
     factors: StageFactors,
     flat_sync: bool = False,
     num_micro_batches: int | None = None,
+    split_backward: bool = False,
 ) -> StageArrays:
     """All layer ranges of one stage option at once (module docstring for the formulas).
 
@@ -258,18 +279,19 @@ def stage_arrays(
     moments, activations without gradients or gradients (and the flat copy) without activations.
     None: gradients always count (the stage-level callers that do not know ``m``)."""
     tab = tab.for_stage(dp, zero)
-    fwd, bwd, comm = _range_sum(tab.fwd), _range_sum(tab.bwd), _range_sum(tab.comm)
-    params, grads, opt = _range_sum(tab.params), _range_sum(tab.grads), _range_sum(tab.opt)
-    nlay = _range_sum(tab.num_layers)
+    r = tab.ranged  # range sums / maxima, memoised per table across combos
+    fwd, bwd, comm = r("fwd"), r("bwd"), r("comm")
+    params, grads, opt = r("params"), r("grads"), r("opt")
+    nlay = r("num_layers")
     valid = nlay > 0
     transient: Any = 0.0
     if recompute == "none":
-        t, saved = fwd + bwd, _range_sum(tab.act)
+        t, saved = fwd + bwd, r("act")
     elif recompute == "selective":  # the dropped activations come back one layer at a time in the backward
-        t, saved = fwd + bwd + _range_sum(tab.sel_s), _range_sum(tab.act - tab.sel_bytes)
-        transient = _range_max(tab.max_layer_sel)
+        t, saved = fwd + bwd + r("sel_s"), r("act-sel")
+        transient = r("max_layer_sel")
     else:
-        t, saved, transient = 2 * fwd + bwd, _range_sum(tab.inputs), _range_max(tab.max_layer_act)
+        t, saved, transient = 2 * fwd + bwd, r("inputs"), r("max_layer_act")
     compute = t - comm * (2 if recompute == "full" else 1)
     sync_comm = np.zeros_like(t)
     rs = reduce_scatter[0] + reduce_scatter[1] * grads if dp > 1 else 0.0 * grads
@@ -286,13 +308,20 @@ def stage_arrays(
     comm_total = comm_total + recv[:, None]
 
     shard = float(dp)
-    max_params = _range_max(tab.max_layer_params)
-    cats = static_memory(params, grads, opt, max_params, dp, zero, tab.gather_ratio, tab.fsdp_copies)
+    max_params = r("max_layer_params")
+    cats = static_memory(  # split_backward: a zero-bubble stage's deferred-W gradient copy (static_memory)
+        params, grads, opt, max_params, dp, zero, tab.gather_ratio, tab.fsdp_copies, split_backward
+    )
     mem_static = cats["parameters"] + cats["optimizer"]
     flight = in_flight if in_flight.ndim == 3 else in_flight[None, None, :]  # [U, U+1, S+1]: per range (issue 19)
     if tab.transient is not None:  # the loss's backward buffers (LayerCost.transient_bytes), once
-        transient = np.maximum(transient, _range_max(tab.transient))
+        transient = np.maximum(transient, r("transient"))
     acts = saved[:, :, None] * flight + np.asarray(transient)[..., None]
+    # a ZeRO-2/3 unit's gradients in flight to the reduce-scatter (reduce_scatter_in_flight), held with
+    # the activations where the backward runs beside them: other micro-batches' (more than one in
+    # flight) or the recomputed block's; a lone micro-batch without recompute peaks in its forward
+    rs_held = reduce_scatter_in_flight(max_params, dp, zero, tab.gather_ratio, tab.fsdp_copies)
+    acts = acts + np.where((flight > 1.0) | (recompute != "none"), np.asarray(rs_held)[..., None], 0.0)
     if flat_sync and dp > 1 and zero == 0:  # the flat gradient copy, made after the activations are freed
         acts = np.maximum(acts, grads[:, :, None])
     memory = mem_static[:, :, None] + cats["gradients"][:, :, None] + acts
@@ -311,11 +340,11 @@ def stage_arrays(
         exposed = sync  # one all-reduce after the schedule: nothing hides it
     if zero in (1, 2) and dp > 1:
         exposed = exposed + ag
-    exposed = exposed + _range_sum(tab.tp_sync)
+    exposed = exposed + r("tp_sync")
     touched = (params + grads + opt) / (shard if zero >= 1 else 1.0)
     tail = exposed + factors.optimizer_passes * touched / (hbm_bandwidth * 0.8) * tab.opt_stream_scale
     if tab.opt_fixed is not None:
-        tail = tail + _range_sum(tab.opt_fixed)
+        tail = tail + r("opt_fixed")
     inf = np.inf
     return StageArrays(
         np.where(valid, t_mb, inf),
@@ -330,7 +359,15 @@ GATHERED_UNITS = 2  # ZeRO-3: FSDP2 holds the running block's gathered parameter
 
 
 def static_memory(
-    params: Any, grads: Any, opt: Any, max_params: Any, dp: int, zero: int, gather_ratio: float, fsdp_copies: bool
+    params: Any,
+    grads: Any,
+    opt: Any,
+    max_params: Any,
+    dp: int,
+    zero: int,
+    gather_ratio: float,
+    fsdp_copies: bool,
+    split_backward: bool = False,
 ) -> dict:
     """Parameters, gradients and optimizer state per device as the torch program holds them (arrays or
     numbers; the stored bytes of ``LayerCost``: f32 parameters, gradients, moments). Under FSDP2
@@ -339,16 +376,36 @@ def static_memory(
     (``GATHERED_UNITS``), ZeRO-1/2 every block (``reshard_after_forward=False``: gathered for the whole
     step). Gradients are sharded from ZeRO-2 on, the optimizer state from ZeRO-1 on. Without
     ``fsdp_copies`` (JAX and test graphs) ZeRO's own accounting: parameters sharded from ZeRO-3 on,
-    plus one gathered layer."""
+    plus one gathered layer.
+
+    ``split_backward`` (a zero-bubble stage, ``search/zero_bubble.py``): under FSDP2 in a low
+    ``param_dtype`` each deferred W writes the stage's whole unsharded gradients in that dtype
+    (``gather_ratio`` of the f32 bytes) into the gathered parameters' ``.grad``, where they stay
+    until FSDP2 folds them into its f32 accumulator during the next B (``backends/torch/wsplit.py``):
+    one such copy is held beside the f32 gradients (measured by ``partita rehearse``)."""
     fsdp = dp > 1 and zero >= 1
     gathered = GATHERED_UNITS * max_params if zero >= 3 else params
     if not fsdp_copies:
         fsdp, gathered, gather_ratio = zero >= 3, max_params, 1.0
+    w_copy = split_backward and fsdp and fsdp_copies and gather_ratio < 1.0
     return {
         "parameters": params / (dp if fsdp else 1) + (gathered * gather_ratio if fsdp else 0.0 * params),
-        "gradients": grads / (dp if zero >= 2 else 1),
+        "gradients": grads / (dp if zero >= 2 else 1) + (grads * gather_ratio if w_copy else 0.0 * grads),
         "optimizer": opt / (dp if zero >= 1 else 1),
     }
+
+
+def reduce_scatter_in_flight(max_params: Any, dp: int, zero: int, gather_ratio: float, fsdp_copies: bool) -> Any:
+    """Bytes a ZeRO-2/3 backward holds for FSDP2's per-unit reduce-scatter (``stage_arrays`` adds them
+    to the activations where the backward runs beside them): a unit's unsharded gradients in
+    ``param_dtype`` (``gather_ratio`` of its f32 bytes ``max_params``) are copied into an f32
+    reduce-scatter input (``reduce_dtype``), which FSDP2 keeps until the next unit's reduce-scatter
+    (``ReduceScatterState``) while that unit makes its own unsharded gradients: ``max_params * (1 +
+    gather_ratio)`` for the largest unit. The gpt3-175b ZeRO-3 plan (selective recompute) rehearsed
+    16.9% above its plan without them; 0 without FSDP2 (``fsdp_copies``), dp 1 or ZeRO < 2."""
+    if dp > 1 and zero >= 2 and fsdp_copies:
+        return max_params * (1.0 + gather_ratio)
+    return 0.0 * max_params
 
 
 class SolverCosts:

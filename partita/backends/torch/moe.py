@@ -32,6 +32,13 @@ tp (they are still summed over ``dp`` with the rest of the stage). What the plan
 (``search/strategies.expert_tp_strategies``, the one prediction): forward 2 all_to_all + 2 all_gather,
 backward 2 all_to_all + 2 all_gather; all_to_all bytes are the balanced share (pairs / p): the real
 size depends on the routing, and only their sum over the group equals the plan's times p.
+
+Under fake tensors (``partita rehearse``, ``backends/torch/rehearse.py``) there are no router values
+to route by: the split sizes cannot be read (``.item()``) and ``bincount`` / ``nonzero`` have no
+static shape. There the module assumes the balanced routing the plan prices (:func:`_balanced_routing`:
+every rank's ``n k`` pairs spread evenly over the experts, so each all_to_all moves ``n k / p`` rows
+per peer and each local expert runs ``n k / E`` rows per source rank); the counts all_gather and
+everything else run as in a real step.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from partita.errors import PlanError
+from partita.frontends import torch_shim
 
 EXPERT = "expert"
 WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
@@ -148,6 +156,20 @@ def _sorted_experts(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return e, order
 
 
+def _balanced_routing(
+    pairs: int, num_experts: int, p: int, r: int
+) -> tuple[list[int], list[int], list[list[tuple[int, int]]]]:
+    """Rank ``r``'s (send splits, receive splits, per local expert its ``(start, rows)`` spans in the
+    received rows) when every rank's ``pairs`` spread evenly over the experts (module docstring)."""
+    c = [pairs // num_experts + (e < pairs % num_experts) for e in range(num_experts)]
+    per_rank = num_experts // p
+    send = [sum(c[d * per_rank : (d + 1) * per_rank]) for d in range(p)]
+    mine = c[r * per_rank : (r + 1) * per_rank]
+    per_src = sum(mine)
+    spans = [[(s * per_src + sum(mine[:j]), mine[j]) for s in range(p)] for j in range(per_rank)]
+    return send, [per_src] * p, spans
+
+
 def expert_parallel_forward(
     self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
@@ -164,26 +186,61 @@ def expert_parallel_forward(
         )
     per_rank = self.num_experts // p
     n = num_tokens // p
+    out_dtype, dev = hidden_states.dtype, hidden_states.device.type
+    if torch.is_autocast_enabled(dev) and hidden_states.is_floating_point():
+        # under autocast the residual stream is f32: the rows travel (and the experts run) in the compute
+        # dtype, as the plan prices the dispatch, combine and gather (back to f32 after the gather)
+        hidden_states = hidden_states.to(torch.get_autocast_dtype(dev))
     x = _Slice.apply(hidden_states, r, p, group)  # [n, h]
     w = _Slice.apply(top_k_weights, r, p, group)  # [n, k]
+    fake = torch_shim.is_fake(hidden_states)  # rehearsal: balanced routing (module docstring)
     with torch.no_grad():  # each rank routes its own slice; the per-expert counts are all-gathered
         mine, order = _sorted_experts(top_k_index[r * n : (r + 1) * n])
-        per_expert = torch.bincount(mine, minlength=self.num_experts)
+        per_expert = mine.new_zeros(self.num_experts) if fake else torch.bincount(mine, minlength=self.num_experts)
         every = per_expert.new_empty(p * self.num_experts)
         dist.all_gather_single(every, per_expert, group=group)
+    if fake:
+        send_splits, recv_splits, spans = _balanced_routing(n * k, self.num_experts, p, r)
+        out = _experts_and_combine(self, x, w, order, send_splits, recv_splits, group, n, k, hidden_states, spans)
+        return out.to(out_dtype)
+    with torch.no_grad():
         every = every.view(p, self.num_experts)  # [src, expert]
         counts = every.view(p, p, per_rank).sum(dim=-1)  # [src, dst rank]
         block = every[:, r * per_rank : (r + 1) * per_rank]  # [src, my expert]: rows arrive in this order
         recv_e = torch.repeat_interleave(torch.arange(per_rank, device=block.device).repeat(p), block.reshape(-1))
     send_splits = [int(c) for c in counts[r]]
     recv_splits = [int(c) for c in counts[:, r]]
+    out = _experts_and_combine(self, x, w, order, send_splits, recv_splits, group, n, k, hidden_states, recv_e)
+    return out.to(out_dtype)
+
+
+def _experts_and_combine(
+    self: Any,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    order: torch.Tensor,
+    send_splits: list[int],
+    recv_splits: list[int],
+    group: Any,
+    n: int,
+    k: int,
+    hidden_states: torch.Tensor,
+    recv_e: Any,
+) -> torch.Tensor:
+    """Dispatch, the local experts, combine, weighting and gather (module docstring's table). ``recv_e``:
+    the local expert of each received row, or (fake tensors) per local expert its row spans."""
+    p, r = self._partita_ep["size"], self._partita_ep["rank"]
+    per_rank = self.num_experts // p
     send = x[order // k]  # [n k, h], grouped by destination rank
     recv = _AllToAll.apply(send, recv_splits, send_splits, group)
     gate_up = _local(self.gate_up_proj if self.has_gate else self.up_proj)
     down = _local(self.down_proj)
     out = torch.zeros_like(recv)
     for j in range(per_rank):
-        rows = torch.nonzero(recv_e == j).squeeze(-1)
+        if isinstance(recv_e, list):  # balanced spans (fake tensors)
+            rows = torch.cat([torch.arange(a, a + c, device=recv.device) for a, c in recv_e[j]])
+        else:
+            rows = torch.nonzero(recv_e == j).squeeze(-1)
         if rows.numel() == 0:
             continue
         cur = recv[rows]

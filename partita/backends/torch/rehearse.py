@@ -32,8 +32,10 @@ mismatch that says so; this module never predicts anything itself.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Mapping, Sequence
+import types
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +43,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from partita.backends.torch import fidelity, materialize, optim
+from partita.backends.torch import fidelity, materialize, moe, optim
 from partita.backends.torch import parallel as tpar
+from partita.backends.torch import stages as torch_stages
 from partita.backends.torch import train as torch_train
 from partita.backends.torch.chunks import physical_plan
 from partita.backends.torch.schedule import replica_ranges
@@ -114,6 +117,11 @@ class StepRecorder(torch_shim.TorchDispatchMode):
 # ---- one rank ----------------------------------------------------------------------------------------
 def rehearse_rank(program: Any, rank: int) -> RankResult:
     """Play ``rank`` of the program for one warm-up and one measured step (module docstring)."""
+    with _unpacked_sequences():  # HF mask builders read position ids' values (_unpacked_sequences)
+        return _rehearse_rank(program, rank)
+
+
+def _rehearse_rank(program: Any, rank: int) -> RankResult:
     import time
 
     from partita.models.zoo import resolve_model
@@ -141,7 +149,8 @@ def rehearse_rank(program: Any, rank: int) -> RankResult:
         # allocated by to_empty under the fake mode (FACTS.md's recipe); the initializer is skipped
         model = handle.build("meta")
         tied = tpar.tied_groups(model)
-        boundary = materialize.boundary_shapes(model, torch_train.stage_cuts(prog), x0)  # chunks: per virtual stage
+        with _shape_only_experts(model):  # chunks: per virtual stage
+            boundary = materialize.boundary_shapes(model, torch_train.stage_cuts(prog), x0)
         materialize._drop_other_layers(model, me["layers"], [n for s in stages for n in s["layers"]])
         tied_group, tied_n = torch_train._tied_group(model, tied, stages, rank)
         fake = torch_shim.fake_tensor_mode()
@@ -163,6 +172,8 @@ def rehearse_rank(program: Any, rank: int) -> RankResult:
             rt.device = cpu
             if isinstance(rt.module, tpar.StageModule):
                 rt.module.ctx.device = cpu
+            elif isinstance(rt.module, torch_stages.GenericStage):  # its ghosts' zeros: where the stage runs
+                rt.module.__dict__["_device"] = cpu
             runner: Any = program.make_runner(rt)
             if isinstance(runner, _torch_pipeline()):
                 x, out = rt.examples()
@@ -189,6 +200,51 @@ def rehearse_rank(program: Any, rank: int) -> RankResult:
         )
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _shape_only_experts(model: torch.nn.Module) -> Iterator[None]:
+    """MoE experts modules return an empty tensor of their input's shape while the boundary shapes are
+    computed on the meta device: the model's own routing loops over the experts a router picked
+    (``nonzero``, ``.item()``), which meta tensors cannot answer; an experts module's output has its
+    input's shape and dtype. (A real run computes them on real values when meta fails:
+    ``materialize.materialize``; the stage itself runs ``moe.py``, balanced under fake tensors.)"""
+    patched = [m for m in model.modules() if moe.is_experts_module(m)]
+    for m in patched:
+        m.forward = types.MethodType(lambda _self, h, *_a, **_k: torch.empty_like(h), m)
+    try:
+        yield
+    finally:
+        for m in patched:
+            del m.forward
+
+
+@contextlib.contextmanager
+def _unpacked_sequences() -> Iterator[None]:
+    """Hugging Face's causal-mask builder reads the position ids' values to detect packed sequences
+    (``masking_utils.find_packed_sequence_indices``: a ``.all()`` on the ids), which meta and fake
+    tensors do not have. The program's batches hold one sequence per row (``train.make_batch``), for
+    which that function answers None: the rehearsal gives that answer without reading values."""
+    try:
+        from transformers import masking_utils
+    except ImportError:  # no transformers: no Hugging Face model to rehearse
+        yield
+        return
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+
+    def find(position_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if position_ids.device.type == "meta" or torch_shim.is_fake(position_ids):
+            return None
+        return original(position_ids, *args, **kwargs)
+
+    masking_utils.find_packed_sequence_indices = find
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
 
 
 def _torch_pipeline() -> Any:
