@@ -40,17 +40,30 @@ def dce(graph: Graph) -> Graph:
     return dataclasses.replace(graph, tensors=tensors, nodes=kept, layers=[])
 
 
+# Model classes whose torch stages run several model chunks per rank (interleaved 1F1B, ZB-V): the ones
+# with a hand adapter (backends/torch/parallel.ADAPTERS; a test checks the two agree). Every other module
+# tree is cut by the generic splitter (backends/torch/stages.py), one contiguous layer range per rank.
+CHUNKED_CLASSES = frozenset({"GPT2LMHeadModel", "LlamaForCausalLM"})
+
+
 def pipeline_cuts(graph: Graph) -> Graph:
     """Mark a torch graph that no pipeline cut can run (``passes/boundaries.pipeline_refusal``): the
-    search then keeps it to one stage and says why (``graph.meta["no_pipeline"]``)."""
+    search then keeps it to one stage and says why (``graph.meta["no_pipeline"]``). A graph the
+    runtime pipelines but not in model chunks gets ``graph.meta["no_chunks"]``: the search leaves
+    interleaved 1F1B with ``v > 1`` and ZB-V out for it (``search/planner.py``)."""
     if graph.meta.get("no_pipeline") or graph.meta.get("framework", "torch") != "torch":
         return graph  # a reason given before (kept), or a JAX graph (its runtime cuts by its own rules)
+    cls = graph.meta.get("model_class", graph.name)
+    meta = dict(graph.meta)
+    if cls not in CHUNKED_CLASSES:
+        meta["no_chunks"] = (
+            f"{cls} runs through the generic stage splitter (backends/torch/stages.py): one contiguous "
+            "layer range per rank, no model chunks"
+        )
     why = pipeline_refusal(graph)
-    if not why:
-        return graph
-    return dataclasses.replace(
-        graph, meta={**graph.meta, "no_pipeline": f"{graph.meta.get('model_class', graph.name)}: {why}"}
-    )
+    if why:
+        meta["no_pipeline"] = f"{cls}: {why}"
+    return dataclasses.replace(graph, meta=meta) if meta != graph.meta else graph
 
 
 PASSES: list[tuple[str, Pass]] = [
@@ -60,7 +73,7 @@ PASSES: list[tuple[str, Pass]] = [
     ("annotate", annotate),  # node.flops / node.bytes_moved
     ("group_layers", group_layers),  # node.layer, graph.layers with structural kinds
     ("fuse_pointwise", fuse_pointwise),  # drop bytes of intermediates a fusing backend keeps on chip
-    ("pipeline_cuts", pipeline_cuts),  # meta["no_pipeline"]: why the torch runtime cannot cut it (or none)
+    ("pipeline_cuts", pipeline_cuts),  # meta["no_pipeline"] / ["no_chunks"]: what the torch runtime cannot cut
 ]
 
 

@@ -117,3 +117,131 @@ def test_search_picks_interleaved_as_model_chunks() -> None:
     assert plan.predicted["step_time_s"] == pytest.approx(pt.step_s + tail, rel=1e-6)
     src = emit_torch(plan, "builders-gpt")
     assert 'chunks=PROGRAM["chunks"]' in src and f"{len(plan.stages)} virtual stages" in src
+
+
+# ---- ZB-V: the V layout priced chunk by chunk (search/v_layout.py) ----------------------------------
+def _check_v_plan(plan: Plan, names: list[str]) -> None:
+    """A searched ZB-V plan is the chunked V layout, priced on its chunks: the step is the ZB-V action list
+    simulated on the chunks' own F/B/W plus the largest rank-group tail, memory per device is each rank
+    group's (both chunks), split into categories that add up."""
+    from partita.backends.torch.emit import check_schedule
+    from partita.search.pipeline_sim import step_time
+
+    p = plan.num_positions
+    assert plan.schedule == "zbv" and plan.chunked and plan.num_virtual_stages == 2 and len(plan.stages) == 2 * p
+    assert [x for s in plan.stages for x in s.layers] == names  # the chunks cut the model in order
+    for r, grp in enumerate(plan.positions()):
+        assert [s.index for s in grp] == [r, 2 * p - 1 - r] and len({s.ranks for s in grp}) == 1
+        assert len({s.predicted["memory_bytes"] for s in grp}) == 1
+        cats = grp[0].predicted["memory_by_category"]
+        assert sum(cats.values()) == pytest.approx(grp[0].predicted["memory_bytes"], rel=1e-7)  # 9 digits in JSON
+        assert cats["activations"] > 0
+    assert names[0] in plan.stages[0].layers and names[-1] in plan.stages[-1].layers  # both on rank group 0
+    fbw = [[s.predicted[f"{k}_action_s"] for s in plan.stages] for k in "fbw"]
+    step = step_time("zbv", p, plan.num_micro_batches, *fbw, num_virtual=2)
+    tail = max(s.predicted["tail_s"] for s in plan.stages)
+    assert plan.predicted["step_time_s"] == pytest.approx(step + tail, rel=1e-6)
+    assert sorted(plan.predicted["memory_per_device"].values()) == sorted(
+        g[0].predicted["memory_bytes"] for g in plan.positions()
+    )
+    check_schedule(plan)  # the torch program runs it
+
+
+def test_search_picks_zbv_on_its_v_layout() -> None:
+    """With ZB-V allowed (in the ZeRO-0 / no-recompute space, where ZeRO and recompute cannot save 1F1B),
+    the search picks ZB-V for a 16-block GPT on 8 V100s and on a mixed A100 + V100 cluster (a rank group
+    per device type), each as the chunked V layout, and says by how much the other families lose."""
+    from partita.report import html
+    from partita.report.terminal import plan_text
+    from partita.search.planner import plan_graph
+    from tests.search import builders
+
+    g = builders.gpt(16, 4096, 16)
+    opts = SearchOptions(schedules=("1f1b", "zb_h1", "zbv"), max_micro_batch=4, zero_stages=(0,), recompute=("none",))
+    for cluster, batch in (("8xV100-32G", 16), ("4xA100-80G+4xV100-32G", 32)):
+        training = TrainingConfig(global_batch=batch, seq_len=1024)
+        plan = Plan.from_json(plan_graph(g, parse_shorthand(cluster), training, options=opts).to_json())
+        got = plan.search["schedules"]
+        assert plan.schedule == "zbv" and min(got, key=got.get) == "zbv v2", got
+        _check_v_plan(plan, [lay.name for lay in g.layers])
+        if "+" in cluster:
+            assert {s.device_type for s in plan.stages} == {"A100-80G", "V100-32G"}
+        loss = got["1f1b"] / got["zbv v2"] - 1
+        assert loss > 0 and f"1f1b +{loss:.1%}" in plan_text(plan, width=200)
+        page = html.timeline_html(plan)  # one row per rank group, each chunk at its own priced times
+        assert page.count('<div class="row">') == plan.num_positions and "(model chunk 1)" in page
+
+
+def test_search_says_by_how_much_zbv_loses() -> None:
+    """gpt2-tiny on 4 CPU ranks: replicas win; the V layout is priced and the report names its loss."""
+    from partita.report import html
+    from partita.report.terminal import plan_text
+    from partita.search.planner import plan_graph
+
+    g = trace_model("gpt2-tiny", seq=16).graph
+    training = TrainingConfig(global_batch=16, seq_len=16, dtype="f32")
+    opts = SearchOptions(schedules=("1f1b", "zb_h1", "zbv"), max_micro_batch=2)
+    plan = plan_graph(g, parse_shorthand("4xCPU"), training, options=opts)
+    got = plan.search["schedules"]
+    assert plan.schedule != "zbv" and "zbv v2" in got
+    chosen = plan.predicted["step_time_s"]
+    assert min(got.values()) == pytest.approx(chosen, rel=1e-9)
+    loss = got["zbv v2"] / chosen - 1
+    assert loss > 0 and f"zbv v2 +{loss:.1%}" in plan_text(plan, width=200)
+    assert f"zbv v2 +{loss:.1%}" in html.plan_html(plan)
+    # zbv alone: the search's V layout (the plan tests/runtime/test_schedules_runtime.py runs on gloo)
+    only = plan_graph(
+        g, parse_shorthand("4xCPU"), training, options=SearchOptions(schedules=("zbv",), max_micro_batch=2)
+    )
+    _check_v_plan(Plan.from_json(only.to_json()), [lay.name for lay in g.layers])
+    assert only.predicted["step_time_s"] == pytest.approx(got["zbv v2"], rel=1e-9)
+
+
+def test_cli_compiles_zbv_hand_layout(gpt2_4: tuple, tmp_path: Path) -> None:
+    """`partita compile --pp 2 --schedule zbv`: each stage's blocks halved into two chunks in a V, priced
+    chunk by chunk as the search prices ZB-V; recompute is refused (exit 2, nothing written)."""
+    spec, graph = gpt2_4
+    out = tmp_path / "out"
+    argv = ["compile", spec, "--cluster", "2xCPU", "--global-batch", "4", "--seq", "16", "--pp", "2"]
+    argv += ["--schedule", "zbv", "--out", str(out)]
+    assert cli_main(argv) == 0
+    plan = Plan.from_json((out / "plan.json").read_text())
+    _check_v_plan(plan, [lay.name for lay in graph.layers])
+    assert [len(s.layers) for s in plan.stages] == [1, 1, 2, 2]  # 3 + 3 layers halved, the odd one on chunk 2
+    src = (out / "program_torch.py").read_text()
+    assert "V placement" in src and 'chunks=PROGRAM["chunks"]' in src
+    bad = tmp_path / "bad"
+    assert cli_main([*argv[:-1], str(bad), "--recompute", "full"]) == 2
+    assert not bad.exists()
+
+
+def test_models_on_the_generic_splitter_get_no_chunks(tmp_path: Path) -> None:
+    """Model chunks run only for the classes with a hand adapter (``backends/torch/parallel.ADAPTERS``):
+    the torch runtime cuts every other module tree with its generic splitter, one layer range per rank
+    (``P2PPipeline`` refuses chunks there). The search leaves interleaved v > 1 and ZB-V out for such a
+    model and a hand layout asking for them exits 2. (Found when the searched mixtral-8x7b plan on
+    64xH100 came out interleaved v2 and its program refused to start.)"""
+    from partita.backends.torch.parallel import ADAPTERS
+    from partita.models import families
+    from partita.passes.pipeline import CHUNKED_CLASSES
+    from partita.search.planner import plan_graph
+
+    assert set(ADAPTERS) == CHUNKED_CLASSES
+    spec = str(families.write_config(tmp_path / "mistral", {**families.tiny("mistral"), "num_hidden_layers": 4}))
+    g = trace_model(spec, seq=16).graph
+    assert "generic stage splitter" in g.meta["no_chunks"] and not trace_model("gpt2-tiny", seq=16).graph.meta.get(
+        "no_chunks"
+    )
+    training = TrainingConfig(global_batch=16, seq_len=16, dtype="f32")
+    opts = SearchOptions(schedules=("1f1b", "interleaved_1f1b", "zbv"), max_micro_batch=1, zero_stages=(0,))
+    plan = plan_graph(g, parse_shorthand("4xCPU"), training, options=opts)
+    assert (
+        not plan.chunked
+        and plan.schedule not in ("zbv",)
+        and not any(k.startswith("zbv") for k in plan.search["schedules"])
+    )
+    for schedule, v in (("interleaved_1f1b", 2), ("zbv", 1)):
+        with pytest.raises(ConfigError, match="generic stage splitter"):
+            hand_plan(
+                g, parse_shorthand("4xCPU"), training, tp=1, pp=2, dp=2, micro_batch=1, schedule=schedule, num_virtual=v
+            )
