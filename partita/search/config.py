@@ -76,9 +76,9 @@ class SearchOptions:
       (a searched plan matches the single-device run on gloo, ``tests/runtime/test_schedules_runtime.py``).
       It stays off by default: ``partita rehearse`` of such plans on gpt2-tiny measures 2-7% more
       peak memory per rank group than priced (ZB-H1 on the same layout: under 1%; cause not found),
-      and counts the tied wte gradient twice in the dp all-reduce of the rank group holding both
-      embedding and head (hand-made V plans too; the gloo run itself measures what the plan records),
-      so the rehearsal does not yet match the plan. Pass it to search it (``bench/schedules.py``).
+      and a rank group holding only the embedding and the head rehearses 26% under its priced memory
+      and 5.4% under its FLOPs, so the rehearsal does not yet match the plan. Pass it to search it
+      (``bench/schedules.py``).
     * ``zero_stages`` / ``recompute``: per-stage options searched. ``"selective"`` is priced from what
       the runtime recomputes (``search/stage_cost.SolverCosts._selective``): a torch block keeps its
       input and the outputs of its matmuls and tp collectives and runs every other op's forward again

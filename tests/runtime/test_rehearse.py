@@ -345,6 +345,23 @@ def test_chunked_plan_rehearses_its_records_per_rank_group(tmp_path: Path, monke
     assert res["match"]
 
 
+def test_v_plan_rehearses_the_tied_gradient_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ZB-V hand layout of gpt2-tiny (2 rank groups of dp 2): rank group 0 holds the first and the last
+    chunk, so GPT-2's tied wte / lm_head sits twice in its module tree. ``to_empty`` under fake tensors
+    gives each holder its own tensor; the rehearsal ties them again as the program does, so the dp
+    all-reduce of each group is the plan's (it once counted the tied gradient twice: 72.5 vs 40.5 KiB)."""
+    monkeypatch.setenv("PARTITA_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "plan"
+    args = ["compile", "gpt2-tiny", "--cluster", "4xCPU", "--global-batch", "16", "--seq", "16", "--tp", "1"]
+    args += ["--pp", "2", "--dp", "2", "--micro-batch", "2", "--schedule", "zbv", "--precision", "f32"]
+    assert cli_main([*args, "--out", str(out)]) == 0
+    res = rehearse.rehearse_dir(out)
+    for s in res["stages"]:
+        got, want = s["collectives"]["all_reduce@dp"], s["planned_collectives"]["all_reduce@dp"]
+        assert got == want, (s["index"], got, want)
+        assert not [m for m in s["mismatches"] if not m.startswith(("memory", "flops"))], s["mismatches"]
+
+
 def test_zero_bubble_zero1_low_precision_prices_the_deferred_w_gradient_copy(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

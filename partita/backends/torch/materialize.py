@@ -87,7 +87,8 @@ def init_parameters(model: nn.Module, tied: Sequence[Sequence[str]], seed: int) 
             p.copy_(value.to(p.dtype))
 
 
-def _retie(model: nn.Module, tied: Sequence[Sequence[str]]) -> None:
+def retie(model: nn.Module, tied: Sequence[Sequence[str]]) -> None:
+    """Tie each group of ``tied`` FQNs again to one Parameter (``to_empty`` gives every holder its own)."""
     for names in tied:
         present = []
         for n in names:
@@ -158,7 +159,7 @@ def materialize(
         if keep is not None:
             _drop_other_layers(model, keep, all_layers)
         model.to_empty(device="cpu")
-        _retie(model, tied)
+        retie(model, tied)
         ok = _rebuild_buffers(model)
     except (RuntimeError, NotImplementedError, TypeError, AttributeError, ValueError):
         ok = False

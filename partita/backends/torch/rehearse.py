@@ -168,6 +168,10 @@ def _rehearse_rank(program: Any, rank: int) -> RankResult:
         with fake:
             fake.allow_non_fake_inputs = True
             rt.module.to_empty(device=cpu)
+            if not any(isinstance(p, DTensor) for p in rt.module.parameters()):
+                # plain parameters: tied again, as train._train's materialize.retie after its to_empty (a V
+                # plan's rank group holding wte and lm_head once counted the tied gradient twice)
+                materialize.retie(rt.module, tied)
             fake.allow_non_fake_inputs = False
             rt.device = cpu
             if isinstance(rt.module, tpar.StageModule):
