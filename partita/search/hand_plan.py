@@ -60,6 +60,11 @@ def hand_plan(
         sequence_parallel=sequence_parallel,
     )
     v = num_virtual if schedule == "interleaved_1f1b" else 1  # model chunks per rank group (chunk_layout.py)
+    if (schedule == "zbv" or v > 1) and graph.meta.get("no_chunks"):
+        raise ConfigError(
+            f"{schedule} needs several model chunks per rank, and {graph.meta['no_chunks']}.",
+            "use --schedule 1f1b or zb_h1 for this model.",
+        )
     if zero_stage and dp == 1:
         notes.append(f"ZeRO-{zero_stage} with dp=1 shards nothing: priced as ZeRO-0.")
         zero_stage = 0
@@ -87,11 +92,6 @@ def hand_plan(
     opt = Option(0, tp, tp, ((dev, dp, micro_batch),), (), per_combo, combos, stack)
     picks = tuple(StagePick(a, b, opt, 0) for a, b in megatron_split(graph, pp))
     cand = Candidate(dp, micro_batch, m, schedule, v, picks, search)
-    if (schedule == "zbv" or (schedule == "interleaved_1f1b" and v > 1)) and graph.meta.get("no_chunks"):
-        raise ConfigError(
-            f"{schedule} needs several model chunks per rank, and {graph.meta['no_chunks']}.",
-            "use --schedule 1f1b or zb_h1 for this model.",
-        )
     if schedule == "zbv":  # issue 19: the V layout, each stage's blocks halved into its two chunks
         vc = v_layout.v_candidate(cand, refine=False)
         if vc is None:

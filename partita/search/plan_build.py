@@ -21,7 +21,7 @@ from partita.passes.annotate import HEAVY_PRIMS, layer_stats
 from partita.plan import Collective, Plan, Stage, validate
 from partita.search import records, schedule_cost
 from partita.search import schedule as sched
-from partita.search.stage_cost import static_memory
+from partita.search.stage_cost import static_memory_of
 from partita.search.zero_bubble import stage_held
 from partita.version import __version__
 
@@ -158,17 +158,8 @@ def _stage_records(
     """
     dev0, tp, mb = p.option.devices[0][0], p.option.tp, p.option.devices[0][2]
     costs = [search.costs.layer(li, dev0, tp, mb)[0] for li in range(a0, b0)]
-    cats = static_memory(  # the terms stage_cost.stage_arrays sums (issue 15: what the program holds)
-        sum(c.param_bytes for c in costs),
-        sum(c.grad_bytes for c in costs),
-        sum(c.optimizer_bytes for c in costs),
-        max((c.param_bytes for c in costs), default=0.0),
-        best.dp,
-        z,
-        max((c.gather_ratio for c in costs), default=1.0),
-        any(c.fsdp_copies for c in costs),
-        sched.splits_backward(best.schedule),
-    )
+    # the terms stage_cost.stage_arrays sums (issue 15: what the program holds)
+    cats = static_memory_of(costs, best.dp, z, sched.splits_backward(best.schedule))
     params, grads, opt = cats["parameters"], cats["gradients"], cats["optimizer"]
     total = best.memory(i)
     split = sched.splits_backward(best.schedule)

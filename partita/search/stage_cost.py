@@ -358,6 +358,22 @@ def stage_arrays(
 GATHERED_UNITS = 2  # ZeRO-3: FSDP2 holds the running block's gathered parameters and prefetches the next
 
 
+def static_memory_of(costs: Sequence[Any], dp: int, zero: int, split_backward: bool = False) -> dict:
+    """:func:`static_memory` of a stage made of ``costs`` (its layers' ``LayerCost``): the sums and
+    maxima ``stage_arrays`` takes from its unit tables, for one stage or chunk at a time."""
+    return static_memory(
+        sum(c.param_bytes for c in costs),
+        sum(c.grad_bytes for c in costs),
+        sum(c.optimizer_bytes for c in costs),
+        max((c.param_bytes for c in costs), default=0.0),
+        dp,
+        zero,
+        max((c.gather_ratio for c in costs), default=1.0),
+        any(c.fsdp_copies for c in costs),
+        split_backward,
+    )
+
+
 def static_memory(
     params: Any,
     grads: Any,

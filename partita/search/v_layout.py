@@ -46,7 +46,7 @@ from partita.search import schedule as sched
 from partita.search.chunk_layout import _chunk
 from partita.search.pipeline_sim import step_time
 from partita.search.plan_build import Candidate, StagePick, _stage_records
-from partita.search.stage_cost import static_memory
+from partita.search.stage_cost import static_memory_of
 from partita.search.zero_bubble import stage_held
 
 MAX_PASSES = 8  # rounds of one-unit boundary moves per candidate
@@ -150,17 +150,7 @@ def group_memory(c: VCandidate, r: int) -> dict[str, float]:
             (x.activation_bytes_alt if alt and x.activation_bytes_alt is not None else x.activation_bytes) for x in lc
         )
         held[i] = stage_held(s.graph, s.training.seq_len, a0, b0)
-    cats = static_memory(
-        sum(x.param_bytes for x in costs),
-        sum(x.grad_bytes for x in costs),
-        sum(x.optimizer_bytes for x in costs),
-        max((x.param_bytes for x in costs), default=0.0),
-        c.dp,
-        z,
-        max((x.gather_ratio for x in costs), default=1.0),
-        any(x.fsdp_copies for x in costs),
-        True,
-    )
+    cats = static_memory_of(costs, c.dp, z, True)
     fwd = dict.fromkeys(mine, 0)
     dfr = dict.fromkeys(mine, 0)
     peak, at = 0.0, dict.fromkeys(mine, 0.0)

@@ -91,8 +91,8 @@ def rehearse(program: jt.Program, handle: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for run in runs:
         params = {f: _struct(flat[f], run.param_sh[f]) for f in run.prog.param_fqns}
-        opt_abs = jax.eval_shape(run.tx.init, params)
-        opt = jax.tree.map(_struct, opt_abs, run.opt_shardings(flat))
+        opt_sh = run.opt_shardings(flat)
+        opt = jax.tree.map(_struct, jax.eval_shape(run.tx.init, params), opt_sh)
         acc = jax.eval_shape(run.zero_acc, params)
         acc = {f: _struct(acc[f], run.acc_sh[f]) for f in acc}
         rep = run.sh(P("dp"))
@@ -108,8 +108,8 @@ def rehearse(program: jt.Program, handle: Any) -> dict[str, Any]:
         fns: dict[str, _Compiled] = {}
         update = jax.jit(
             run.update,
-            in_shardings=(run.param_sh, run.opt_shardings(flat), run.acc_sh),
-            out_shardings=(run.param_sh, run.opt_shardings(flat), run.grad_sh),
+            in_shardings=(run.param_sh, opt_sh, run.acc_sh),
+            out_shardings=(run.param_sh, opt_sh, run.grad_sh),
             donate_argnums=(0, 1),
         )
         fns["update"] = _Compiled(update.lower(params, opt, acc).compile(), 1, mesh_shape)
