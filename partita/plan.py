@@ -255,7 +255,7 @@ class Plan:
                 partita_version=str(d.get("partita_version", "")),
                 version=int(d["version"]),
             )
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:  # OverflowError: int(Infinity)
             raise PlanError(
                 f"{source} is missing or has a malformed field ({type(e).__name__}: {e}).",
                 "recompile the plan; do not edit plan.json by hand.",
