@@ -489,17 +489,40 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_INTERRUPTED = "partita: interrupted (Ctrl-C); files already written are complete, nothing was half-written."
+
+
+def _exit_interrupted() -> None:
+    """End the command process now: the one line, exit 130, no teardown of torch & co. (seconds)."""
+    print(_INTERRUPTED, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130)
+
+
+def _unraisable(hook: Any) -> Any:
+    """A Ctrl-C that lands in a finalizer or weakref callback is "ignored" by the interpreter, and the command
+    would go on to exit 0; it ends the command instead. Files are written to a temporary name and renamed, so
+    ending here leaves nothing half-written."""
+
+    def on_unraisable(info: Any) -> None:
+        if isinstance(info.exc_value, KeyboardInterrupt):
+            _exit_interrupted()
+        hook(info)
+
+    return on_unraisable
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; Ctrl-C anywhere ends it with one line and exit code 130."""
+    if argv is None:  # the command itself, not an in-process call
+        sys.unraisablehook = _unraisable(sys.unraisablehook)
     try:
         return _main(argv)
     except KeyboardInterrupt:
-        print("partita: interrupted (Ctrl-C); files already written are complete, nothing was half-written.",
-              file=sys.stderr)  # fmt: skip
-        if argv is None:  # the command itself: skip the interpreter's teardown of torch & co. (seconds)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(130)
+        if argv is None:
+            _exit_interrupted()
+        print(_INTERRUPTED, file=sys.stderr)
         return 130
 
 

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -147,6 +148,37 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path) -> None:
         "partita: interrupted (Ctrl-C); files already written are complete, nothing was half-written."
     ], err[-3000:]
     assert not (tmp_path / "out" / "plan.json").exists()
+
+
+def test_ctrl_c_inside_a_weakref_callback_still_ends_the_command(tmp_path) -> None:
+    """CI once sent the SIGINT while a weakref callback ran: the interpreter printed "Exception ignored in ..."
+    and dropped the KeyboardInterrupt, and the compile went on to exit 0. Here the interrupt lands there on purpose."""
+    code = textwrap.dedent(
+        """
+        import sys, weakref
+        from partita import cli
+
+        class Block: pass
+
+        def interrupt():
+            raise KeyboardInterrupt
+
+        def command(argv):
+            block = Block()
+            ref = weakref.ref(block, lambda ref: interrupt())
+            del block  # the callback runs here, and its KeyboardInterrupt is "unraisable"
+            print("went on after Ctrl-C")
+            return 0
+
+        cli._main = command
+        sys.exit(cli.main())
+        """
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode == 130, (p.stdout, p.stderr)
+    assert "went on" not in p.stdout and p.stderr.strip().splitlines() == [
+        "partita: interrupted (Ctrl-C); files already written are complete, nothing was half-written."
+    ], p.stderr
 
 
 def test_evaluate_prints_memory_readably(capsys) -> None:
