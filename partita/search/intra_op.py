@@ -167,6 +167,11 @@ class _LayerProblem:
         # the torch program keeps f32 parameters (the master copy: autocast, or FSDP2's sharded f32 under a
         # MixedPrecisionPolicy), f32 gradients and the optimizer's moments (backends/torch/parallel.precision_of)
         self.state_bytes = state_bytes_per_param("f32" if torch else dtype, optimizer)
+        if graph.meta.get("framework") == "jax":  # the JAX program differentiates the model's parameters as
+            # declared (no mixed precision: backends/jax/train.py), so they, their gradients, the gradient sync
+            # and optax's moments are in the parameters' traced dtype (search/jax_records.py records the same)
+            item = next((t.dtype for t in graph.tensors.values() if t.role is Role.PARAMETER), "f32")
+            self.state_bytes = state_bytes_per_param("f32" if DTYPE_BYTES.get(item, 4) >= 4 else item, optimizer)
         self.nodes = [graph.node(n) for n in layer.nodes]
         self.producer = {o: n for n in self.nodes for o in n.outputs}
         self.consumers: dict[str, list[Node]] = {}

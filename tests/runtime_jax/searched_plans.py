@@ -36,6 +36,7 @@ def searched_plan(
     zero: int = 0,
     schedule: str = "1f1b",
     cluster: str = "8xCPU",
+    dtype: str = "f32",
 ) -> Plan:
     """The search's plan for this configuration (stages split like ``partita evaluate``)."""
     key = (model, seq)
@@ -43,7 +44,7 @@ def searched_plan(
         _GRAPHS[key] = trace_model(model, seq=seq).graph
     graph = _GRAPHS[key]
     cl = parse_cluster(cluster)
-    training = TrainingConfig(global_batch=global_batch, seq_len=seq, dtype="f32", optimizer="adam")
+    training = TrainingConfig(global_batch=global_batch, seq_len=seq, dtype=dtype, optimizer="adam")
     opts = SearchOptions(zero_stages=(zero,), recompute=("none",), max_layer_units=0, max_tp=tp)
     search = Search(graph, cl, training, opts)
     dev = cl.device_types()[0]

@@ -46,7 +46,14 @@ def test_program_shows_the_plan() -> None:
     assert '"params.fc1.kernel": P("dp"),  # stage 0 (S(0), R)' in text
     assert '"params.fc1.bias": P("dp"),  # stage 0 not in plan: (R, R); ZeRO-3 over dp' in text
     assert "optax.sgd(learning_rate=0.001)" in text
-    assert '"all-gather@dp": {"ops": 8' in text  # ZeRO-3: 4 tensors gathered per micro-batch, 2 micro-batches
+    assert '"stage0": {},' in text  # a hand plan records no collectives: the program predicts none of its own
+    searched = searched_plan("jax-mlp", **CASES["zero3"])  # its records, folded by kind@axis, are the prediction
+    gathers = [c for c in searched.stages[0].collectives if c.kind == "all_gather"]
+    n = sum(c.count for c in gathers)
+    assert n == 4 * searched.num_micro_batches  # ZeRO-3: each of the MLP's 4 tensors, per micro-batch
+    assert f'"all-gather@dp": {{"ops": {n}, "bytes": {sum(c.bytes * c.count for c in gathers)!r}' in emit_jax(
+        searched, "jax-mlp"
+    )
     pp = emit_jax(make_plan("jax-mlp", "pp", schedule="1f1b"), "jax-mlp")
     # the plan's action lists (search/schedule.pipeline_actions), the loss stage's F and B included
     assert "SCHEDULE = [" in pp and '("F", 0, 0), ("F", 1, 0), ("F", 0, 1), ("B", 1, 0)' in pp

@@ -1,11 +1,14 @@
-"""Unit tests of the JAX fidelity side: HLO collective parsing and the plan's JAX prediction."""
+"""Unit tests of the JAX fidelity side: HLO collective parsing and the plan's JAX records (search/jax_records.py)."""
 
 from __future__ import annotations
 
 from jax.sharding import PartitionSpec as P
 
 from partita.backends.jax import fidelity as fid
+from partita.backends.jax import parallel as jp
+from partita.backends.jax.train import _axis_dim
 from partita.plan import Collective, Stage
+from partita.search import jax_records as jr
 
 HLO = """
   %all-reduce.10 = (f32[256]{0}, /*index=1*/f32[64,256]{1,0}, f32[]) all-reduce(%a, %b, %c), channel_id=2, replica_groups=mesh['axis_0'=4,'axis_1'=1] {'axis_0'}, use_global_device_ids=true, to_apply=%add, metadata={op_name="jit(step)/(transpose(jvp(MLP))/fc1/reduce_sum:transpose(jvp(MLP))/fc1/dot_general:jvp()/reduce_sum)"}
@@ -44,35 +47,57 @@ def _stage(zero: int, dp: int = 4, tp: int = 2, colls: tuple = ()) -> Stage:
     return Stage(0, ("l",), "CPU", tuple(range(dp * tp)), dp, tp, zero_stage=zero, collectives=colls)
 
 
-# (shape, itemsize, parameter spec, optimizer-state spec) as the emitter passes them
-PARAMS = {
-    "w": ((64, 256), 4, P(None, "tp"), P(None, ("tp", "dp"))),  # 64 x 128 per tp shard
-    "b": ((3,), 4, P(), P()),  # no dp layout divides 3
-}
+def _held(zero: int, dp: int = 4, tp: int = 2) -> list[jr.HeldParam]:
+    """w (64, 256) split over tp on dim 1, b (3,) replicated, as ``jax_records.stage_params`` holds them."""
+    w = jr.HeldParam("w", (64, 256), 4, (1,), jr.zero_dim((64, 256), (1,), dp, tp) if zero else None)
+    b = jr.HeldParam("b", (3,), 4, (), jr.zero_dim((3,), (), dp, tp) if zero else None)
+    return [w, b]
 
 
-def test_prediction_follows_zero_stage() -> None:
-    sync = Collective("all_reduce", "dp", 123.0, 1, "optimizer", "gradient sync (dp)")
-    act = Collective("all_reduce", "tp", 1000.0, 2, "forward", "row-parallel")
-    w_bytes, b_bytes = 64 * 128 * 4, 3 * 4
-    z0 = fid.predict_stage(_stage(0, colls=(sync, act)), 2, PARAMS)
-    # the gradient sync's bytes come from the layouts (tp shard of w + b), not the plan's 123
-    assert z0 == {
-        "all-reduce@dp": {"ops": 1, "bytes": w_bytes + b_bytes, "why": ["gradient sync (one combined op)"]},
-        "all-reduce@tp": {"ops": 2, "bytes": 2000.0, "why": ["row-parallel"]},
-    }
-    rs = Collective("reduce_scatter", "dp", 123.0, 1, "optimizer", "gradient sync (dp)")
-    z1 = fid.predict_stage(_stage(1, colls=(rs,)), 2, PARAMS)
-    assert {k: (v["ops"], v["bytes"]) for k, v in z1.items()} == {
-        "reduce-scatter@dp": (1, w_bytes),  # per dp-sharded tensor
+def test_records_follow_zero_stage() -> None:
+    """The JAX records (search/jax_records.py) per ZeRO stage: one record per HLO op and tensor, bytes of
+    the tp shard (the whole tensor a dp collective moves), folded by ``fidelity.planned`` per step."""
+    w_bytes, b_bytes, m = 64 * 128 * 4, 3 * 4, 2
+
+    def folded(zero: int) -> dict[str, tuple[int, float]]:
+        st = _stage(zero, colls=tuple(jr.dp_records(_held(zero), 4, 2, zero, m)))
+        return {k: (v["ops"], v["bytes"]) for k, v in fid.planned(st).items()}
+
+    assert folded(0) == {"all-reduce@dp": (1, w_bytes + b_bytes)}  # one psum of every gradient
+    assert folded(1) == {
+        "reduce-scatter@dp": (1, w_bytes),  # per dp-sharded tensor, once
         "all-reduce@dp": (1, b_bytes),  # the tensor ZeRO cannot shard
         "all-gather@dp": (1, w_bytes),  # the updated parameters, once per step
     }
-    z3 = fid.predict_stage(_stage(3, colls=(Collective("reduce_scatter", "dp", 1.0, 2, "optimizer"),)), 2, PARAMS)
-    assert {k: (v["ops"], v["bytes"]) for k, v in z3.items()} == {
-        "reduce-scatter@dp": (2, 2 * w_bytes),
-        "all-reduce@dp": (2, 2 * b_bytes),  # one combined op per micro-batch
-        "all-gather@dp": (2, 2 * w_bytes),  # once per micro-batch
+    assert folded(2) == {"reduce-scatter@dp": (m, m * w_bytes), "all-reduce@dp": (m, m * b_bytes)} | {
+        "all-gather@dp": (1, w_bytes)
+    }
+    assert folded(3) == {
+        "reduce-scatter@dp": (m, m * w_bytes),
+        "all-reduce@dp": (m, m * b_bytes),  # one psum per micro-batch
+        "all-gather@dp": (m, m * w_bytes),  # once per micro-batch: the backward keeps the gathered copy
+    }
+    assert jr.dp_records(_held(3, dp=1), 1, 2, 3, m) == []
+
+
+def test_zero_dim_is_the_programs_zero_spec() -> None:
+    """The records' ZeRO layout (search side, no JAX) is the one the program applies (parallel.zero_spec)."""
+    cases = [((64, 256), (1,)), ((3,), ()), ((12, 8), ()), ((8, 12), (0,)), ((6, 4, 16), (2,)), ((5, 7), ())]
+    for shape, tp_dims in cases:
+        for dp, tp in ((2, 1), (4, 2), (8, 1), (2, 4)):
+            spec = P(*["tp" if (d in tp_dims and tp > 1) else None for d in range(len(shape))])
+            want = _axis_dim(jp.zero_spec(spec, shape, (dp, tp)), "dp")
+            dims = tuple(d for d in tp_dims if tp > 1)
+            assert jr.zero_dim(shape, dims, dp, tp) == want, (shape, tp_dims, dp, tp)
+
+
+def test_planned_reads_the_records() -> None:
+    act = Collective("all_reduce", "tp", 1000.0, 2, "forward", "row-parallel")
+    send = Collective("p2p", "pp", 10.0, 4, "forward", "activation to stage 1")
+    got = fid.planned(_stage(0, colls=(act, send)))
+    assert got == {
+        "all-reduce@tp": {"ops": 2, "bytes": 2000.0, "why": ["row-parallel"]},
+        "p2p@pp": {"ops": 4, "bytes": 40.0, "why": ["activation to stage 1"]},
     }
 
 

@@ -255,14 +255,13 @@ def emit_jax(plan: Plan, model_spec: str) -> str:
         for s in plan.stages
         if s.recompute != "none"
     ]
-    predicted = {}
-    for st in plan.stages:
-        mine = {
-            f: (shapes[f], abstract[f].dtype.itemsize, specs[f][0], specs[f][1])
-            for f in shapes
-            if stage_of[f] == st.index
-        }
-        predicted[f"stage{st.index}"] = fid.predict_stage(st, plan.num_micro_batches, mine)
+    dtypes = sorted({str(x.dtype) for x in abstract.values()})
+    if str(plan.training.get("dtype", "f32")) not in ("f32", "float32") and dtypes == ["float32"]:
+        notes.append(  # search/jax_records.py records the gradients and their sync in the parameters' dtype
+            f"the plan trains in {plan.training['dtype']}; this program applies no mixed precision: it computes "
+            "and syncs gradients in the model's float32 parameters (the plan's collectives and memory say so)"
+        )
+    predicted = {f"stage{st.index}": fid.planned(st) for st in plan.stages}  # the plan's records, read
     return _source(plan, model_spec, layers, stage_of, specs, pins, notes, predicted, lay.pinned)
 
 
@@ -382,7 +381,7 @@ def _source(
         "# Where this program departs from the plan (printed at start-up and kept in the result).",
         *(["NOTES = ["] + [f"    {_q(n)}," for n in notes] + ["]"] if notes else ["NOTES = []"]),
         "",
-        "# The plan's collectives per stage and step as this program issues them (backends/jax/fidelity.py);",
+        "# The plan's collectives per stage and step (its records, search/jax_records.py, by kind@axis);",
         "# the run compares them with the compiled HLO.",
         "PREDICTED_COLLECTIVES = {",
     ]

@@ -1,7 +1,7 @@
 """Fidelity of generated JAX programs: the collectives XLA compiled vs. the ones the plan predicts.
 
-Used by ``backends/jax/train.py`` (which compiles every stage function and reads its HLO) and by
-``backends/jax/emit.py`` (which writes the prediction into the program). Both sides are folded to
+Used by ``backends/jax/train.py`` (which compiles every stage function and reads its HLO), by
+``backends/jax/rehearse.py`` and by ``backends/jax/emit.py`` (which writes the plan's records into the program). Both sides are folded to
 ``{"kind@axis": {"ops": n, "bytes": b}}`` per stage and training step:
 
 * measured (:func:`count_collectives`, :func:`weighted_collectives`, :func:`measured_summary`): one
@@ -10,17 +10,9 @@ Used by ``backends/jax/train.py`` (which compiles every stage function and reads
   the same convention as the plan's ``Collective.bytes``. The mesh axis comes from the op's device
   groups. Stage-to-stage transfers (``jax.device_put`` between sub-meshes) are no HLO op: the
   program counts them and adds them as ``p2p@pp``.
-* predicted (:func:`predict_stage`): the plan's ``Stage.collectives`` as the JAX program issues
-  them. Tensor-parallel entries map one to one (``count`` ops of ``bytes``). The dp gradient sync
-  is one all-reduce per step (XLA's all-reduce combiner merges the per-tensor reductions, as the
-  plan's bucketing assumes) whose bytes follow the parameters' layouts; with ZeRO the program
-  reduce-scatters and all-gathers *per tensor*, because every parameter has its own dp-sharded
-  layout and XLA's CPU pipeline combines neither reduce-scatters nor all-gathers, so those
-  predictions count one op per dp-sharded tensor. The ZeRO parameter all-gathers are priced by
-  the plan's cost model (``search/stage_cost.py``) but not recorded in ``Stage.collectives``:
-  they are added here, ZeRO-1/2 once per step after the update, ZeRO-3 once per micro-batch
-  (JAX keeps the gathered copy for that micro-batch's backward; the cost model prices a second
-  gather in the backward, which XLA would merge with the first).
+* planned (:func:`planned`): the plan's records (``Stage.collectives``), which
+  ``search/jax_records.py`` builds as the program issues them, one record per HLO op and tensor,
+  folded the same way. Nothing here models the runtime a second time.
 """
 
 from __future__ import annotations
@@ -178,66 +170,19 @@ def measured_summary(counts: Mapping[str, Any], transfers: Mapping[str, float] |
 
 
 # ---- plan side -------------------------------------------------------------------------------
-def _add(out: dict[str, Any], key: str, ops: int, nbytes: float, why: str) -> None:
-    e = out.setdefault(key, {"ops": 0, "bytes": 0.0, "why": []})
-    e["ops"] += int(ops)
-    e["bytes"] += float(nbytes)
-    if why and why not in e["why"]:
-        e["why"].append(why)
-
-
-def _local_bytes(shape: Sequence[int], itemsize: int, spec: Any, mesh_shape: Sequence[int], axis: str = "tp") -> int:
-    """Bytes per device of a tensor laid out by ``spec``, counting only the shards over ``axis``."""
-    size = dict(zip(AXES, mesh_shape))[axis]
-    n = int(np.prod(shape)) * itemsize
-    for e in spec:
-        if e == axis or (isinstance(e, tuple) and axis in e):
-            n //= size
-    return n
-
-
-def predict_stage(
-    stage: Any,
-    num_micro_batches: int,
-    params: Mapping[str, tuple[Sequence[int], int, Any, Any]],
-) -> dict[str, Any]:
-    """The JAX program's collectives per step for one plan stage (module docstring for the rules).
-
-    ``params``: fqn -> (shape, itemsize, parameter spec, ZeRO / optimizer-state spec) for the
-    stage's parameters; the specs are the generated program's ``PARAM_SPECS`` entries.
-    """
+def planned(stage: Any) -> dict[str, Any]:
+    """The stage's records (``Stage.collectives``, built by ``search/jax_records.py``) folded to
+    ``{"kind@axis": {"ops", "bytes", "why"}}`` per step in HLO kind names: read, not re-derived."""
     out: dict[str, Any] = {}
-    mesh = (stage.dp, stage.tp)
-    z, m = stage.zero_stage, num_micro_batches
-    # Per device and tensor: the bytes of its tp shard (ZeRO's dp sharding is what the collective undoes).
-    grads = {f: _local_bytes(shape, item, spec, mesh) for f, (shape, item, spec, _) in params.items()}
-    sharded = [f for f, (_, _, _, zspec) in params.items() if _uses(zspec, "dp")]
     for c in stage.collectives:
-        kind = PLAN_KINDS.get(c.kind, c.kind)
-        if c.axis == "dp" and c.phase == "optimizer":  # the gradient sync, laid out per tensor below
-            if z == 0:
-                _add(out, "all-reduce@dp", c.count, c.count * sum(grads.values()), "gradient sync (one combined op)")
-                continue
-            if sharded:
-                rs_bytes = c.count * sum(grads[f] for f in sharded)
-                _add(out, "reduce-scatter@dp", c.count * len(sharded), rs_bytes, "ZeRO gradient reduce-scatter")
-            rest = [f for f in params if f not in sharded]
-            if rest:
-                ar_bytes = c.count * sum(grads[f] for f in rest)
-                _add(out, "all-reduce@dp", c.count, ar_bytes, "gradients no dp layout divides")
-            continue
-        axis = "pp" if c.kind == "p2p" else c.axis
-        _add(out, f"{kind}@{axis}", c.count, c.count * c.bytes, c.reason)
-    if stage.dp > 1 and sharded and z in (1, 2):
-        _add(out, "all-gather@dp", len(sharded), sum(grads[f] for f in sharded), f"ZeRO-{z} updated parameters")
-    if stage.dp > 1 and sharded and z >= 3:
-        ag_bytes = m * sum(grads[f] for f in sharded)
-        _add(out, "all-gather@dp", m * len(sharded), ag_bytes, "ZeRO-3 parameters, once per micro-batch")
+        key = f"{PLAN_KINDS.get(c.kind, c.kind)}@{c.axis}"
+        e = out.setdefault(key, {"ops": 0, "bytes": 0.0, "why": []})
+        e["ops"] += int(c.count)
+        e["bytes"] += float(c.bytes) * int(c.count)
+        why = re.sub(r" \S+\.\S+(,|$)", r"\1", c.reason)  # per-tensor reasons fold to one line
+        if why and why not in e["why"]:
+            e["why"].append(why)
     return dict(sorted(out.items()))
-
-
-def _uses(spec: Any, axis: str) -> bool:
-    return any(e == axis or (isinstance(e, tuple) and axis in e) for e in spec)
 
 
 def compare(measured: Mapping[str, Mapping[str, float]], predicted: Mapping[str, Mapping[str, Any]]) -> list[str]:

@@ -15,11 +15,14 @@ compiled by XLA exactly as the program compiles them. Per stage and training ste
 * memory per device (XLA's ``memory_analysis``): the arguments that live across the step
   (parameters, optimizer state, gradient accumulator: their shard shapes), the forward residuals
   held between a micro-batch's F and its B (the schedule's most in flight on this stage, times the
-  residual bytes the compiled forward returns), and the largest temporary buffer of any function;
+  residual bytes the compiled forward returns) with the largest temporary buffer of the forward and
+  backward functions, or, if larger, the update's temporary buffer alone (it runs after the schedule,
+  when no residual is held);
 * FLOPs per device (XLA's ``cost_analysis``), times the calls.
 
-:func:`compare` sets them beside the plan's records (``search/records.summary`` of
-``Stage.collectives``, ``Stage.predicted`` memory and FLOPs) with the torch rehearsal's tolerances.
+``driver._rehearse_jax`` sets them beside the plan's records (``Stage.collectives``, which
+``search/jax_records.py`` builds one per HLO op; ``Stage.predicted`` memory and FLOPs) with the torch
+rehearsal's rule (``backends/torch/rehearse.compare_stage``).
 """
 
 from __future__ import annotations
@@ -148,7 +151,13 @@ def rehearse(program: jt.Program, handle: Any) -> dict[str, Any]:
             "optimizer": _device_bytes(opt),
             "gradients": _device_bytes(acc),
         }
-        cats = {**persistent, "activations": held, "temporary": max(c.temp for c in fns.values())}
+        # two moments: a micro-batch's F / B with the residuals in flight and its own temporaries, or the
+        # update (after the schedule: no residuals left) with its temporaries; the peak is the larger
+        step_temp = max((c.temp for k, c in fns.items() if k != "update"), default=0)
+        if held + step_temp >= fns["update"].temp:
+            cats = {**persistent, "activations": held, "temporary": step_temp}
+        else:
+            cats = {**persistent, "activations": 0, "temporary": fns["update"].temp}
         out[f"stage{run.index}"] = {
             "collectives": dict(sorted(collectives.items())),
             "peak_memory_bytes": sum(cats.values()),
@@ -185,5 +194,6 @@ def main(program_file: str, out_file: str) -> None:
         json.dump({"rehearsal": rehearse(program, jp.load_model(program.model))}, f, sort_keys=True)
 
 
-if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+if __name__ == "__main__":  # PROGRAM OUT [PROGRAM OUT ...]: several programs in one process (tests)
+    for k in range(1, len(sys.argv) - 1, 2):
+        main(sys.argv[k], sys.argv[k + 1])

@@ -11,9 +11,12 @@ PartitionSpec per parameter, activation pins, schedule -- in a :class:`Program`,
   boundary and at the outputs of the modules the plan shards (``Program.activation_pins``).
 * data parallelism is a ``jax.vmap`` over the dp replicas (``spmd_axis_name="dp"``): each
   replica differentiates its own share, so its gradients stay local over the micro-batches and
-  one reduction per step does the sync -- ``psum`` (all-reduce), or ``psum_scatter`` into the
-  ZeRO layout, in a ``shard_map``. ZeRO-2/3 reduce-scatter every micro-batch; ZeRO-3 all-gathers
-  each parameter per micro-batch (its transpose is the reduce-scatter). The loss is weighted per
+  one reduction per step does the sync -- ``psum`` of all gradients flattened into one buffer per
+  dtype (one all-reduce, :func:`_flat_psum`), or ``psum_scatter`` of each tensor into the ZeRO
+  layout, in a ``shard_map``. ZeRO-2/3 reduce-scatter every micro-batch; ZeRO-3 all-gathers
+  each parameter per micro-batch (its transpose is the reduce-scatter). XLA's CPU all-reduce
+  combiner is off (``NO_COMBINE``): every collective the program asks for stays one HLO op, one
+  record of the plan (``search/jax_records.py``). The loss is weighted per
   replica (``share / samples``), which also makes uneven shares exact: each replica's share is
   padded to the largest one and the model runs per sample with weight 0 on the padding.
 * per stage a jitted forward (returns its ``jax.vjp`` residuals, so the backward recomputes
@@ -48,6 +51,25 @@ from jax.sharding import PartitionSpec as P
 
 from partita.backends.jax import fidelity as fid
 from partita.backends.jax import parallel as jp
+
+# XLA's CPU all-reduce combiner merges neighbouring all-reduces of a compiled function by adjacency, which
+# neither the plan nor its cost model (one latency per collective) knows: the programs keep every all-reduce
+# they ask for as its own op, so each plan record is one HLO op (search/jax_records.py). Set before the
+# backend starts (the program, the run and the rehearsal import this module first).
+NO_COMBINE = "cpu-all-reduce-combiner"
+
+
+def _no_combiner(flags: str) -> str:
+    parts = flags.split()
+    for k, f in enumerate(parts):
+        if f.startswith("--xla_disable_hlo_passes="):
+            if NO_COMBINE not in f.split("=", 1)[1].split(","):
+                parts[k] = f"{f},{NO_COMBINE}"
+            return " ".join(parts)
+    return " ".join([*parts, f"--xla_disable_hlo_passes={NO_COMBINE}"])
+
+
+os.environ["XLA_FLAGS"] = _no_combiner(os.environ.get("XLA_FLAGS", ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +106,25 @@ def _without(spec: P, axis: str) -> P:
         rest = tuple(a for a in ((e,) if isinstance(e, str) else (e or ())) if a != axis)
         out.append(None if not rest else rest[0] if len(rest) == 1 else rest)
     return P(*out)
+
+
+def _flat_psum(local: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    """One all-reduce over dp per dtype of every local gradient (``(1, *shape)`` per replica), flattened
+    into one buffer and split back: a ``psum`` of several arrays lowers to one HLO all-reduce each, so
+    the program buckets them itself, as the plan records (``search/jax_records.py``) and prices them."""
+    out: dict[str, jax.Array] = {}
+    by_dtype: dict[Any, list[str]] = {}
+    for f, g in local.items():
+        by_dtype.setdefault(g.dtype, []).append(f)
+    for names in by_dtype.values():
+        flat = jax.lax.psum(jnp.concatenate([local[f][0].ravel() for f in names]), "dp")
+        start = 0
+        for f in names:
+            shape = local[f].shape[1:]
+            size = int(np.prod(shape))
+            out[f] = flat[start : start + size].reshape(shape)
+            start += size
+    return out
 
 
 class StageRun:
@@ -134,17 +175,31 @@ class StageRun:
         if self.dp == 1:  # one replica: nothing to reduce (a psum over 1 device is still an HLO op)
             return {f: jax.lax.with_sharding_constraint(g[0], self.sh(self.zspec[f])) for f, g in grads.items()}
         out = {}
+        whole = {}  # the gradients no dp layout divides: one psum of them all, one (tuple) all-reduce
         for f, g in grads.items():
             d = _axis_dim(self.zspec[f], "dp") if scatter else None
+            if d is None:
+                whole[f] = g
+                continue
 
-            def body(gl: jax.Array, d: int | None = d) -> jax.Array:
-                if d is None:
-                    return jax.lax.psum(gl[0], "dp")
+            def body(gl: jax.Array, d: int = d) -> jax.Array:
                 return jax.lax.psum_scatter(gl[0], "dp", scatter_dimension=d, tiled=True)
 
-            spec_out = self.zspec[f] if d is not None else self.spec[f]
-            out[f] = jax.shard_map(body, mesh=self.mesh, in_specs=P("dp", *self.spec[f]), out_specs=spec_out)(g)
-        return out
+            spec_in = P("dp", *self.spec[f])
+            out[f] = jax.shard_map(body, mesh=self.mesh, in_specs=spec_in, out_specs=self.zspec[f])(g)
+        if whole:
+            specs_in = {f: P("dp", *self.spec[f]) for f in whole}
+            # one buffer holds tp-sharded and tp-replicated gradients, so JAX cannot infer that the
+            # replicated ones stay equal over tp: they do (each tp rank holds the same copy), hence no check
+            summed = jax.shard_map(
+                _flat_psum,
+                mesh=self.mesh,
+                in_specs=(specs_in,),
+                out_specs={f: self.spec[f] for f in whole},
+                check_vma=False,
+            )(whole)
+            out.update(summed)
+        return {f: out[f] for f in grads}
 
     def accumulate(self, acc: Mapping[str, jax.Array], grads: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
         if self.zero == 2:  # reduce-scatter every micro-batch (ZeRO-3: the gather's transpose already did)
