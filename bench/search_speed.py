@@ -12,11 +12,17 @@ Exactness, measured in the same run and code state:
   over t_max) and with the ascending scan it replaced (``inter_op.scan_stages``), both at today's
   exact settings (``t_max_epsilon = tail_epsilon = 0``): the plan files must be byte-identical
   apart from their ``search`` statistics (DP-run counts);
+* ``stored``: the shipped stored traces (``frontends/stored.py``) against a fresh ``torch.export``
+  trace of each model: the same graph hash;
 * ``trace``: a 6-block GPT-2 traced fully and by blocks (``frontends/repeat.py``): same plan
   (stages, step time);
 * ``large`` (``--exact``, slow): the 1024-GPU GPT-3 175B case at exact settings with the old scan,
   recorded in ``bench/results/search_speed_exact.json``; the default run's predicted step time
   must be within 0.5% of it.
+
+Baseline in the same run: the 64-GPU llama-7b and the 1024-GPU 175B compiles again with
+``PARTITA_STORED_TRACES=off`` (a fresh ``torch.export`` trace, which imports torch and the model's
+code, as before issue 20's stored traces): wall and CPU ratios.
 
 Usage: ``python bench/search_speed.py [--quick] [--exact]`` (``--quick`` skips 16384 GPUs and keeps
 the last full run's row for it, marked ``carried_over``;
@@ -52,10 +58,19 @@ CASES: list[tuple[str, str, int, dict[str, float]]] = [
 ]
 
 
-def compile_case(model: str, cluster: str, batch: int) -> dict[str, Any]:
+# the same compiles without a stored trace (frontends/stored.py): the baseline the speed-up is a ratio
+# against, measured in the same run
+FRESH_ENV = {"PARTITA_STORED_TRACES": "off"}
+BASELINE_CASES = CASES[:2]
+
+
+def compile_case(model: str, cluster: str, batch: int, extra_env: dict[str, str] | None = None) -> dict[str, Any]:
     """One cold compile in a child process; its wall, CPU and peak RSS, and the --json side data."""
+    from partita.frontends.stored import stored_is_current
+    from partita.frontends.trace import TRACE_BATCH
+
     with tempfile.TemporaryDirectory() as tmp:
-        env = {**os.environ, "PARTITA_CACHE_DIR": str(Path(tmp) / "cache")}
+        env = {**os.environ, "PARTITA_CACHE_DIR": str(Path(tmp) / "cache"), **(extra_env or {})}
         cmd = [sys.executable, "-m", "partita.cli", "compile", model, "--cluster", cluster]
         cmd += ["--global-batch", str(batch), "--seq", "2048", "--out", str(Path(tmp) / "out"), "--json"]
         t0 = time.perf_counter()
@@ -78,6 +93,11 @@ def compile_case(model: str, cluster: str, batch: int) -> dict[str, Any]:
     row["step_time_s"] = js.get("predicted_step_time_s")
     row["rss_gib"] = round(js.get("peak_rss_bytes", 0) / 2**30, 3)  # the child's own getrusage
     row["num_gpus"] = sum(int(p.split("x")[0]) for p in cluster.split("+"))
+    row["trace_stored"] = not (extra_env or {}).get("PARTITA_STORED_TRACES") and stored_is_current(
+        model, 2048, TRACE_BATCH
+    )
+    if extra_env:
+        row["env"] = dict(extra_env)
     if proc.returncode != 0:
         row["message"] = " ".join(err.split())[-600:]
     return row
@@ -157,6 +177,20 @@ def exactness_trace() -> dict[str, Any]:
         "step_time_s": [a.predicted["step_time_s"], b.predicted["step_time_s"]],
         "num_params": [full.num_params(), blocks.num_params()],
     }
+
+
+def exactness_stored() -> dict[str, bool]:
+    """Per shipped stored trace: is it current, and is its graph a fresh trace's (same hash)?"""
+    from partita.frontends import stored
+    from partita.frontends.trace import TRACE_BATCH, trace_handle
+    from partita.models import resolve_model
+
+    out = {}
+    for model in stored.STORED_MODELS:
+        got = stored.load_stored(model, stored.STORED_SEQ, TRACE_BATCH)
+        fresh = trace_handle(resolve_model(model), batch=TRACE_BATCH, seq=stored.STORED_SEQ)
+        out[model] = got is not None and got.hash() == fresh.hash()
+    return out
 
 
 def exact_large() -> dict[str, Any]:
@@ -254,6 +288,22 @@ def main() -> None:
         if row["rc"] != 0:
             print(f"    {row.get('message', '')[:300]}")
         OUT.write_text(json.dumps({"compile": rows, "partial": True}, indent=1, sort_keys=True) + "\n")
+    base_rows = []
+    for model, cluster, batch, _ in BASELINE_CASES:  # before this session's cold path: ratio in this run
+        row, usage = _timed(lambda: compile_case(model, cluster, batch, FRESH_ENV))  # noqa: B023
+        row.update(usage)
+        base_rows.append(row)
+        new = next(r for r in rows if (r["model"], r["cluster"]) == (model, cluster))
+        row["speedup_wall"] = round(row["wall_s"] / new["wall_s"], 2)
+        row["speedup_cpu"] = round(row["cpu_s"] / new["cpu_s"], 2)
+        print(
+            f"{model:<10} fresh trace, in-process emit: wall {row['wall_s']:.1f} s, cpu {row['cpu_s']:.1f} s "
+            f"(trace {row['trace_s'] or 0:.1f} s) -> stored trace: x{row['speedup_wall']} wall, "
+            f"x{row['speedup_cpu']} cpu",
+            flush=True,
+        )
+    stored = exactness_stored()
+    print(f"stored traces vs a fresh trace (graph hash): {stored}")
     small = exactness_small()
     trace = exactness_trace()
     print(
@@ -265,6 +315,8 @@ def main() -> None:
         f"step {trace['step_time_s'][0]:.6f} vs {trace['step_time_s'][1]:.6f} s"
     )
     result: dict[str, Any] = {"compile": rows, "exact_small": small, "exact_trace": trace}
+    result["baseline_fresh_trace"] = base_rows
+    result["exact_stored"] = stored
     result["load_average"] = {"before": load_before, "after": [round(x, 2) for x in os.getloadavg()]}
     result["cpu_s_is"] = "user + sys seconds of the compile process and its children (os.wait4 via RUSAGE_CHILDREN)"
     print(f"load average after: {result['load_average']['after']}")

@@ -324,9 +324,11 @@ def plan_handle(
     force: bool = False,
     progress: bool = False,
     key: str | None = None,
+    graph: Graph | None = None,
 ) -> CachedPlan:
     """The plan for ``handle`` on ``cluster``: a cache hit when the key matches (no trace), else
-    trace + search, written to the cache. Used by :func:`compile_to_dir` and ``partita.parallelize``."""
+    trace + search, written to the cache. Used by :func:`compile_to_dir` and ``partita.parallelize``.
+    ``graph``: the traced graph when the caller has it already (a stored trace); ``handle`` is then unused."""
     t0 = time.perf_counter()
     cl = parse_cluster(cluster) if isinstance(cluster, str) else cluster
     _check_training(training)
@@ -340,7 +342,9 @@ def plan_handle(
         if plan is not None:
             return CachedPlan(plan, True, key, cached, time.perf_counter() - t0)
     c0 = time.process_time()  # CPU seconds too: on a shared machine wall seconds measure the neighbours
-    traced = Traced(handle, trace_handle(handle, batch=TRACE_BATCH, seq=training.seq_len), 0.0)
+    if graph is None:
+        graph = trace_handle(handle, batch=TRACE_BATCH, seq=training.seq_len)
+    traced = Traced(handle, graph, 0.0)
     traced.trace_time_s = time.perf_counter() - t0
     c1 = time.process_time()
     planned = traced.plan(cl, training, progress=progress)
@@ -376,13 +380,32 @@ def compile_to_dir(
         hit = _cached_outputs(entry, model, Path(out_dir), key, t0)
         if hit is not None:
             return hit
-    from partita.models import resolve_model
+    t1, c1 = time.perf_counter(), time.process_time()
+    # a built-in model's stored trace (frontends/stored.py): no torch import, no export; None if not current
+    graph = None
+    if ident is not None and json.loads(ident).get("spec", "").startswith("zoo:"):
+        from partita.frontends.stored import load_stored
 
-    handle = resolve_model(model)
+        graph = load_stored(model, training.seq_len, TRACE_BATCH)
+    load_s, load_cpu_s = time.perf_counter() - t1, time.process_time() - c1
+    handle = None
+    if graph is None:
+        from partita.models import resolve_model
+
+        handle = resolve_model(model)
     key = cache_key(handle, cl, training, ident)
-    got = plan_handle(handle, cl, training, force=force, progress=progress, key=key)
+    # a searched torch plan carries its tp roles (Stage.tp_plan): emitting it imports no torch either
+    got = plan_handle(handle, cl, training, force=force, progress=progress, key=key, graph=graph)
+    if graph is not None and not got.cache_hit:  # the trace was the stored graph's load
+        got.timings["trace_time_s"] = round(got.timings["trace_time_s"] + load_s, 3)
+        got.timings["trace_cpu_s"] = round(got.timings["trace_cpu_s"] + load_cpu_s, 3)
     done = _write_outputs(
-        got.plan, model, Path(out_dir), cache_hit=got.cache_hit, elapsed_s=time.perf_counter() - t0, key=got.key
+        got.plan,
+        model,
+        Path(out_dir),
+        cache_hit=got.cache_hit,
+        elapsed_s=time.perf_counter() - t0,
+        key=got.key,
     )
     for name in PROGRAM_FILES:  # keep the generated program with the cached plan (a hit copies it)
         if (done.out_dir / name).exists():

@@ -420,6 +420,7 @@ _EXPR_FUNCS: dict[str, Any] = {
 }
 
 
+@functools.lru_cache(maxsize=None, typed=True)  # immutable results; a deep model repeats its shapes
 def _expr(s: str | int) -> sympy.Expr:
     # Every other identifier is a plain Symbol: bare sympify reads "S" as sympy.S, "E" as e, "I" as i.
     if isinstance(s, int):

@@ -100,8 +100,16 @@ class Option:
 
     @functools.cached_property
     def pick(self) -> np.ndarray:
-        """[U, U+1, S+1] the combo index of ``best``."""
-        return self.stack.argmin(axis=0)
+        """[U, U+1, S+1] the combo index of ``best``: ``stack.argmin(axis=0)`` (the first least combo),
+        found as the lowest combo equal to the minimum, a few whole-array passes instead of numpy's
+        slow reduction over the leading axis (issue 20; a NaN, which argmin would pick, falls back)."""
+        best = self.best
+        if np.isnan(best).any():
+            return self.stack.argmin(axis=0)
+        pick = np.zeros(best.shape, dtype=np.intp)
+        for c in range(self.stack.shape[0] - 1, 0, -1):
+            pick = np.where(self.stack[c] == best, c, pick)
+        return np.where(self.stack[0] == best, 0, pick)
 
     @functools.cached_property
     def tails(self) -> np.ndarray:
@@ -131,8 +139,8 @@ class Option:
 
     @functools.cached_property
     def best(self) -> np.ndarray:
-        """[U, U+1, S+1] min time over the combos that fit."""
-        return np.take_along_axis(self.stack, self.pick[None], axis=0)[0]
+        """[U, U+1, S+1] min time over the combos that fit (``stack[pick]``: the same floats)."""
+        return self.stack.min(axis=0)
 
 
 class Search:
@@ -168,7 +176,9 @@ class Search:
         if key not in self._tables:
             rows = [self.costs.layer(i, dev, tp, b) for i in range(len(self.graph.layers))]
             self._tables[key] = (
-                None if any(r is None for r in rows) else UnitTable.build([r[0] for r in rows], self.units)
+                None
+                if any(r is None for r in rows)
+                else UnitTable.build([r[0] for r in rows], self.units, self.costs.shared_copies(dev, tp, b))
             )
         return self._tables[key]
 

@@ -123,7 +123,10 @@ def _fresh(self: UnitTable, name: str) -> np.ndarray:
         return _range_sum(self.act - self.sel_bytes)
     if name.startswith("max_") or name == "transient":
         return _range_max(getattr(self, name))
-    return _range_sum(getattr(self, name))
+    got = _range_sum(getattr(self, name))
+    if self.shared is not None and name in ("params", "grads", "opt"):  # a tied weight held once per range
+        got = got - self.shared[("params", "grads", "opt").index(name)]
+    return got
 
 
 def _body(graph: Graph, cluster: str, batch: int) -> str:

@@ -168,9 +168,10 @@ def tp_placements(s: Stage) -> dict[str, str]:
 
 
 def stage_facts(plan: Plan, model: Any) -> list[StageFacts]:
-    """Module roles per stage (None without a model, and for tp = 1)."""
-    if model is None:
-        return [StageFacts(None) for _ in plan.stages]
+    """Module roles per stage (None for tp = 1): the plan's ``tp_plan`` where it has one (the search
+    writes each stage's own modules' roles), else derived on ``model`` (None without one)."""
+    if model is None or all(s.tp_plan for s in plan.stages if s.tp > 1):
+        return [StageFacts(dict(sorted(s.tp_plan.items())) if s.tp > 1 and s.tp_plan else None) for s in plan.stages]
     from partita.backends.torch import parallel as tpar
 
     out = []
@@ -419,8 +420,10 @@ def emit_torch(plan: Plan, model_spec: str) -> str:
     check_schedule(plan)
     kind = _runner_kind(plan)
     chunked, plan = plan, vchunks.physical_plan(plan)  # chunks of a rank group: one setup_stage (chunks.py)
-    # tp roles (the model is built on meta only when a stage is tensor-parallel)
-    needs_model = any(s.tp > 1 for s in plan.stages)
+    # tp roles: a searched plan's own (Stage.tp_plan, written literally; the runtime checks them against
+    # the module tree it builds, tp.module_roles); derived on the model built on meta for a tp stage
+    # without them (hand-placed plans), the only case that imports torch and the model's code here
+    needs_model = any(s.tp > 1 and not s.tp_plan for s in plan.stages)
     facts = stage_facts(plan, _meta_model(model_spec) if needs_model else None)
     prog = _program(plan, model_spec, facts)
     if chunked.chunked:
