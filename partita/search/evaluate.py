@@ -38,7 +38,7 @@ from partita.search.config import SearchOptions, TrainingConfig
 from partita.search.plan_build import Candidate, StagePick
 from partita.search.planner import Option, Search
 from partita.search.precision import choose_precision, precision_note
-from partita.search.stage_cost import SolverCosts, StageFactors, static_memory
+from partita.search.stage_cost import SolverCosts, StageFactors, reduce_scatter_in_flight, static_memory
 from partita.search.zero_bubble import RUNNABLE_ZERO, in_flight_table, range_held, stage_in_flight
 
 MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
@@ -251,26 +251,37 @@ def memory_by_category(cand: Candidate, i: int) -> dict[str, float]:
     if sched.splits_backward(cand.schedule):  # issue 19: a deferred W weighs the stage's own output gradients
         first, last = search.units[k][0], search.units[j - 1][1]
         seq = search.training.seq_len
-        in_flight = stage_in_flight(search.graph, seq, cand.schedule, len(cand.stages), cand.m, cand.v, first, last)
+        in_flight = stage_in_flight(search.graph, seq, cand.schedule, len(cand.stages), cand.m, cand.v, first, last, i)
     else:
         in_flight = sched.in_flight(cand.schedule, i, len(cand.stages), cand.m, cand.v)
-    cats = static_memory(
-        float(tab.params[sl].sum()),
-        float(tab.grads[sl].sum()),
-        float(tab.opt[sl].sum()),
-        float(tab.max_layer_params[sl].max()),
+    max_params = float(tab.max_layer_params[sl].max())
+    cats = static_memory(  # range sums: a parameter shared by the range's layers counts once (UnitTable.shared)
+        float(tab.ranged("params")[k, j]),
+        float(tab.ranged("grads")[k, j]),
+        float(tab.ranged("opt")[k, j]),
+        max_params,
         cand.dp,
         z,
         tab.gather_ratio,
         tab.fsdp_copies,
         sched.splits_backward(cand.schedule),  # a deferred W's gradient copy (stage_cost.static_memory)
     )
+    # the activations as stage_cost.stage_arrays adds them: saved x in flight + the transient (one layer's
+    # recomputed activations, the loss's backward buffers), a ZeRO-2/3 unit's gradients in flight to the
+    # reduce-scatter where the backward runs beside other activations, and ZeRO-0's flat gradient copy
     if r == "none":
-        act = float(tab.act[sl].sum()) * in_flight
+        act, transient = float(tab.act[sl].sum()) * in_flight, 0.0
     elif r == "selective":
-        act = float((tab.act[sl] - tab.sel_bytes[sl]).sum()) * in_flight + float(tab.max_layer_sel[sl].max())
+        act, transient = float((tab.act[sl] - tab.sel_bytes[sl]).sum()) * in_flight, float(tab.max_layer_sel[sl].max())
     else:
-        act = float(tab.inputs[sl].sum()) * in_flight + float(tab.max_layer_act[sl].max())
+        act, transient = float(tab.inputs[sl].sum()) * in_flight, float(tab.max_layer_act[sl].max())
+    if tab.transient is not None:
+        transient = max(transient, float(tab.transient[sl].max()))
+    act += transient
+    if in_flight > 1.0 or r != "none":
+        act += float(reduce_scatter_in_flight(max_params, cand.dp, z, tab.gather_ratio, tab.fsdp_copies))
+    if getattr(search.costs, "flat_sync", False) and cand.dp > 1 and z == 0:
+        act = max(act, float(tab.ranged("grads")[k, j]))
     return {
         "parameters": cats["parameters"],
         "gradients": cats["gradients"],

@@ -137,8 +137,9 @@ def in_flight(
 
     Under a schedule that splits the backward, a micro-batch whose B ran and whose W has not counts
     ``w_held`` times (its activations plus the output gradients W needs: ``schedule_cost.w_held``
-    of the graph; the default bounds it), and every position is priced at the largest rank's peak
-    (ZB-H1 and ZB-V give every rank the same count, and the planner prices them at that index).
+    of the graph; the default bounds it). ZB-H1: position ``i``'s own peak (rank ``i`` holds ``p - i``
+    forwards and defers ``i`` W's: ``search/zero_bubble.per_position``); ZB-V: the largest rank's peak
+    (its ranks hold about the same).
     """
     m, p, i, v = num_micro_batches, num_stages, stage_index, num_virtual
     if not 0 <= i < p:
@@ -149,7 +150,8 @@ def in_flight(
         return float(min(p - i, m))
     check(schedule, m, v)
     if splits_backward(schedule):
-        return max(peak_in_flight(schedule, p, m, v, w_held))
+        peaks = peak_in_flight(schedule, p, m, v, w_held)
+        return peaks[i] if schedule == "zb_h1" else max(peaks)
     try:
         return peak_in_flight(schedule, p, m, v)[i]
     except ConfigError:  # a micro-batch count the interleaved order cannot split: Megatron's count

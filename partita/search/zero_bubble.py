@@ -15,22 +15,25 @@ What differs from 1F1B:
 * the memory: a micro-batch between its B and its W keeps, besides its activations, the output
   gradients W needs. Each stage weighs that with its own layers (:func:`stage_held`: ``1 +`` the
   bytes of the outputs of its parameter ops over its saved activation bytes), so a head stage whose
-  logits gradient is large does not price the blocks' stages. Every rank of a ``p``-stage ZB
-  pipeline holds about what the most loaded one holds (:func:`counts`: the upper envelope of
-  ``(forward-held, deferred)`` pairs over every rank's action list, ``schedule.peak_in_flight``
-  evaluated at each stage's own weight), a function of ``p``, while the stage DP indexes in-flight
-  counts by the stages *left*. So the stage options are priced once, with every range's count per
-  number of stages (the first pass: counts indexed by stages left, later stages under-priced), and
-  each pipeline depth ``P`` tried re-solves the DP on the same options with every stage at ``P``'s
-  count and deeper pipelines barred, keeping its pick if it has exactly ``P`` stages. The depths
-  tried: powers of two, and the depths (and one less) the first pass picks (those picks are kept
-  where their later stages fit at the true count);
+  logits gradient is large does not price the blocks' stages. Under ZB-H1 the stage at position
+  ``i`` runs rank ``i``'s action list, which holds ``p - i`` forwards and defers ``i`` W's: each
+  position is priced at that list's own count (:func:`counts` with ``position``: the upper envelope
+  of its ``(forward-held, deferred)`` pairs, ``schedule.peak_in_flight`` evaluated at the stage's own
+  weight; ZB-V, whose ranks hold about the same, at the most loaded rank's). That count is a
+  function of ``p`` and ``i``, while the stage DP indexes counts by the stages *left*
+  (``s = p - i``). So a first pass prices every range at the most loaded rank's count of ``s``
+  stages (:func:`_first_pass_table`, only an estimate for deeper pipelines) to find depths worth
+  trying; each depth ``P`` tried (powers of two, and the depths, and one less, the first pass
+  picks) then re-prices the stage options with column ``s`` at position ``P - s``'s count
+  (:func:`in_flight_table`, ``P + 1`` columns: deeper pipelines are not priced) and keeps the
+  DP's pick if it has exactly ``P`` stages; only those picks are candidates. With every position
+  at the most loaded rank's count, the mixtral-8x7b plan's stages rehearsed 13-32% under their plan;
 * the step: the simulated action list (``Candidate.pipeline``), below the closed form the DP bounds
   with, so the incumbent of other schedules prunes nothing here.
 
-Cost: the stage arrays (times, memory, tails of every option and combo) are built once per outer
-configuration; a depth's pass only re-reads which ranges fit at its count and solves the DP over
-at most ``P`` stages.
+Cost: a depth's pass rebuilds the stage arrays (times, memory, tails of every option and combo:
+numpy over the unit ranges; the layer tables they read are built once) with its table and solves
+the DP over at most ``P`` stages.
 """
 
 from __future__ import annotations
@@ -69,19 +72,21 @@ def range_held(graph: Graph, seq_len: int, units: Sequence[tuple[int, int]]) -> 
         return np.where(sact > 0, 1.0 + sdy / np.where(sact > 0, sact, 1.0), 1.0)
 
 
-@functools.lru_cache(maxsize=512)
-def _envelope(schedule: str, p: int, m: int, v: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(f, d)``: per number of deferred micro-batches ``d`` seen on any rank, the most micro-batches
-    held whole with it (``/ v``); the count at weight ``h`` is ``max(f + h d)``, as
-    ``schedule.peak_in_flight`` counts it on the same lists."""
+@functools.lru_cache(maxsize=2048)
+def _envelope(schedule: str, p: int, m: int, v: int, position: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(f, d)``: per number of deferred micro-batches ``d`` seen on the rank at ``position`` (any rank
+    where None), the most micro-batches held whole with it (``/ v``); the count at weight ``h`` is
+    ``max(f + h d)``, as ``schedule.peak_in_flight`` counts it on the same lists."""
     split = sched.splits_backward(schedule)
+    ranks = range(p) if position is None else (position,)
     best: dict[int, int] = {0: 0}
     if schedule == "zb_h1":
-        for held_whole, num_deferred in _zb_h1_pairs(p, m):
+        for held_whole, num_deferred in _zb_h1_pairs(p, m, ranks):
             best[num_deferred] = max(best.get(num_deferred, 0), held_whole)
         orders: list[list[str]] = []
     else:
-        orders = [[a.kind for a in acts] for acts in sched.pipeline_actions(schedule, p, m, v)]
+        lists = sched.pipeline_actions(schedule, p, m, v)
+        orders = [[a.kind for a in lists[r]] for r in ranks]
     for order in orders:
         kinds = np.array(order)
         fwd = np.cumsum(np.where(kinds == "F", 1, np.where(kinds == "B", -1, 0)))
@@ -94,8 +99,9 @@ def _envelope(schedule: str, p: int, m: int, v: int) -> tuple[np.ndarray, np.nda
     return whole / vv, deferred / vv
 
 
-def _zb_h1_pairs(p: int, m: int) -> list[tuple[int, int]]:
-    """The ``(held whole, deferred)`` pairs that bound ZB-H1's counts, read off its order in O(p).
+def _zb_h1_pairs(p: int, m: int, ranks: Sequence[int] | None = None) -> list[tuple[int, int]]:
+    """The ``(held whole, deferred)`` pairs that bound ZB-H1's counts on ``ranks`` (all where None),
+    read off its order in O(1) a rank.
 
     Rank ``r`` runs ``a = min(p - 1 - r, m)`` warm-up forwards, then per micro-batch ``k = 1..m``: a
     forward while any is left, its ``k``-th B, and a W once ``r`` are deferred
@@ -105,7 +111,7 @@ def _zb_h1_pairs(p: int, m: int) -> list[tuple[int, int]]:
     piecewise linear in ``k`` with breaks at ``m - a`` and ``r + 1``, so its ends and breaks bound it.
     ``tests/search/test_zero_bubble_search.py`` checks these against the action lists."""
     out = []
-    for r in range(p):
+    for r in range(p) if ranks is None else ranks:
         a = min(p - 1 - r, m)
         out.append((a, 0))
         if m - a >= 1:
@@ -116,20 +122,43 @@ def _zb_h1_pairs(p: int, m: int) -> list[tuple[int, int]]:
     return out
 
 
-def counts(schedule: str, p: int, m: int, v: int, held: np.ndarray) -> np.ndarray:
-    """The most loaded rank's in-flight count of a ``p``-stage pipeline, per weight in ``held``."""
-    f, d = _envelope(schedule, p, m, v)
+def per_position(schedule: str) -> bool:
+    """Does each pipeline position get its own count? ZB-H1: rank ``r`` holds ``p - r`` forwards and
+    defers ``r`` W's, so its count grows with ``r`` where a deferred micro-batch weighs more than one
+    held whole (and the program's stage at position ``r`` runs exactly rank ``r``'s list). ZB-V and
+    the others: every position at the most loaded rank's count (ZB-V's ranks hold about the same)."""
+    return schedule == "zb_h1"
+
+
+def counts(schedule: str, p: int, m: int, v: int, held: np.ndarray, position: int | None = None) -> np.ndarray:
+    """The in-flight count of a ``p``-stage pipeline, per weight in ``held``: of the rank at
+    ``position`` (ZB-H1, :func:`per_position`), else of the most loaded rank."""
+    f, d = _envelope(schedule, p, m, v, position if per_position(schedule) else None)
     h = np.asarray(held, dtype=np.float64)
     return np.max(f[:, None] + d[:, None] * h.reshape(1, -1), axis=0).reshape(h.shape)
 
 
-def stage_in_flight(graph: Graph, seq_len: int, schedule: str, p: int, m: int, v: int, first: int, last: int) -> float:
-    """The count a ZB stage of layers ``[first, last)`` in a ``p``-stage pipeline is priced at."""
-    return float(counts(schedule, p, m, v, np.array([stage_held(graph, seq_len, first, last)]))[0])
+def stage_in_flight(
+    graph: Graph, seq_len: int, schedule: str, p: int, m: int, v: int, first: int, last: int, position: int
+) -> float:
+    """The count a ZB stage of layers ``[first, last)`` at ``position`` of a ``p``-stage pipeline is priced at."""
+    held = np.array([stage_held(graph, seq_len, first, last)])
+    return float(counts(schedule, p, m, v, held, position)[0])
 
 
-def in_flight_table(held: np.ndarray, schedule: str, m: int, v: int, max_stages: int) -> np.ndarray:
-    """``[U, U + 1, S + 1]``: per layer range and number of stages ``s``, the count at ``s`` stages."""
+def in_flight_table(held: np.ndarray, schedule: str, m: int, v: int, num_stages: int) -> np.ndarray:
+    """``[U, U + 1, num_stages + 1]`` for a pipeline of exactly ``num_stages`` stages: per layer range
+    and number of stages left ``s`` (the stage at position ``num_stages - s``, as the stage DP and
+    ``Candidate.memory`` index them), that position's count (:func:`counts`)."""
+    out = np.zeros((*held.shape, num_stages + 1))
+    for s in range(1, num_stages + 1):
+        out[:, :, s] = counts(schedule, num_stages, m, v, held, num_stages - s)
+    return out
+
+
+def _first_pass_table(held: np.ndarray, schedule: str, m: int, v: int, max_stages: int) -> np.ndarray:
+    """The first pass's ``[U, U + 1, S + 1]``: per number of stages ``s``, the most loaded rank's count
+    of an ``s``-stage pipeline (an estimate for the stage with ``s`` stages left of a deeper one)."""
     out = np.zeros((*held.shape, max_stages + 1))
     for s in range(1, max_stages + 1):
         out[:, :, s] = counts(schedule, s, m, v, held)
@@ -155,43 +184,33 @@ def solve_zero_bubble(search: Any, dp: int, b: int, schedule: str) -> list[Any]:
         return got
 
     search.options = dataclasses.replace(opts, zero_stages=zeros, recompute=("none",))
-    search.in_flight = lambda _s, _m, _v, max_stages: in_flight_table(held, schedule, m, v, max_stages)
+    search.in_flight = lambda _s, _m, _v, max_stages: _first_pass_table(held, schedule, m, v, max_stages)
     search.options_for = first_options
     found: list[Any] = []
     try:
         first = search.solve_config(dp, b, schedule, v)  # counts by stages left: later stages under-priced
-        found += first
         if built and built[0][0]:
-            base, caps, mixed = built[0]
-            max_stages = base[0].stack.shape[3] - 1
+            max_stages = built[0][0][0].stack.shape[3] - 1
             depths = {2**k for k in range(num_units.bit_length()) if 2**k <= num_units}
             for c in first:
                 depths |= {len(c.stages), max(1, len(c.stages) - 1)}
             for depth in sorted(d for d in depths if d <= max_stages):
-                derived = [_at_depth(o, depth) for o in base]
-                search.options_for = lambda *_a, derived=derived: (derived, caps, mixed)
-                # a shallower pick was priced at this depth's count: only exact ones are kept
+                # every position at its own count in a pipeline of exactly `depth` stages; the table's
+                # `depth + 1` columns bound the DP's stages (inter_op: times.shape[3] - 1), so deeper
+                # pipelines are not priced at all (and the arrays are as narrow as the depth)
+                table = in_flight_table(held, schedule, m, v, depth)
+                search.in_flight = lambda _s, _m, _v, _n, t=table: t
+                search.options_for = options_for
                 found += [c for c in search.solve_config(dp, b, schedule, v) if len(c.stages) == depth]
     finally:
         search.options = opts
         search.__dict__.pop("in_flight", None)
         search.__dict__.pop("options_for", None)
     usable = search.factors.memory_usable
-    return [  # the first pass's picks fit only if their later stages do at the true count
+    return [  # each stage at its own position's count, as Candidate.memory reads it (the DP's fits, checked)
         c
         for c in found
         if all(
             c.memory(i) <= min(d.memory_bytes for d, _, _ in p.option.devices) * usable for i, p in enumerate(c.stages)
         )
     ]
-
-
-def _at_depth(option: Any, depth: int) -> Any:
-    """``option`` with every stage priced at ``depth`` stages' count and deeper pipelines barred: its
-    stack's column ``depth`` (fits there or not) for ``1 .. depth`` stages, cut after ``depth``."""
-    stack = option.stack
-    col = stack[:, :, :, depth : depth + 1]
-    new = np.concatenate([stack[:, :, :, :1], np.repeat(col, depth, axis=3)], axis=3)
-    out = dataclasses.replace(option, stack=new)
-    out.__dict__["tails"] = option.tails  # depth-independent (cached_property)
-    return out

@@ -120,7 +120,7 @@ def test_v100_layout_is_priced_in_fp16_and_says_so(g12) -> None:  # noqa: ANN001
 def test_zb_h1_prices_each_stage_with_its_own_deferred_weight_gradients() -> None:
     """Under zb_h1 a micro-batch between its B and its W weighs its stage's own output gradients: the stage
     with the head (logits) holds relatively more than the blocks' stage, and the activations differ from
-    1F1B's by exactly the per-stage counts (search/zero_bubble.py)."""
+    1F1B's by exactly the per-stage counts, each position's own (search/zero_bubble.py)."""
     from partita.frontends.trace import trace_handle
     from partita.models import resolve_model
     from partita.search import schedule as sched
@@ -130,16 +130,22 @@ def test_zb_h1_prices_each_stage_with_its_own_deferred_weight_gradients() -> Non
     tr = TrainingConfig(global_batch=16, seq_len=32)
     cl = parse_cluster("8xA100-80G")
     kw = {"tp": 1, "pp": 2, "dp": 2, "micro_batch": 1}
-    one, zb = (evaluate_config(g, cl, tr, schedule=s, **kw) for s in ("1f1b", "zb_h1"))
+    one, zb, gp = (evaluate_config(g, cl, tr, schedule=s, **kw) for s in ("1f1b", "zb_h1", "gpipe"))
     assert zb.layout["schedule"] == "zb_h1" and zb.bubble_s < one.bubble_s
     m, names = zb.layout["num_micro_batches"], [lay.name for lay in g.layers]
     helds = []
-    for i, (a, b) in enumerate(zip(one.memory_by_category, zb.memory_by_category)):
+    for i, (a, b, c) in enumerate(zip(one.memory_by_category, zb.memory_by_category, gp.memory_by_category)):
         layers = [n for n in names if n in _stage_layers(g, 2, i)]
         held = stage_held(g, 32, names.index(layers[0]), names.index(layers[-1]) + 1)
         helds.append(held)
-        count = max(sched.peak_in_flight("zb_h1", 2, m, 1, held))
-        assert b["activations"] == pytest.approx(a["activations"] / sched.in_flight("1f1b", i, 2, m) * count, rel=1e-9)
+        count = sched.peak_in_flight("zb_h1", 2, m, 1, held)[i]  # position i: rank i's action list
+        # activations = saved x count + a transient (the last stage's loss buffers): GPipe (m in flight)
+        # and 1F1B separate the two
+        c1 = sched.in_flight("1f1b", i, 2, m)
+        saved = (c["activations"] - a["activations"]) / (m - c1)
+        transient = a["activations"] - saved * c1
+        assert transient >= 0 and (transient > 0) == (i == 1)
+        assert b["activations"] == pytest.approx(saved * count + transient, rel=1e-9)
         assert {k: v for k, v in a.items() if k != "activations"} == {k: v for k, v in b.items() if k != "activations"}
     assert 1.0 < helds[0] < helds[1]  # the head's logits gradient: the last stage weighs more, the first less
 

@@ -96,7 +96,9 @@ def test_in_flight_from_the_lists_equals_the_closed_forms() -> None:
                 dfr += {"B": 1, "W": -1}.get(a.kind, 0)
                 held[r] = max(held[r], fwd + 1.5 * dfr)
         assert sched.peak_in_flight("zb_h1", p, m, 1, 1.5) == tuple(held)
-        assert sched.in_flight("zb_h1", 0, p, m, w_held=1.5) == max(held) > min(p, m)
+        # each position at its own rank's list (search/zero_bubble.per_position), the last the most loaded
+        assert [sched.in_flight("zb_h1", i, p, m, w_held=1.5) for i in range(p)] == held
+        assert max(held) > min(p, m)
         if m % p == 0:
             v = 2
             inter = simulate("interleaved_1f1b", p, m, 1.0, 1.0, num_virtual=v)

@@ -79,12 +79,14 @@ def test_search_picks_zb_h1_where_it_wins_and_prices_it_by_simulation(graph: Gra
     )
     assert zb.predicted["step_time_s"] == pytest.approx(sim.step_s + zb.predicted["tail_s"], rel=1e-9)
     assert zb.predicted["bubble_s"] < one.predicted["bubble_s"]
-    # every rank holds the most loaded rank's micro-batches until their W, each stage weighing its own
-    # output gradients between B and W (a stage with the head does not price the blocks' stages)
+    # the stage at position i holds what rank i's action list holds until their W (the list the runtime
+    # runs), each stage weighing its own output gradients between B and W (a stage with the head does
+    # not price the blocks' stages)
     p, m = zb.num_stages, zb.num_micro_batches
     helds = [stage_held(graph, TRAIN.seq_len, *_layer_range(graph, s.layers)) for s in st]
     assert all(1.0 < h < 2.0 for h in helds) and helds[-1] > helds[0]  # the head's logits gradient is large
-    assert [s.predicted["in_flight"] for s in st] == [max(sched.peak_in_flight("zb_h1", p, m, 1, h)) for h in helds]
+    want = [sched.peak_in_flight("zb_h1", p, m, 1, h)[i] for i, h in enumerate(helds)]
+    assert [s.predicted["in_flight"] for s in st] == pytest.approx(want, rel=1e-12)
     assert st[0].predicted["in_flight"] > min(p, m)  # more than 1F1B's first stage holds
     assert all(s.zero_stage == 0 and s.recompute == "none" for s in st)
 
@@ -92,7 +94,7 @@ def test_search_picks_zb_h1_where_it_wins_and_prices_it_by_simulation(graph: Gra
 def test_zero_bubble_search_keeps_to_what_the_runtime_runs(graph: Graph) -> None:
     plan = plan_graph(graph, _tiny(), TRAIN, options=SearchOptions(schedules=("zb_h1",), max_tp=1, max_micro_batch=1))
     assert all(s.zero_stage in (0, 1) and s.recompute == "none" for s in plan.stages)  # emit_torch.check_schedule
-    assert "zb_h1" in SearchOptions().schedules and "zbv" not in SearchOptions().schedules
+    assert {"zb_h1", "zbv"} <= set(SearchOptions().schedules)  # both run and rehearse as priced (search/config.py)
     jax_graph = dataclasses.replace(graph, meta={**graph.meta, "framework": "jax"})
     plan = plan_graph(jax_graph, _tiny(), TRAIN, options=SearchOptions(**PIPELINED))
     assert plan.schedule == "1f1b"  # no JAX runtime splits the backward

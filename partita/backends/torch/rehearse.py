@@ -1,10 +1,10 @@
 """Rehearsal: run the emitted torch program at the plan's full world size and model size on this CPU.
 
 ``partita rehearse DIR`` (``driver.rehearse``) calls :func:`rehearse_dir`. Nothing is allocated and
-nothing is communicated: every rank role is played in its own process, one after the other (one
-``python -m partita.backends.torch.rehearse DIR RANK...`` imports once and forks a child per role:
-:func:`run_roles`) on a fake process group (``dist.init_process_group("fake")``, world size = the
-plan's) with fake tensors. A *role* is a rank whose step can differ from its stage's first rank: the first replica of
+nothing is communicated: every rank role is played in its own process (one
+``python -m partita.backends.torch.rehearse DIR RANK...`` imports once and forks a child per role,
+as many at once as there are CPUs or ``PARTITA_REHEARSE_JOBS``: :func:`run_roles`) on a fake
+process group (``dist.init_process_group("fake")``, world size = the plan's) with fake tensors. A *role* is a rank whose step can differ from its stage's first rank: the first replica of
 each distinct batch share, and, in a pipeline of stages of different shapes (``P2PPipeline``, where
 only tp rank 0 sends), also tp rank 1.
 
@@ -502,9 +502,10 @@ _MARK = "PARTITA_REHEARSAL "
 
 
 def run_roles(plan_dir: Path, ranks: Sequence[int]) -> dict[int, RankResult | str]:
-    """Every role in its own process, one after the other: one fresh process
+    """Every role in its own process: one fresh process
     (``python -m partita.backends.torch.rehearse DIR RANK...``) imports torch, the program and the
-    model's library once, then forks a child per role (where ``fork`` exists). A fresh process per
+    model's library once, then forks a child per role (where ``fork`` exists), :func:`num_jobs` at a
+    time (the mixtral-8x7b plan's 34 roles took 583 s one after the other). A fresh process per
     role is needed: DTensor keeps per-process caches keyed by meshes that compare equal across ranks
     and plans, which handed one rank's process-group names to the next (gpt3-13b: "could not resolve
     the process group 1" on the second role); forking after the imports, before any process group or
@@ -543,9 +544,11 @@ def _run_process(plan_dir: Path, ranks: Sequence[int]) -> dict[int, RankResult |
 
 def _child(plan_dir: str, ranks: Sequence[int]) -> int:
     """The body of the rehearsal process: one marked JSON line per rank (a RankResult or a failure).
-    With several ranks (``run_roles``), each is played in a child forked after the imports."""
+    With several ranks (``run_roles``), each is played in a child forked after the imports, up to
+    :func:`num_jobs` at once (each role's CPU time is its own: they share nothing but the imports)."""
     import logging
     import os
+    import tempfile
 
     from partita.backends.torch.launch import load_program
     from partita.models.zoo import resolve_model
@@ -557,22 +560,47 @@ def _child(plan_dir: str, ranks: Sequence[int]) -> int:
             _play(program, rank)
         return 0
     resolve_model(program.PROGRAM["model"])  # the model's library imported once, before the forks
-    for rank in ranks:
-        pid = os.fork()
-        if pid == 0:  # the child: one role, then leave without running the parent's exit handlers
-            code = 0
-            try:
-                _play(program, rank)
-            except BaseException:  # noqa: BLE001 - the parent reports a rank without a line as died
-                code = 1
-            finally:
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        if status != 0:
-            sys_exit = os.waitstatus_to_exitcode(status)
-            why = f"the rehearsal of rank {rank} died (exit {sys_exit})"
-            print(_MARK + _json({"rank": rank, "failure": why}), flush=True)
+    jobs = num_jobs(len(ranks))
+    waiting = list(ranks)
+    running: dict[int, tuple[int, str]] = {}  # pid -> (rank, its result file)
+    with tempfile.TemporaryDirectory(prefix="partita-rehearse-") as tmp:
+        while waiting or running:
+            while waiting and len(running) < jobs:
+                rank = waiting.pop(0)
+                path = os.path.join(tmp, f"{rank}.json")  # a file per role: lines of parallel roles never interleave
+                pid = os.fork()
+                if pid == 0:  # the child: one role, then leave without running the parent's exit handlers
+                    code = 0
+                    try:
+                        _play(program, rank, path)
+                    except BaseException:  # noqa: BLE001 - the parent reports a rank without a result as died
+                        code = 1
+                    finally:
+                        os._exit(code)
+                running[pid] = (rank, path)
+            pid, status = os.wait()
+            if pid not in running:
+                continue
+            rank, path = running.pop(pid)
+            line = Path(path).read_text() if os.path.exists(path) else ""
+            if status != 0 or not line:
+                code = os.waitstatus_to_exitcode(status)
+                line = _json({"rank": rank, "failure": f"the rehearsal of rank {rank} died (exit {code})"})
+            print(_MARK + line, flush=True)
     return 0
+
+
+def num_jobs(num_roles: int) -> int:
+    """Roles played at once: ``PARTITA_REHEARSE_JOBS`` when set (a positive integer), else the CPUs this
+    process may run on; never more than the roles."""
+    import os
+
+    env = os.environ.get("PARTITA_REHEARSE_JOBS", "")
+    if env.strip().isdigit() and int(env) > 0:
+        n = int(env)
+    else:
+        n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(n, num_roles))
 
 
 def _json(d: dict[str, Any]) -> str:
@@ -581,8 +609,9 @@ def _json(d: dict[str, Any]) -> str:
     return json.dumps(d)
 
 
-def _play(program: Any, rank: int) -> None:
-    """Rehearse one rank and print its marked line (the finding when the program raises)."""
+def _play(program: Any, rank: int, path: str | None = None) -> None:
+    """Rehearse one rank: its marked line printed, or (``path``) its JSON written there; the finding
+    when the program raises."""
     import sys
 
     try:
@@ -590,6 +619,10 @@ def _play(program: Any, rank: int) -> None:
     except Exception as e:  # noqa: BLE001 - the program itself failed: that is the finding
         why = f"the program fails on rank {rank}: {type(e).__name__}: {_first_line(e)} (at {_where(e)})"
         out = {"rank": rank, "failure": why}
+    if path is not None:  # whole or not at all (a role killed while writing leaves no half line)
+        Path(path + ".part").write_text(_json(out))
+        Path(path + ".part").replace(path)
+        return
     print(_MARK + _json(out), flush=True)
     sys.stdout.flush()
 
