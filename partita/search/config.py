@@ -73,12 +73,10 @@ class SearchOptions:
       the layout the runtime runs (``search/v_layout.py``: from the best ZB-H1 candidates, the model
       cut into ``2p`` chunks, chunk ``s`` on rank group ``s`` or ``2p - 1 - s``, each chunk's F/B/W and
       each group's memory from its own layers) and the winner is the chunked plan ``P2PPipeline`` runs
-      (a searched plan matches the single-device run on gloo, ``tests/runtime/test_schedules_runtime.py``).
-      It stays off by default: ``partita rehearse`` of such plans on gpt2-tiny measures 2-7% more
-      peak memory per rank group than priced (ZB-H1 on the same layout: under 1%; cause not found),
-      and a rank group holding only the embedding and the head rehearses 26% under its priced memory
-      and 5.4% under its FLOPs, so the rehearsal does not yet match the plan. Pass it to search it
-      (``bench/schedules.py``).
+      (a searched plan matches the single-device run on gloo, ``tests/runtime/test_schedules_runtime.py``,
+      and ``partita rehearse`` matches its plan, ``tests/runtime/test_rehearse.py``). On by default:
+      it costs the search a few ZB-V layouts per best ZB-H1 candidate, and where it loses the report
+      says by how much (``bench/schedules.py``).
     * ``zero_stages`` / ``recompute``: per-stage options searched. ``"selective"`` is priced from what
       the runtime recomputes (``search/stage_cost.SolverCosts._selective``): a torch block keeps its
       input and the outputs of its matmuls and tp collectives and runs every other op's forward again
@@ -96,7 +94,7 @@ class SearchOptions:
       without bf16 tensor cores (V100, T4) and none loses by it (``search/precision.py``).
     """
 
-    schedules: tuple[str, ...] = ("1f1b", "zb_h1", "interleaved_1f1b")  # docstring: what the runtimes run
+    schedules: tuple[str, ...] = ("1f1b", "zb_h1", "interleaved_1f1b", "zbv")  # docstring: what the runtimes run
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     recompute: tuple[str, ...] = ("none", "selective", "full")
     max_tp: int = 8

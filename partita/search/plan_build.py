@@ -21,6 +21,7 @@ from partita.passes.annotate import HEAVY_PRIMS, layer_stats
 from partita.plan import Collective, Plan, Stage, validate
 from partita.search import records, schedule_cost
 from partita.search import schedule as sched
+from partita.search.jax_records import jax_records
 from partita.search.stage_cost import static_memory_of
 from partita.search.zero_bubble import stage_held
 from partita.version import __version__
@@ -58,10 +59,9 @@ class Candidate:
 
     def memory(self, i: int) -> float:
         p = self.stages[i]
-        # in-flight counts depend on the stages left (index p - i), except under zero-bubble schedules,
-        # where every rank holds what rank 0 holds (search/schedule.peak_in_flight): index p
-        left = len(self.stages) if sched.splits_backward(self.schedule) else len(self.stages) - i
-        return float(self._arr(i).memory[p.k, p.j, left])
+        # in-flight counts are indexed by the stages left (index p - i); a zero-bubble pass prices
+        # position i's own count there (search/zero_bubble.in_flight_table)
+        return float(self._arr(i).memory[p.k, p.j, len(self.stages) - i])
 
     @functools.cached_property
     def pipeline(self) -> sched.PipelineTime:
@@ -154,12 +154,17 @@ def _stage_records(
     prices) for this replica's ``m`` micro-batches, each op's over ``tp`` ranks only where its ILP
     strategy shards it on ``tp`` (a replicated op, e.g. an LM head left whole, runs in full on every
     rank), plus the forward again under full recompute (selective recompute re-runs only ops that
-    FLOP counters count as 0).
+    FLOP counters count as 0). A torch program's FLOPs are what torch's FLOP counter
+    (``torch.utils.flop_counter``, which ``partita rehearse`` runs) counts: matmuls, attention and
+    convolutions (``HEAVY_PRIMS``); norms, softmax, the loss and element-wise ops count 0 there and
+    here (a stage of only the LM head and its norm was 5.4% over the counted program otherwise). A
+    JAX program's count (XLA's ``cost_analysis``) includes them.
     """
     dev0, tp, mb = p.option.devices[0][0], p.option.tp, p.option.devices[0][2]
     costs = [search.costs.layer(li, dev0, tp, mb)[0] for li in range(a0, b0)]
     # the terms stage_cost.stage_arrays sums (issue 15: what the program holds)
-    cats = static_memory_of(costs, best.dp, z, sched.splits_backward(best.schedule))
+    shared = search.costs.shared_excess(range(a0, b0), dev0, tp, mb)  # a tied weight held once
+    cats = static_memory_of(costs, best.dp, z, sched.splits_backward(best.schedule), shared)
     params, grads, opt = cats["parameters"], cats["gradients"], cats["optimizer"]
     total = best.memory(i)
     split = sched.splits_backward(best.schedule)
@@ -174,9 +179,12 @@ def _stage_records(
     by_name: dict[str, Any] = {}
     for n in g.nodes:
         by_name.setdefault(n.name, n)  # the first of a name, as Graph.node finds it
+    counted_only = g.meta.get("framework") == "torch"  # what the program's FLOP counter counts (docstring)
     for lay in g.layers[a0:b0]:
         for name in lay.nodes:
             n = by_name[name]
+            if counted_only and n.prim not in HEAVY_PRIMS:
+                continue
             f = float(dim_size(n.flops, env)) / (tp if "@tp" in strategies.get(name, "R") else 1)
             fwd += f
             bwd += 2 * f if n.prim in HEAVY_PRIMS else f
@@ -202,29 +210,6 @@ def _held_names(g: Any, a0: int, b0: int, placements: dict[str, tuple[str, ...]]
     for fqn, pl in placements.items():
         ten = by_fqn.get(fqn)
         out[ten.aliases[0] if ten is not None and fqn not in here else fqn] = pl
-    return out
-
-
-def _jax_records(
-    search: Any, best: Candidate, i: int, p: StagePick, a0: int, b0: int, z: int, colls: list[Collective]
-) -> list[Collective]:
-    """A JAX plan's records, as ``backends/jax/fidelity.predict_stage`` reads them: the ILP's per step
-    (``count * m``), one bucketed dp gradient sync, clipping / loss-scale all-reduces, one p2p entry
-    per boundary. (``search/records.py`` describes the torch program, whose FSDP2 units, p2p protocol
-    and precision differ.)"""
-    tr, dev0, tp, mb = search.training, p.option.devices[0][0], p.option.tp, p.option.devices[0][2]
-    out = [c if c.phase == "optimizer" else dataclasses.replace(c, count=c.count * best.m) for c in colls]
-    if best.dp > 1:
-        gbytes = float(sum(search.costs.layer(li, dev0, tp, mb)[0].grad_bytes for li in range(a0, b0)))
-        kind = "all_reduce" if z == 0 else "reduce_scatter"
-        out.append(Collective(kind, "dp", gbytes, 1 if z < 2 else best.m, "optimizer", "gradient sync (dp)"))
-    if getattr(tr, "grad_clip", None):
-        out.append(Collective("all_reduce", "world", 8.0, 1, "optimizer", "gradient clipping (global norm)"))
-    if tr.dtype == "f16":
-        out.append(Collective("all_reduce", "world", 8.0, 1, "optimizer", "loss-scale overflow check"))
-    if i + 1 < len(best.stages):
-        bnd = float(search.costs.layer(b0 - 1, dev0, tp, mb)[0].boundary_bytes)
-        out.append(Collective("p2p", "pp", bnd, best.m * best.v, "forward", f"activation to stage {i + 1}"))
     return out
 
 
@@ -278,7 +263,7 @@ def build_plan(search: Any, cands: list[Candidate], elapsed_s: float) -> Plan:
                 colls.append(cc if cc.phase == "optimizer" else dataclasses.replace(cc, bytes=cc.bytes * scale))
         placements = _held_names(g, a0, b0, placements)
         if g.meta.get("framework") == "jax":
-            colls = _jax_records(search, best, i, p, a0, b0, z, colls)
+            colls = jax_records(search, best, i, p, a0, b0, z, colls, placements)  # search/jax_records.py
         arr = p.option.arrays[p.combo]
         mixed = len(p.option.devices) > 1
         t = float(arr.time[p.k, p.j])

@@ -30,8 +30,8 @@ device's ``Efficiency.comm_overlap``). ``flat_sync=True`` prices what the torch 
 ZeRO-0 instead (``backends/torch/parallel.all_reduce_grads``, issue 15 item 3): one all-reduce of
 the flattened gradients after the whole schedule, fully exposed, and its ``torch.cat`` copy of the
 stage's gradients in memory (peak: static + max(activations, gradients), since the copy is made
-once the activations are freed); the JAX program's all-reduce sits inside the jitted backward, where
-XLA overlaps it. ZeRO-1/2 then all-gather the updated parameters; the
+once the activations are freed); the JAX program does the same (one flattened ``psum`` per dtype in
+its update, ``backends/jax/train._flat_psum``). ZeRO-1/2 then all-gather the updated parameters; the
 optimizer step streams its states through HBM (at ``Efficiency.optimizer_memory`` of it) and pays
 ``Efficiency.optimizer_tensor_s`` per parameter tensor (eager per-tensor Adam kernels; 0 on GPUs).
 """
@@ -40,14 +40,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from partita.cluster import DeviceType, Network
+from partita.ir import Role, dim_size
 from partita.passes import boundaries
-from partita.search.cost_model import CostModel
+from partita.search.cost_model import CostModel, state_bytes_per_param
 from partita.search.mesh import AxisLink, LogicalMesh
 
 
@@ -118,11 +120,24 @@ class UnitTable:
     gather_ratio: float = 1.0
     fsdp_copies: bool = False
     transient: np.ndarray | None = None  # per unit, the largest LayerCost.transient_bytes
+    # [3, U, U + 1]: (parameter, gradient, optimizer) bytes a range's layer sums count more than once,
+    # a parameter read by several of its layers (a tied embedding and LM head: SolverCosts.shared_copies)
+    shared: np.ndarray | None = None
 
     @staticmethod
-    def build(costs: Sequence[LayerCost], units: Sequence[tuple[int, int]]) -> UnitTable:
+    def build(
+        costs: Sequence[LayerCost],
+        units: Sequence[tuple[int, int]],
+        shared: Sequence[tuple[Sequence[int], tuple[float, float, float]]] = (),
+    ) -> UnitTable:
+        """The table of ``costs`` (one per layer) over ``units``; ``shared``: per parameter read by
+        several layers, those layers and its ``(parameter, gradient, optimizer)`` bytes per copy
+        (``SolverCosts.shared_copies``), held once by a stage holding several of them."""
+
         def agg(f: str, red=sum) -> np.ndarray:  # noqa: ANN001
             return np.array([red(getattr(costs[i], f) for i in range(a, b)) for a, b in units], dtype=np.float64)
+
+        extra = _shared_excess(shared, units)
 
         return UnitTable(
             agg("forward_s"),
@@ -144,12 +159,13 @@ class UnitTable:
             agg("optimizer_fixed_s") if any(c.optimizer_fixed_s for c in costs) else None,
             max((c.optimizer_stream_scale for c in costs), default=1.0),
             min((c.comm_overlap for c in costs), default=1.0),
-            UnitTable.build([_autocast(c) for c in costs], units)
+            UnitTable.build([_autocast(c) for c in costs], units, shared)
             if any(c.activation_bytes_alt is not None for c in costs)
             else None,
             max((c.gather_ratio for c in costs), default=1.0),
             any(c.fsdp_copies for c in costs),
             agg("transient_bytes", max) if any(c.transient_bytes for c in costs) else None,
+            extra,
         )
 
     def for_stage(self, dp: int, zero: int) -> UnitTable:
@@ -173,9 +189,32 @@ class UnitTable:
                 got = _range_max(getattr(self, name))
             else:
                 got = _range_sum(getattr(self, name))
+                if self.shared is not None and name in _SHARED_FIELDS:  # a tied parameter is held once
+                    got = got - self.shared[_SHARED_FIELDS.index(name)]
             got.flags.writeable = False
             self._ranges[name] = got
         return got
+
+
+_SHARED_FIELDS = ("params", "grads", "opt")
+
+
+def _shared_excess(
+    shared: Sequence[tuple[Sequence[int], tuple[float, float, float]]], units: Sequence[tuple[int, int]]
+) -> np.ndarray | None:
+    """``[3, U, U + 1]``: for each unit range ``[k, j)``, the bytes its layer sums count beyond one copy
+    of each shared parameter (``(n - 1)`` copies where ``n`` of its readers lie in the range)."""
+    if not shared:
+        return None
+    unit_of = {li: u for u, (a, b) in enumerate(units) for li in range(a, b)}
+    out = np.zeros((3, len(units), len(units) + 1))
+    for layers, per_copy in shared:
+        readers = np.zeros(len(units))
+        for li in layers:
+            readers[unit_of[li]] += 1
+        extra = np.maximum(_range_sum(readers) - 1.0, 0.0)
+        out += np.asarray(per_copy, dtype=np.float64)[:, None, None] * extra[None]
+    return out
 
 
 def _autocast(c: LayerCost) -> LayerCost:
@@ -358,13 +397,20 @@ def stage_arrays(
 GATHERED_UNITS = 2  # ZeRO-3: FSDP2 holds the running block's gathered parameters and prefetches the next
 
 
-def static_memory_of(costs: Sequence[Any], dp: int, zero: int, split_backward: bool = False) -> dict:
+def static_memory_of(
+    costs: Sequence[Any],
+    dp: int,
+    zero: int,
+    split_backward: bool = False,
+    shared: tuple[float, float, float] = (0.0, 0.0, 0.0),
+) -> dict:
     """:func:`static_memory` of a stage made of ``costs`` (its layers' ``LayerCost``): the sums and
-    maxima ``stage_arrays`` takes from its unit tables, for one stage or chunk at a time."""
+    maxima ``stage_arrays`` takes from its unit tables, for one stage or chunk at a time. ``shared``:
+    the bytes those sums count twice (``SolverCosts.shared_excess`` of the same layers)."""
     return static_memory(
-        sum(c.param_bytes for c in costs),
-        sum(c.grad_bytes for c in costs),
-        sum(c.optimizer_bytes for c in costs),
+        sum(c.param_bytes for c in costs) - shared[0],
+        sum(c.grad_bytes for c in costs) - shared[1],
+        sum(c.optimizer_bytes for c in costs) - shared[2],
         max((c.param_bytes for c in costs), default=0.0),
         dp,
         zero,
@@ -437,9 +483,11 @@ class SolverCosts:
     ``strategies.torch_tp_strategies``), a JAX graph ``"auto"`` (its program pins every activation
     layout the ILP chose). ``scatter_gather`` (Megatron-LM's split p2p send) is priced only when ``"megatron"`` is
     asked explicitly (``partita evaluate``, baselines): the torch runtime sends whole activations.
-    ``flat_sync``: price the torch program's ZeRO-0 gradient sync (``stage_arrays``); off for JAX and
-    for ``"megatron"`` / ``"auto"`` asked explicitly, which price another engine (``"torch"`` asked
-    explicitly, as ``search/hand_plan.py`` does, is the torch program).
+    ``flat_sync``: price the program's ZeRO-0 gradient sync (``stage_arrays``): the torch program's
+    and the JAX program's (``backends/jax/train._flat_psum`` in the update, after the schedule), on
+    for every JAX graph; off for a torch graph priced ``"megatron"`` / ``"auto"`` asked explicitly,
+    which price another engine (``"torch"`` asked explicitly, as ``search/hand_plan.py`` does, is the
+    torch program).
     """
 
     def __init__(self, graph, cluster, training, memo=None, tp_style: str | None = None) -> None:  # noqa: ANN001
@@ -447,9 +495,9 @@ class SolverCosts:
 
         self.graph, self.cluster, self.training = graph, cluster, training
         self.scatter_gather = tp_style == "megatron"
-        # the torch program's ZeRO-0 sync runs after the schedule (stage_arrays' flat_sync); an explicit
-        # style prices another engine (Megatron-LM's overlapped DDP for evaluate / baselines)
-        self.flat_sync = tp_style in (None, "torch") and graph.meta.get("framework") != "jax"
+        # the torch and JAX programs' ZeRO-0 sync runs after the schedule (stage_arrays' flat_sync); an
+        # explicit style on a torch graph prices another engine (Megatron-LM's overlapped DDP: evaluate)
+        self.flat_sync = tp_style in (None, "torch") or graph.meta.get("framework") == "jax"
         if tp_style is None:
             tp_style = "auto" if graph.meta.get("framework") == "jax" else "torch"
         self.tp_style = tp_style  # "megatron" / "torch": the tp axis shards weights only (intra_op.solve_layer)
@@ -468,6 +516,55 @@ class SolverCosts:
         if device.name not in self._cm:
             self._cm[device.name] = CostModel.for_device(device)
         return self._cm[device.name]
+
+    @functools.cached_property
+    def _shared_params(self) -> dict[str, tuple[int, ...]]:
+        """Parameter tensors read by more than one layer (a tied embedding and LM head), with those layers."""
+        readers: dict[str, set[int]] = {}
+        g = self.graph
+        for li, lay in enumerate(g.layers):
+            for name in lay.nodes:
+                for t in g.node(name).inputs:
+                    if g.tensors[t].role is Role.PARAMETER:
+                        readers.setdefault(t, set()).add(li)
+        return {t: tuple(sorted(ls)) for t, ls in readers.items() if len(ls) > 1}
+
+    def shared_copies(
+        self, device: DeviceType, tp: int, micro_batch: int
+    ) -> list[tuple[tuple[int, ...], tuple[float, float, float]]]:
+        """Per parameter read by several layers: those layers and its ``(parameter, gradient, optimizer)``
+        bytes per device per copy, as each reader's ``LayerCost`` counts it (its tp shard under the first
+        reader's placement). A stage holding several readers holds one tensor (the runtime re-ties it,
+        ``backends/torch/materialize.retie``); a pipeline's stages each hold their own."""
+        if not self._shared_params:
+            return []
+        g = self.graph
+        item = state_bytes_per_param(
+            "f32" if g.meta.get("framework") == "torch" else self.training.dtype, self.training.optimizer
+        )
+        out = []
+        for t, layers in self._shared_params.items():
+            got = self.layer(layers[0], device, tp, micro_batch)
+            if got is None:
+                continue
+            ten = g.tensors[t]
+            placement = got[1].param_placements.get(ten.fqn or t, ())
+            pieces = tp if any(str(x).startswith("S") for x in placement[1:]) else 1
+            numel = math.prod(dim_size(d) for d in ten.shape) / pieces
+            out.append((layers, (numel * item[0], numel * item[1], numel * item[2])))
+        return out
+
+    def shared_excess(
+        self, layers: Sequence[int], device: DeviceType, tp: int, micro_batch: int
+    ) -> tuple[float, float, float]:
+        """The bytes the ``LayerCost`` sums of ``layers`` count beyond one copy of each shared parameter."""
+        held = set(layers)
+        out = [0.0, 0.0, 0.0]
+        for readers, per_copy in self.shared_copies(device, tp, micro_batch):
+            extra = max(0, sum(li in held for li in readers) - 1)
+            for i in range(3):
+                out[i] += extra * per_copy[i]
+        return out[0], out[1], out[2]
 
     def layer(self, index: int, device: DeviceType, tp: int, micro_batch: int):  # noqa: ANN201
         """``(LayerCost, LayerSolution)`` for layer ``index`` or None if the layer cannot run on tp."""

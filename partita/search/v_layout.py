@@ -25,11 +25,17 @@ The price of a layout, from the group's stage arrays at each chunk's own unit ra
   chunks (``stage_cost.static_memory`` with the split backward's copy), plus the peak over the
   group's own action list of ``sum over its chunks of saved bytes x (micro-batches held whole +
   w_held x micro-batches between B and W)`` (``zero_bubble.stage_held`` of the chunk's layers), plus
-  the largest transient. A layout that does not fit ``memory_usable`` of the device is dropped.
+  the largest transient and the gradients of the group's chunks that have run a W by then (a chunk's
+  gradients appear at its first W); or, if larger, the step's end: every gradient (and the torch
+  program's flat copy of them for a ZeRO-0 sync over dp > 1, made once the activations are gone,
+  ``stage_cost.stage_arrays``). A layout that does not fit ``memory_usable`` of the device is dropped.
 
-``partita rehearse`` of searched V plans on gpt2-tiny measures 2-7% more peak memory per rank group
-than this prices (ZB-H1 on the same ranks: under 1%; the cause is not found), one reason ZB-V is not
-in ``SearchOptions().schedules`` (``search/config.py``).
+Two things the group holds that a plain stage's pricing does not meet: the tied embedding / LM head
+weight of its first and last chunk is one tensor (``SolverCosts.shared_excess``), and each chunk's
+output is kept from its F to its B (the embedding chunk saves nothing else). ``partita rehearse``
+matches V plans (``tests/runtime/test_rehearse.py``): on a 4-block GPT-2 of width 256 within 0.1% per
+rank group; on gpt2-tiny +1.5% and +6.5%, as a 1F1B plan there is 10-11% over (one block's backward
+buffers, which no schedule prices, weigh a lot beside so small a model).
 
 What the runtime cannot run never enters: JAX models (no JAX program runs chunks), rank groups
 mixing device types, ZeRO-2/3, recompute (none of these reaches a ZB-H1 candidate but the first).
@@ -140,36 +146,60 @@ def group_memory(c: VCandidate, r: int) -> dict[str, float]:
     z = pick.option.combos[pick.combo][0]
     dev, tp, mb = pick.option.devices[0][0], pick.option.tp, pick.option.devices[0][2]
     mine = [i for i, g in enumerate(groups_of(p)) if g == r]
-    costs, saved, held = [], {}, {}
+    costs, saved, held, out, grads = [], {}, {}, {}, {}
+    layers: list[int] = []
     alt = not (c.dp > 1 and z >= 1)  # the torch.autocast program (stage_cost.UnitTable.for_stage)
     for i in mine:
         a0, b0 = s.units[c.chunks[i].k][0], s.units[c.chunks[i].j - 1][1]
         lc = [s.costs.layer(li, dev, tp, mb)[0] for li in range(a0, b0)]
         costs += lc
+        layers += range(a0, b0)
         saved[i] = sum(
             (x.activation_bytes_alt if alt and x.activation_bytes_alt is not None else x.activation_bytes) for x in lc
         )
         held[i] = stage_held(s.graph, s.training.seq_len, a0, b0)
-    cats = static_memory_of(costs, c.dp, z, True)
+        # the chunk's output, which the runtime keeps from F to B to run the backward from it
+        # (backends/torch/schedule.P2PPipeline: nothing inside the chunk saves it); the last chunk's is the loss
+        out[i] = lc[-1].boundary_bytes if i < 2 * p - 1 else 0.0
+        grads[i] = sum(x.grad_bytes for x in lc)
+    # the first and last chunk share the tied embedding / LM head weight (one tensor on the rank)
+    cats = static_memory_of(costs, c.dp, z, True, s.costs.shared_excess(layers, dev, tp, mb))
     fwd = dict.fromkeys(mine, 0)
     dfr = dict.fromkeys(mine, 0)
-    peak, at = 0.0, dict.fromkeys(mine, 0.0)
+    written: set[int] = set()  # chunks whose gradients exist: from their first W (zero_grad frees them per step)
+    share = cats["gradients"] / (sum(grads.values()) or 1.0)
+    peak, peak_acts, peak_grads, at = -1.0, 0.0, 0.0, dict.fromkeys(mine, 0.0)
     for a in sched.pipeline_actions("zbv", p, c.m, 2)[r]:
         if a.kind == "F":
             fwd[a.stage] += 1
         elif a.kind == "B":
             fwd[a.stage] -= 1
             dfr[a.stage] += 1
-        else:
+        else:  # W writes the chunk's gradients as it frees the micro-batch's held part, layer by layer
             dfr[a.stage] -= 1
-        here = sum(saved[i] * (fwd[i] + held[i] * dfr[i]) for i in mine)
-        if here > peak:
-            peak, at = here, {i: fwd[i] + held[i] * dfr[i] for i in mine}
+            written.add(a.stage)
+        here = sum(saved[i] * (fwd[i] + held[i] * dfr[i]) + out[i] * fwd[i] for i in mine)
+        now = share * sum(grads[i] for i in written)
+        if here + now > peak:
+            peak, peak_acts, peak_grads = here + now, here, now
+            at = {i: fwd[i] + held[i] * dfr[i] for i in mine}
     transient = max((x.transient_bytes for x in costs), default=0.0)
-    acts = peak + transient
-    total = cats["parameters"] + cats["gradients"] + cats["optimizer"] + acts
+    acts, held_grads = peak_acts + transient, peak_grads
+    # the step's end: every gradient and no activation; with the torch program's ZeRO-0 sync over dp > 1
+    # also its flat copy of them, made once the activations are gone (stage_cost.stage_arrays)
+    flat = getattr(s.costs, "flat_sync", False) and c.dp > 1 and z == 0
+    end = cats["gradients"] * (2.0 if flat else 1.0)
+    if end > acts + held_grads:
+        acts, held_grads = end - cats["gradients"], cats["gradients"]
+    total = cats["parameters"] + held_grads + cats["optimizer"] + acts
     # per chunk, micro-batches held at the group's peak (a deferred W's weighing held[i])
-    return {**cats, "activations": acts, "total": total, **{f"in_flight_{i}": at[i] for i in mine}}
+    return {
+        **cats,
+        "gradients": held_grads,
+        "activations": acts,
+        "total": total,
+        **{f"in_flight_{i}": at[i] for i in mine},
+    }
 
 
 def _fits(c: VCandidate) -> bool:

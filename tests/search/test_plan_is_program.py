@@ -72,15 +72,35 @@ def test_torch_zero0_sync_is_priced_exposed_with_its_copy() -> None:
     assert two is not None and one is not None
     u = len(s.units)
     tab = s.table(dev, 1, 2)
-    grads = float(tab.grads.sum())
+    grads = float(tab.ranged("grads")[0, u])  # the whole model: GPT-2's tied wte / lm_head counted once
     a0, a1 = affine(s.costs.cost_model(dev), "all_reduce", dp_link(dev, 2, 1, 2, cl.network))
     for (z, _r), arr, alone in zip(two[1], two[0], one[0]):
         assert z == 0
         # the dp=1 tail is the optimizer step alone; dp=2 adds the whole all-reduce, nothing hidden
         assert arr.tail[0, u] == pytest.approx(alone.tail[0, u] + a0 + a1 * grads, rel=1e-9)
-        static = float(tab.params.sum() + tab.grads.sum() + tab.opt.sum())
+        static = float(tab.ranged("params")[0, u] + grads + tab.ranged("opt")[0, u])
         acts = float(alone.memory[0, u, 1]) - static
         assert arr.memory[0, u, 1] == pytest.approx(static + max(acts, grads), rel=1e-9)
+
+
+def test_a_tied_weight_is_priced_once_per_stage_that_holds_it() -> None:
+    """GPT-2's ``wte`` is read by the embedding and by the LM head (``lm_head.weight``, tied). A stage
+    holding both holds one tensor, so the parameter, gradient and optimizer sums of a layer range count
+    it once (each layer's ILP cost counts it; ``UnitTable.shared``); a stage holding one of them holds
+    its own copy. The plan once priced a whole gpt2-tiny on one stage 32 KiB of parameters over the
+    program (441,344 vs 474,112 B)."""
+    g = _graph("gpt2-tiny", 16)
+    cl = parse_shorthand("2xCPU")
+    s = Search(g, cl, TrainingConfig(global_batch=8, seq_len=16, dtype="f32"), SearchOptions(zero_stages=(0,)))
+    tab = s.table(cl.device_types()[0], 1, 1)
+    assert tab is not None
+    u = len(s.units)
+    numel = {t.name: int(np.prod([int(d) for d in t.shape])) for t in g.tensors.values() if t.role.name == "PARAMETER"}
+    wte = next(t.name for t in g.tensors.values() if t.aliases)
+    assert tab.ranged("params")[0, u] == pytest.approx(4 * sum(numel.values()), rel=1e-12)  # f32, each tensor once
+    assert tab.ranged("opt")[0, u] == pytest.approx(8 * sum(numel.values()), rel=1e-12)  # Adam's two moments
+    head = tab.ranged("params")[u - 1, u]  # the LM head alone still holds the tied weight
+    assert head >= 4 * numel[wte] and tab.ranged("params")[0, 1] >= 4 * numel[wte]
 
 
 def _token_on_tp(graph, sol) -> list[tuple[str, str]]:  # noqa: ANN001
