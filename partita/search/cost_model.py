@@ -39,7 +39,7 @@ from typing import Any
 
 from partita.cluster import PROFILE_FORMAT, PROFILE_VERSION, DeviceType, ProfileError, apply_profile, read_profile
 from partita.errors import ConfigError
-from partita.ir import DTYPE_BYTES, Prim
+from partita.ir import DTYPE_BYTES, Graph, Prim, Role
 from partita.search.mesh import AxisLink
 
 __all__ = ["PROFILE_FORMAT", "PROFILE_VERSION", "ProfileError", "Efficiency", "CostModel"]
@@ -138,6 +138,21 @@ def state_bytes_per_param(dtype: str, optimizer: str) -> tuple[int, int, int]:
     master = 4 if item < 4 else 0
     moments = 8 if optimizer == "adam" else 0
     return item, item, master + moments
+
+
+def program_state_bytes(graph: Graph, dtype: str, optimizer: str) -> tuple[int, int, int]:
+    """:func:`state_bytes_per_param` as the graph's program keeps its state. The torch program: f32
+    parameters (the master copy: autocast, or FSDP2's sharded f32 under a MixedPrecisionPolicy), f32
+    gradients and moments (``backends/torch/parallel.precision_of``). The JAX program differentiates
+    the parameters as declared (no mixed precision, ``backends/jax/train.py``): their traced dtype
+    (``search/jax_records.py`` records the same). A test graph: the training ``dtype``."""
+    framework = graph.meta.get("framework")
+    if framework == "torch":
+        return state_bytes_per_param("f32", optimizer)
+    if framework == "jax":
+        item = next((t.dtype for t in graph.tensors.values() if t.role is Role.PARAMETER), "f32")
+        return state_bytes_per_param("f32" if DTYPE_BYTES.get(item, 4) >= 4 else item, optimizer)
+    return state_bytes_per_param(dtype, optimizer)
 
 
 @dataclasses.dataclass(frozen=True)

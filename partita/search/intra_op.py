@@ -59,7 +59,7 @@ from partita.ir import DTYPE_BYTES, Graph, Layer, Node, Prim, Role, dim_size, la
 from partita.passes.annotate import VIEW_PRIMS
 from partita.plan import Collective
 from partita.search import ilp
-from partita.search.cost_model import CostModel, state_bytes_per_param
+from partita.search.cost_model import CostModel, program_state_bytes
 from partita.search.ilp import IlpStats
 from partita.search.mesh import LogicalMesh
 from partita.search.reshard import Layout, grad_requirement, reshard_steps, shard_dim, shard_factor
@@ -164,14 +164,7 @@ class _LayerProblem:
         # share of fusable pointwise traffic the engine removes: XLA always fuses; torch per profile
         self.fusion = 1.0 if graph.meta.get("framework") == "jax" else cm.efficiency.pointwise_fusion
         torch = graph.meta.get("framework") == "torch"  # a traced torch model (not JAX, not a test IR)
-        # the torch program keeps f32 parameters (the master copy: autocast, or FSDP2's sharded f32 under a
-        # MixedPrecisionPolicy), f32 gradients and the optimizer's moments (backends/torch/parallel.precision_of)
-        self.state_bytes = state_bytes_per_param("f32" if torch else dtype, optimizer)
-        if graph.meta.get("framework") == "jax":  # the JAX program differentiates the model's parameters as
-            # declared (no mixed precision: backends/jax/train.py), so they, their gradients, the gradient sync
-            # and optax's moments are in the parameters' traced dtype (search/jax_records.py records the same)
-            item = next((t.dtype for t in graph.tensors.values() if t.role is Role.PARAMETER), "f32")
-            self.state_bytes = state_bytes_per_param("f32" if DTYPE_BYTES.get(item, 4) >= 4 else item, optimizer)
+        self.state_bytes = program_state_bytes(graph, dtype, optimizer)  # as the graph's program keeps them
         self.nodes = [graph.node(n) for n in layer.nodes]
         self.producer = {o: n for n in self.nodes for o in n.outputs}
         self.consumers: dict[str, list[Node]] = {}

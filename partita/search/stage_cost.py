@@ -49,7 +49,7 @@ import numpy as np
 from partita.cluster import DeviceType, Network
 from partita.ir import Role, dim_size
 from partita.passes import boundaries
-from partita.search.cost_model import CostModel, state_bytes_per_param
+from partita.search.cost_model import CostModel, program_state_bytes
 from partita.search.mesh import AxisLink, LogicalMesh
 
 
@@ -508,6 +508,7 @@ class SolverCosts:
         self._cm: dict[str, CostModel] = {}
         self._nodes: dict[int, tuple[int, int]] = {}
         self._cache: dict[tuple, tuple[LayerCost, object] | None] = {}
+        self._shared: dict[tuple, list] = {}  # shared_copies per (device, tp, micro-batch)
         self._solved_for: dict[tuple, int] = {}  # cache key -> index of the layer the ILP ran on
         self.solve_time_s = 0.0
         self.num_solves = 0
@@ -536,12 +537,11 @@ class SolverCosts:
         bytes per device per copy, as each reader's ``LayerCost`` counts it (its tp shard under the first
         reader's placement). A stage holding several readers holds one tensor (the runtime re-ties it,
         ``backends/torch/materialize.retie``); a pipeline's stages each hold their own."""
-        if not self._shared_params:
-            return []
+        key = (device.name, tp, micro_batch)
+        if not self._shared_params or key in self._shared:
+            return self._shared.get(key, [])
         g = self.graph
-        item = state_bytes_per_param(
-            "f32" if g.meta.get("framework") == "torch" else self.training.dtype, self.training.optimizer
-        )
+        item = program_state_bytes(g, self.training.dtype, self.training.optimizer)  # as each LayerCost has it
         out = []
         for t, layers in self._shared_params.items():
             got = self.layer(layers[0], device, tp, micro_batch)
@@ -552,6 +552,7 @@ class SolverCosts:
             pieces = tp if any(str(x).startswith("S") for x in placement[1:]) else 1
             numel = math.prod(dim_size(d) for d in ten.shape) / pieces
             out.append((layers, (numel * item[0], numel * item[1], numel * item[2])))
+        self._shared[key] = out  # asked per stage and per ZB-V layout tried (shared_excess)
         return out
 
     def shared_excess(

@@ -339,17 +339,27 @@ def test_real_size_searched_plan_peak_memory(work: Path, name: str) -> None:
         assert s["peak_memory_bytes"] == pytest.approx(s["planned_memory_bytes"], rel=rehearse.MEMORY_TOL), s["index"]
 
 
+def _hand_gpt2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, width: int, heads: int, seq: int, schedule: str, *extra: str
+) -> Path:
+    """``partita compile`` of a 4-block GPT-2 config (vocab 256) as a hand layout on 4 CPU ranks: 2 stages
+    of dp 2, micro-batch 1, global batch 8, under ``schedule``; the plan directory."""
+    monkeypatch.setenv("PARTITA_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = tmp_path / "config.json"
+    gpt2 = {"model_type": "gpt2", "n_embd": width, "n_layer": 4, "n_head": heads, "vocab_size": 256}
+    cfg.write_text(json.dumps(gpt2))
+    out = tmp_path / "plan"
+    args = ["compile", str(cfg), "--cluster", "4xCPU", "--global-batch", "8", "--seq", str(seq), "--tp", "1"]
+    args += ["--pp", "2", "--dp", "2", "--micro-batch", "1", "--schedule", schedule, *extra]
+    assert cli_main([*args, "--out", str(out)]) == 0
+    return out
+
+
 def test_chunked_plan_rehearses_its_records_per_rank_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An interleaved 1F1B hand layout (2 rank groups x 2 chunks, dp 2, f16): one rank issues the records of
     every chunk it holds (p2p of both chunks, one FSDP/dp sync per group, one overflow check per step), so
     each rank group matches the plan's chunks summed (the default README plan is such a plan)."""
-    monkeypatch.setenv("PARTITA_CACHE_DIR", str(tmp_path / "cache"))
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 4, "n_head": 4, "vocab_size": 256}))
-    out = tmp_path / "plan"
-    args = ["compile", str(cfg), "--cluster", "4xCPU", "--global-batch", "8", "--seq", "32", "--tp", "1"]
-    args += ["--pp", "2", "--dp", "2", "--micro-batch", "1", "--schedule", "interleaved_1f1b", "--precision", "f16"]
-    assert cli_main([*args, "--out", str(out)]) == 0
+    out = _hand_gpt2(tmp_path, monkeypatch, 64, 4, 32, "interleaved_1f1b", "--precision", "f16")
     res = rehearse.rehearse_dir(out)
     assert [s["index"] for s in res["stages"]] == [0, 1]  # rank groups, not the 4 virtual stages
     for s in res["stages"]:
@@ -387,13 +397,7 @@ def test_every_schedule_rehearses_its_plan(schedule: str, tmp_path: Path, monkey
     dp collectives, peak memory, FLOPs), on 2 rank groups of dp 2: a 4-block GPT-2 of width 256 (so that
     one block's unpriced backward buffers stay small beside its activations). ZB-V once missed the
     flat gradient copy of its rank groups' ZeRO-0 sync (+15.6% memory on rank group 0)."""
-    monkeypatch.setenv("PARTITA_CACHE_DIR", str(tmp_path / "cache"))
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps({"model_type": "gpt2", "n_embd": 256, "n_layer": 4, "n_head": 4, "vocab_size": 256}))
-    out = tmp_path / "plan"
-    args = ["compile", str(cfg), "--cluster", "4xCPU", "--global-batch", "8", "--seq", "8", "--tp", "1"]
-    args += ["--pp", "2", "--dp", "2", "--micro-batch", "1", "--schedule", schedule, "--precision", "f32"]
-    assert cli_main([*args, "--out", str(out)]) == 0
+    out = _hand_gpt2(tmp_path, monkeypatch, 256, 4, 8, schedule, "--precision", "f32")
     plan = Plan.from_json((out / "plan.json").read_text())
     assert plan.schedule == schedule and plan.num_micro_batches == 4
     res = rehearse.rehearse_dir(out)
@@ -410,13 +414,7 @@ def test_zero_bubble_zero1_low_precision_prices_the_deferred_w_gradient_copy(
     (``stage_cost.static_memory(split_backward=True)``). The plan's gradients are the f32 bytes plus that
     bf16 copy (half again), and every stage's rehearsed peak is within 10% of the plan. Without the copy
     the plan would be ~15% under the program (the old gpt3-6.7b zb_h1 plan: +13%)."""
-    monkeypatch.setenv("PARTITA_CACHE_DIR", str(tmp_path / "cache"))
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps({"model_type": "gpt2", "n_embd": 512, "n_layer": 4, "n_head": 8, "vocab_size": 256}))
-    out = tmp_path / "plan"
-    args = ["compile", str(cfg), "--cluster", "4xCPU", "--global-batch", "8", "--seq", "8", "--tp", "1"]
-    args += ["--pp", "2", "--dp", "2", "--micro-batch", "1", "--schedule", "zb_h1", "--zero", "1"]
-    assert cli_main([*args, "--precision", "bf16", "--out", str(out)]) == 0
+    out = _hand_gpt2(tmp_path, monkeypatch, 512, 8, 8, "zb_h1", "--zero", "1", "--precision", "bf16")
     plan = Plan.from_json((out / "plan.json").read_text())
     assert plan.schedule == "zb_h1" and all(s.zero_stage == 1 and s.dp == 2 for s in plan.stages)
     res = rehearse.rehearse_dir(out)
