@@ -28,6 +28,8 @@ Decisions, and why:
 from __future__ import annotations
 
 import atexit
+import contextlib
+import datetime
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -63,7 +65,19 @@ def ensure_process_group() -> None:
         dist.init_process_group("cpu:gloo,cuda:nccl")
     else:
         dist.init_process_group("gloo")
-    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+    atexit.register(_leave_process_group)
+
+
+def _leave_process_group() -> None:
+    """At exit: meet the other ranks, then destroy the group. A rank that destroyed its gloo group while
+    a peer still finished its last collectives aborted now and then (``terminate called without an
+    active exception``, SIGABRT after the run's output, seen under load in the README's torchrun
+    example). The barrier waits at most 30 s, so a rank leaving on an error does not hang here."""
+    if not dist.is_initialized():
+        return
+    with contextlib.suppress(Exception):
+        dist.barrier(async_op=True).wait(timeout=datetime.timedelta(seconds=30))
+    dist.destroy_process_group()
 
 
 def agree_on_plan(make_plan: Callable[[], Plan]) -> Plan:
