@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from partita.backends.torch.moe import apply_expert_parallel
+from partita.backends.torch.parallel import leave_process_group
 
 HIDDEN, EXPERTS, TOKENS, TOP_K = 8, 4, 6, 2
 
@@ -68,7 +69,7 @@ def _worker(rank: int, port: int, out: str, skewed: bool) -> None:
     (y * torch.arange(y.numel()).view_as(y).float()).sum().backward()
     grads = {n: p.grad for n, p in mod.named_parameters()}  # zeros, not None, where no row came (dp sync)
     torch.save({"y": y.detach(), "dx": x.grad, "dw": w.grad, "grads": grads}, f"{out}.{rank}")
-    dist.destroy_process_group()
+    leave_process_group()  # gloo may abort in interpreter finalization (SIGABRT seen under load)
 
 
 def _free_port() -> int:

@@ -414,3 +414,21 @@ def full_grads(module: nn.Module) -> dict[str, torch.Tensor]:
         if g is not None:
             out[n] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone().cpu()
     return out
+
+
+def leave_process_group() -> None:
+    """Destroy the process group and end this process at once (exit code 0), skipping interpreter
+    finalization: there gloo (torch 2.13) sometimes aborts after a clean finish ("terminate called
+    without an active exception", no Python frame on the stack; about 1 run in 10 on a loaded 2-core
+    machine), and torchrun or ``torch.multiprocessing`` then reports the run as failed. Call it only
+    after a clean finish, with every result written: after a failure peers may sit in a collective,
+    and destroy would wait for them."""
+    import logging
+    import os
+    import sys
+
+    dist.destroy_process_group()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

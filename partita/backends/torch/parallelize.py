@@ -28,9 +28,8 @@ Decisions, and why:
 from __future__ import annotations
 
 import atexit
-import contextlib
-import datetime
 import os
+import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -66,17 +65,32 @@ def ensure_process_group() -> None:
     else:
         dist.init_process_group("gloo")
     atexit.register(_leave_process_group)
+    hook, leave = sys.excepthook, sys.exit
+
+    def failed(*exc: Any) -> None:  # an uncaught exception: the process exits 1, with finalization
+        _FAILED.append(True)
+        hook(*exc)
+
+    def exits(code: Any = None) -> None:  # sys.exit(n), n != 0: keep that exit code
+        if code not in (None, 0):
+            _FAILED.append(True)
+        leave(code)
+
+    sys.excepthook, sys.exit = failed, exits
+
+
+_FAILED: list[bool] = []
 
 
 def _leave_process_group() -> None:
-    """At exit: meet the other ranks, then destroy the group. A rank that destroyed its gloo group while
-    a peer still finished its last collectives aborted now and then (``terminate called without an
-    active exception``, SIGABRT after the run's output, seen under load in the README's torchrun
-    example). The barrier waits at most 30 s, so a rank leaving on an error does not hang here."""
+    """At exit of the user's script: destroy the group; after a clean finish under torchrun also skip
+    interpreter finalization, where gloo aborts now and then (``parallel.leave_process_group``; seen
+    under the test suite's load on the README's torchrun example: SIGABRT on one rank after its output).
+    A script that failed (an uncaught exception, ``sys.exit(n)`` with ``n != 0``) keeps its exit code."""
     if not dist.is_initialized():
         return
-    with contextlib.suppress(Exception):
-        dist.barrier(async_op=True).wait(timeout=datetime.timedelta(seconds=30))
+    if not _FAILED and "TORCHELASTIC_RUN_ID" in os.environ:
+        tpar.leave_process_group()
     dist.destroy_process_group()
 
 

@@ -327,15 +327,9 @@ def main(
         raise SystemExit(2) from None
     # Only a clean finish destroys the group: after a failure peers may sit in a collective, and
     # destroy would wait for them; exiting closes the sockets so they fail and torchrun restarts all.
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: the result is written, nothing is lost
+        tpar.leave_process_group()
     dist.destroy_process_group()
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        # Under torchrun, skip interpreter finalization: there gloo (torch 2.13) sometimes aborts
-        # after a clean finish ("terminate called without an active exception", no Python frame
-        # on the stack; about 1 run in 10 on a loaded 2-core machine), and torchrun then reports
-        # the whole run as failed. The result is written and the group destroyed: nothing is lost.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
     return result
 
 
