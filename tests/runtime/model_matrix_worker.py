@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -80,9 +79,9 @@ def main(jobs_file: str, out_file: str) -> None:
     if rank == 0:
         Path(out_file).write_text(json.dumps(out, indent=1))
     dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # skip interpreter finalization (gloo teardown aborts now and then: see train.main)
+    from partita.backends.torch.parallel import leave_process_group
+
+    leave_process_group()  # skips interpreter finalization, where gloo aborts now and then
 
 
 def _api_job(job: dict, plan: object) -> list[float]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -47,9 +46,9 @@ def main(jobs_file: str, out_file: str) -> None:
     if dist.get_rank() == 0:
         Path(out_file).write_text(json.dumps(out, indent=1))
     dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # skip interpreter finalization (gloo teardown aborts now and then: see train.main)
+    from partita.backends.torch.parallel import leave_process_group
+
+    leave_process_group()  # skips interpreter finalization, where gloo aborts now and then
 
 
 if __name__ == "__main__":

@@ -1,6 +1,5 @@
 """Worker of test_checkpoint_strided.py: every (saved layout, loaded layout) pair of one [4, 12] weight."""
 
-import os
 import sys
 
 import torch
@@ -10,6 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from partita.backends.torch import checkpoint as ck
+from partita.backends.torch.parallel import leave_process_group
 from partita.frontends.torch_shim import strided_shard
 
 dist.init_process_group("gloo")
@@ -53,9 +53,4 @@ for src in layouts:
         gm = gm.full_tensor() if isinstance(gm, DTensor) else gm
         if r == 0:
             print(src, "->", dst, torch.equal(got, ref_w), torch.allclose(gm, ref_m))
-dist.destroy_process_group()
-# gloo can abort in interpreter finalization after a clean finish ("terminate called without an active
-# exception"; torch 2.13): end the rank here, as backends/torch/train.main does under torchrun
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+leave_process_group()  # skips interpreter finalization, where gloo aborts now and then
