@@ -38,7 +38,13 @@ from partita.search.config import SearchOptions, TrainingConfig
 from partita.search.plan_build import Candidate, StagePick
 from partita.search.planner import Option, Search
 from partita.search.precision import choose_precision, precision_note
-from partita.search.stage_cost import SolverCosts, StageFactors, reduce_scatter_in_flight, static_memory
+from partita.search.stage_cost import (
+    SolverCosts,
+    StageFactors,
+    copies_deferred_gradients,
+    reduce_scatter_in_flight,
+    static_memory,
+)
 from partita.search.zero_bubble import RUNNABLE_ZERO, in_flight_table, range_held, stage_in_flight
 
 MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
@@ -264,7 +270,8 @@ def memory_by_category(cand: Candidate, i: int) -> dict[str, float]:
         z,
         tab.gather_ratio,
         tab.fsdp_copies,
-        sched.splits_backward(cand.schedule),  # a deferred W's gradient copy (stage_cost.static_memory)
+        # a deferred W's gradient copy (stage_cost.static_memory), not on the first stage
+        bool(copies_deferred_gradients(sched.splits_backward(cand.schedule), search.units[k][0])),
     )
     # the activations as stage_cost.stage_arrays adds them: saved x in flight + the transient (one layer's
     # recomputed activations, the loss's backward buffers), a ZeRO-2/3 unit's gradients in flight to the

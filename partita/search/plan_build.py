@@ -22,7 +22,7 @@ from partita.plan import Collective, Plan, Stage, validate
 from partita.search import records, schedule_cost
 from partita.search import schedule as sched
 from partita.search.jax_records import jax_records
-from partita.search.stage_cost import static_memory_of
+from partita.search.stage_cost import copies_deferred_gradients, static_memory_of
 from partita.search.zero_bubble import stage_held
 from partita.version import __version__
 
@@ -164,7 +164,8 @@ def _stage_records(
     costs = [search.costs.layer(li, dev0, tp, mb)[0] for li in range(a0, b0)]
     # the terms stage_cost.stage_arrays sums (issue 15: what the program holds)
     shared = search.costs.shared_excess(range(a0, b0), dev0, tp, mb)  # a tied weight held once
-    cats = static_memory_of(costs, best.dp, z, sched.splits_backward(best.schedule), shared)
+    copies = bool(copies_deferred_gradients(sched.splits_backward(best.schedule), a0))  # W's gradient copy
+    cats = static_memory_of(costs, best.dp, z, copies, shared)
     params, grads, opt = cats["parameters"], cats["gradients"], cats["optimizer"]
     total = best.memory(i)
     split = sched.splits_backward(best.schedule)

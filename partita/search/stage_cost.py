@@ -348,9 +348,9 @@ def stage_arrays(
 
     shard = float(dp)
     max_params = r("max_layer_params")
-    cats = static_memory(  # split_backward: a zero-bubble stage's deferred-W gradient copy (static_memory)
-        params, grads, opt, max_params, dp, zero, tab.gather_ratio, tab.fsdp_copies, split_backward
-    )
+    # split_backward: a zero-bubble stage's deferred-W gradient copy (static_memory), not on the first stage
+    copies = copies_deferred_gradients(split_backward, np.arange(len(tab.fwd))[:, None])
+    cats = static_memory(params, grads, opt, max_params, dp, zero, tab.gather_ratio, tab.fsdp_copies, copies)
     mem_static = cats["parameters"] + cats["optimizer"]
     flight = in_flight if in_flight.ndim == 3 else in_flight[None, None, :]  # [U, U+1, S+1]: per range (issue 19)
     if tab.transient is not None:  # the loss's backward buffers (LayerCost.transient_bytes), once
@@ -395,6 +395,15 @@ def stage_arrays(
 
 
 GATHERED_UNITS = 2  # ZeRO-3: FSDP2 holds the running block's gathered parameters and prefetches the next
+
+
+def copies_deferred_gradients(split_backward: bool, first_layer: Any) -> Any:
+    """Does a stage starting at ``first_layer`` (a number or an array) hold a deferred W's gradient
+    copy (:func:`static_memory`)? Under a split backward, except the stage holding the model's first
+    layer: its input needs no gradient, so its B computes nothing and its W runs the whole backward,
+    with FSDP2's per-unit fold (``partita rehearse`` of gpt3-6.7b's ZB-H1 plan: its A100 stage held no
+    copy and was priced 17.7% over; the V100 stage after it holds one)."""
+    return np.asarray(first_layer) > 0 if split_backward else np.zeros_like(np.asarray(first_layer), dtype=bool)
 
 
 def static_memory_of(
@@ -444,15 +453,19 @@ def static_memory(
     ``param_dtype`` each deferred W writes the stage's whole unsharded gradients in that dtype
     (``gather_ratio`` of the f32 bytes) into the gathered parameters' ``.grad``, where they stay
     until FSDP2 folds them into its f32 accumulator during the next B (``backends/torch/wsplit.py``):
-    one such copy is held beside the f32 gradients (measured by ``partita rehearse``)."""
+    one such copy is held beside the f32 gradients (measured by ``partita rehearse``). A bool, or an
+    array of 0/1 per layer range (``stage_arrays``): the stage that starts at the model's first layer
+    holds no copy, since its B computes no input gradient and its W is the whole backward, during
+    which FSDP2 folds each unit's gradients (:func:`copies_deferred_gradients`)."""
     fsdp = dp > 1 and zero >= 1
     gathered = GATHERED_UNITS * max_params if zero >= 3 else params
     if not fsdp_copies:
         fsdp, gathered, gather_ratio = zero >= 3, max_params, 1.0
-    w_copy = split_backward and fsdp and fsdp_copies and gather_ratio < 1.0
+    w_copy = fsdp and fsdp_copies and gather_ratio < 1.0
+    copy = grads * gather_ratio * np.asarray(split_backward, dtype=np.float64) if w_copy else 0.0 * grads
     return {
         "parameters": params / (dp if fsdp else 1) + (gathered * gather_ratio if fsdp else 0.0 * params),
-        "gradients": grads / (dp if zero >= 2 else 1) + (grads * gather_ratio if w_copy else 0.0 * grads),
+        "gradients": grads / (dp if zero >= 2 else 1) + copy,
         "optimizer": opt / (dp if zero >= 1 else 1),
     }
 

@@ -21,14 +21,23 @@ The price of a layout, from the group's stage arrays at each chunk's own unit ra
   passes its tensor without p2p, which the chunk's period still counts (an over-estimate of one
   boundary);
 * per rank group, the tail (gradient sync and optimizer step) of its two chunks, summed;
-* per rank group, the memory on each device: parameters, gradients and optimizer state of both
-  chunks (``stage_cost.static_memory`` with the split backward's copy), plus the peak over the
-  group's own action list of ``sum over its chunks of saved bytes x (micro-batches held whole +
-  w_held x micro-batches between B and W)`` (``zero_bubble.stage_held`` of the chunk's layers), plus
-  the largest transient and the gradients of the group's chunks that have run a W by then (a chunk's
-  gradients appear at its first W); or, if larger, the step's end: every gradient (and the torch
-  program's flat copy of them for a ZeRO-0 sync over dp > 1, made once the activations are gone,
-  ``stage_cost.stage_arrays``). A layout that does not fit ``memory_usable`` of the device is dropped.
+* per rank group, the memory on each device: parameters and optimizer state of both chunks
+  (``stage_cost.static_memory``), plus the peak over the group's own action list of ``sum over its
+  chunks of saved bytes x (micro-batches held whole + w_held x micro-batches between B and W)``
+  (``zero_bubble.stage_held`` of the chunk's layers; 1 for the first chunk, whose B computes nothing)
+  and the gradients held at that moment, plus the largest transient. The moments are after each
+  action and, for a W, while it writes its chunk's gradients beside the held part it is about to
+  free (the group's peak when the W follows the head's B: the logits gradient is large). Gradients
+  follow the program: a W writes them straight into the accumulator (ZeRO-0, or the first chunk,
+  whose W is the whole backward, after which FSDP2 folds every copy), or under FSDP2 in a low
+  ``param_dtype`` as a copy in that dtype (``stage_cost.static_memory``), which FSDP2 folds into
+  its f32 accumulator at the rank's next backward from a chunk's output (a B): with one micro-batch
+  a chunk's gradients stay a copy to the step's end. The step's end holds the gradients then held
+  (and the torch program's flat copy of them for a ZeRO-0 sync over dp > 1, made once the
+  activations are gone, ``stage_cost.stage_arrays``). ``partita rehearse`` of llama-7b's ZB-V plan
+  (one micro-batch, bf16, ZeRO-1): -4.3% / +7.3% per rank group (-1.6% / +15.7% before, with every
+  gradient priced as an f32 accumulator plus a copy at the step's end). A layout that does not fit
+  ``memory_usable`` of the device is dropped.
 
 Two things the group holds that a plain stage's pricing does not meet: the tied embedding / LM head
 weight of its first and last chunk is one tensor (``SolverCosts.shared_excess``), and each chunk's
@@ -163,34 +172,56 @@ def group_memory(c: VCandidate, r: int) -> dict[str, float]:
         out[i] = lc[-1].boundary_bytes if i < 2 * p - 1 else 0.0
         grads[i] = sum(x.grad_bytes for x in lc)
     # the first and last chunk share the tied embedding / LM head weight (one tensor on the rank)
-    cats = static_memory_of(costs, c.dp, z, True, s.costs.shared_excess(layers, dev, tp, mb))
+    shared = s.costs.shared_excess(layers, dev, tp, mb)
+    cats = static_memory_of(costs, c.dp, z, False, shared)
+    # a chunk's gradients as the program keeps them (docstring): ``kept`` in the accumulator's dtype,
+    # ``copy`` the low-precision copy a W writes under FSDP2 (stage_cost.static_memory), per chunk
+    share = cats["gradients"] / (sum(grads.values()) or 1.0)
+    copy_ratio = static_memory_of(costs, c.dp, z, True, shared)["gradients"] / (cats["gradients"] or 1.0) - 1.0
+    first = {i: s.units[c.chunks[i].k][0] == 0 for i in mine}  # the model's first layer: no B, W is the backward
+    kept: set[int] = set()
+    copied: set[int] = set()
+
+    def grads_now() -> float:
+        return sum(share * grads[i] for i in kept) + sum(copy_ratio * share * grads[i] for i in copied)
+
     fwd = dict.fromkeys(mine, 0)
     dfr = dict.fromkeys(mine, 0)
-    written: set[int] = set()  # chunks whose gradients exist: from their first W (zero_grad frees them per step)
-    share = cats["gradients"] / (sum(grads.values()) or 1.0)
     peak, peak_acts, peak_grads, at = -1.0, 0.0, 0.0, dict.fromkeys(mine, 0.0)
     for a in sched.pipeline_actions("zbv", p, c.m, 2)[r]:
+        here = sum(saved[i] * (fwd[i] + held[i] * dfr[i]) + out[i] * fwd[i] for i in mine)
+        writing = 0.0  # a W writes its chunk's gradients while the micro-batch's held part is still there
         if a.kind == "F":
             fwd[a.stage] += 1
         elif a.kind == "B":
             fwd[a.stage] -= 1
             dfr[a.stage] += 1
-        else:  # W writes the chunk's gradients as it frees the micro-batch's held part, layer by layer
+            if not first[a.stage]:  # a backward from the chunk's output: FSDP2 folds every copy
+                kept |= copied
+                copied = set()
+        else:
             dfr[a.stage] -= 1
-            written.add(a.stage)
-        here = sum(saved[i] * (fwd[i] + held[i] * dfr[i]) + out[i] * fwd[i] for i in mine)
-        now = share * sum(grads[i] for i in written)
-        if here + now > peak:
-            peak, peak_acts, peak_grads = here + now, here, now
-            at = {i: fwd[i] + held[i] * dfr[i] for i in mine}
+            if first[a.stage] or copy_ratio <= 0.0:  # gradients straight into the accumulator
+                writing = 0.0 if a.stage in kept else share * grads[a.stage]
+                kept |= {a.stage} | copied if first[a.stage] else {a.stage}
+                copied = set() if first[a.stage] else copied
+            else:
+                writing = copy_ratio * share * grads[a.stage]
+                copied.add(a.stage)
+        after = sum(saved[i] * (fwd[i] + held[i] * dfr[i]) + out[i] * fwd[i] for i in mine)
+        # the moment after the action; and a W's own: its held part still there beside the new gradients
+        for acts_m, grads_m in ((after, grads_now()),) + (((here, grads_now()),) if writing else ()):
+            if acts_m + grads_m > peak:
+                peak, peak_acts, peak_grads = acts_m + grads_m, acts_m, grads_m
+                at = {i: fwd[i] + held[i] * dfr[i] for i in mine}
     transient = max((x.transient_bytes for x in costs), default=0.0)
     acts, held_grads = peak_acts + transient, peak_grads
     # the step's end: every gradient and no activation; with the torch program's ZeRO-0 sync over dp > 1
     # also its flat copy of them, made once the activations are gone (stage_cost.stage_arrays)
     flat = getattr(s.costs, "flat_sync", False) and c.dp > 1 and z == 0
-    end = cats["gradients"] * (2.0 if flat else 1.0)
+    end = grads_now() * (2.0 if flat else 1.0)
     if end > acts + held_grads:
-        acts, held_grads = end - cats["gradients"], cats["gradients"]
+        acts, held_grads = end - grads_now(), grads_now()
     total = cats["parameters"] + held_grads + cats["optimizer"] + acts
     # per chunk, micro-batches held at the group's peak (a deferred W's weighing held[i])
     return {

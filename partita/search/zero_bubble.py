@@ -54,7 +54,15 @@ RUNNABLE_ZERO = (0, 1)  # ZeRO stages the torch runtime runs with a split backwa
 
 def stage_held(graph: Graph, seq_len: int, first: int, last: int) -> float:
     """What a micro-batch of the stage of layers ``[first, last)`` weighs between its B and its W,
-    in units of its saved activations: ``1 + output-gradient bytes / saved activation bytes``."""
+    in units of its saved activations: ``1 + output-gradient bytes / saved activation bytes``.
+
+    1 for the stage (or ZB-V chunk) holding the model's first layer: its input needs no gradient, so
+    its B computes nothing (``backends/torch/wsplit.backward_input`` defers the whole backward) and
+    its W is the whole backward, which makes and frees the output gradients as any backward does;
+    between its B and its W a micro-batch holds its activations only (``partita rehearse`` of
+    gpt3-6.7b's ZB-H1 plan: the A100 stage held 2 micro-batches' activations, priced 2.22 before)."""
+    if first == 0:
+        return 1.0
     dy, act = layer_held_bytes(graph, seq_len)
     a = float(act[first:last].sum())
     return 1.0 + float(dy[first:last].sum()) / a if a > 0 else 1.0
@@ -69,7 +77,9 @@ def range_held(graph: Graph, seq_len: int, units: Sequence[tuple[int, int]]) -> 
     sdy = cdy[None, :] - cdy[:-1, None]
     sact = cact[None, :] - cact[:-1, None]
     with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(sact > 0, 1.0 + sdy / np.where(sact > 0, sact, 1.0), 1.0)
+        out = np.where(sact > 0, 1.0 + sdy / np.where(sact > 0, sact, 1.0), 1.0)
+    out[bounds[:-1] == 0] = 1.0  # the first stage (stage_held)
+    return out
 
 
 @functools.lru_cache(maxsize=2048)
