@@ -404,8 +404,10 @@ def test_zero_bubble_zero1_low_precision_prices_the_deferred_w_gradient_copy(
     """A zb_h1 hand layout with ZeRO-1 in bf16 (FSDP2 ``param_dtype``), weights large against the
     activations: each deferred W writes the stage's whole bf16 gradients beside FSDP2's f32 accumulator
     (``stage_cost.static_memory(split_backward=True)``). The plan's gradients are the f32 bytes plus that
-    bf16 copy (half again), and every stage's rehearsed peak is within 10% of the plan. Without the copy
-    the plan would be ~15% under the program (the old gpt3-6.7b zb_h1 plan: +13%)."""
+    bf16 copy (half again), except on the first stage, whose B computes nothing and whose W is the whole
+    backward, folded by FSDP2 as it runs (``stage_cost.copies_deferred_gradients``), and every stage's
+    rehearsed peak is within 10% of the plan. Without the copy the plan would be ~15% under the program
+    (the old gpt3-6.7b zb_h1 plan: +13%); with it on the first stage 17.7% over (gpt3-6.7b's A100 stage)."""
     out = _hand_gpt2(tmp_path, monkeypatch, 512, 8, 8, "zb_h1", "--zero", "1", "--precision", "bf16")
     plan = Plan.from_json((out / "plan.json").read_text())
     assert plan.schedule == "zb_h1" and all(s.zero_stage == 1 and s.dp == 2 for s in plan.stages)
@@ -414,7 +416,8 @@ def test_zero_bubble_zero1_low_precision_prices_the_deferred_w_gradient_copy(
         planned = s["planned_memory_by_category"]
         # f32 bytes P: parameters the f32 shard over dp 2 + the bf16 gathered copy = P / 2 + P / 2; gradients
         # the f32 ones (ZeRO-1: whole) + the bf16 copy = P + P / 2
-        assert planned["gradients"] == pytest.approx(1.5 * planned["parameters"], rel=1e-6), st.index
+        copy = 0.5 if st.index > 0 else 0.0
+        assert planned["gradients"] == pytest.approx((1 + copy) * planned["parameters"], rel=1e-6), st.index
         assert s["peak_memory_bytes"] == pytest.approx(s["planned_memory_bytes"], rel=rehearse.MEMORY_TOL), s
     assert res["match"], res
 
