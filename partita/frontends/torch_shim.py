@@ -247,11 +247,22 @@ def _cpu_flash_backward(grad: Any, query: Any, key: Any, value: Any, *args: Any,
     return int(sdpa_backward_flop_count(grad.shape, query.shape, key.shape, value.shape))
 
 
+def _grouped_mm_flops(a: Any, b: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
+    """``aten._grouped_mm`` (transformers' grouped experts): 2 x rows x contraction x columns summed over
+    the groups. Its three calls in a step: forward ``[M, K] x [E, K, N] -> [M, N]``, input gradient
+    ``[M, N] x [E, N, K] -> [M, K]``, weight gradient ``[K, M] x [M, N] -> [E, K, N]`` (the groups
+    split the contracted rows ``M``)."""
+    if a.dim() == 2 and b.dim() == 2:
+        return 2 * int(a.numel()) * int(b.shape[-1])
+    return 2 * int(out_val.numel()) * int(a.shape[-1])
+
+
 def flop_formula(func: Any) -> Any:
     """FLOP formula ``f(*args, out_val=out, **kwargs) -> int`` for an aten op, or None (0 FLOPs).
 
     ``torch.utils.flop_counter``'s table (matmuls, convolutions, GPU attention kernels) plus the
-    CPU flash attention forward/backward it has no formula for (FACTS.md: they counted 0).
+    CPU flash attention forward/backward and ``_grouped_mm`` it has no formula for (FACTS.md: they
+    counted 0; a tp = 1 mixtral stage's experts, issue 15).
     """
     from torch.utils.flop_counter import flop_registry
 
@@ -261,6 +272,8 @@ def flop_formula(func: Any) -> Any:
         return _cpu_flash
     if packet is aten._scaled_dot_product_flash_attention_for_cpu_backward:
         return _cpu_flash_backward
+    if packet is getattr(aten, "_grouped_mm", None) and packet not in flop_registry:
+        return _grouped_mm_flops
     return flop_registry.get(packet)
 
 

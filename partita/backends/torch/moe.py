@@ -129,11 +129,16 @@ class _Gather(torch.autograd.Function):
 
 
 class _Join(torch.autograd.Function):
-    """``out`` unchanged, with ``anchors`` (the received rows, the local expert weights) as inputs whose
-    gradient is zero. On a rank whose local experts received no rows, the combine all_to_all and the
-    dispatch's backward stay in the autograd graph (else that rank skips both backward all_to_all and
-    the tp group deadlocks), and every local expert weight gets a gradient (zeros), so the ``dp``
-    gradient sync issues the same collectives on every rank whatever the routing."""
+    """``out`` unchanged, with ``anchors`` (the received rows) as inputs whose gradient is zero. On a rank
+    whose local experts received no rows, the combine all_to_all and the dispatch's backward stay in
+    the autograd graph (else that rank skips both backward all_to_all and the tp group deadlocks).
+
+    The expert weights are no anchors: every local expert runs, on zero rows where none came, so each
+    weight gets its gradient (zeros there) from its own matmuls. A weight anchored here was reachable
+    from this node both directly and through the experts' matmuls, so a split backward
+    (``backends/torch/wsplit.py``, ZB-H1) had to compute the expert weights' gradients in B rather than
+    defer them to W as the plan prices (``partita rehearse`` of mixtral-8x7b: B freed the experts'
+    saved tensors, and the later stages held 10-32% less than planned; issue 15)."""
 
     @staticmethod
     def forward(ctx: Any, out: torch.Tensor, *anchors: torch.Tensor) -> torch.Tensor:
@@ -241,20 +246,53 @@ def _experts_and_combine(
             rows = torch.cat([torch.arange(a, a + c, device=recv.device) for a, c in recv_e[j]])
         else:
             rows = torch.nonzero(recv_e == j).squeeze(-1)
-        if rows.numel() == 0:
-            continue
+        # an expert that received no rows still runs, on zero rows: its weights get a gradient (zeros), so
+        # the dp gradient sync issues the same collectives on every rank whatever the routing
         cur = recv[rows]
         h1 = cur @ gate_up[j] if self.is_transposed else nn.functional.linear(cur, gate_up[j])
         h1 = self._apply_gate(h1) if self.has_gate else self.act_fn(h1)
         h2 = h1 @ down[j] if self.is_transposed else nn.functional.linear(h1, down[j])
         out = out.index_add(0, rows, h2.to(out.dtype))
-    out = _Join.apply(out, recv, gate_up, down)  # same collectives on every rank, whatever the routing
+    out = _Join.apply(out, recv)  # same collectives on every rank, whatever the routing
     back = _AllToAll.apply(out, send_splits, recv_splits, group)
     inv = torch.empty_like(order)
     inv[order] = torch.arange(order.numel(), device=order.device)
     pairs = back[inv] * w.reshape(-1, 1)  # [n k, h], in (token, choice) order
     local = pairs.view(n, k, -1).sum(dim=1).to(hidden_states.dtype)
     return _Gather.apply(local, r, p, group)
+
+
+def experts_in_autocast_dtype(module: nn.Module) -> None:
+    """Under ``torch.autocast`` (``parallel.apply_autocast``), every experts module of ``module`` that is
+    not expert-parallel runs in the autocast dtype: its input rows and its expert weights are cast to
+    it (the weights' casts, as autocast casts an ``nn.Linear`` weight) and its output goes back to the
+    input's dtype. Transformers' grouped experts call torch's grouped matmul, which autocast does not
+    cast: on f32 master weights the CUDA kernel (and its meta function, which ``partita rehearse``
+    runs under fake tensors) refuses anything but bf16, so a tp = 1 mixtral stage could neither run
+    on a GPU nor rehearse; the plan prices those matmuls and their saved copies in the low dtype
+    (``search/saved.py``'s autocast mode). The expert-parallel forward casts its rows itself."""
+    mod: Any
+    for mod in module.modules():
+        if is_experts_module(mod) and not hasattr(mod, "_partita_ep") and not hasattr(mod, "_partita_low"):
+            mod._partita_low = False  # True while the cast call runs (functional_call calls forward again)
+            mod.forward = types.MethodType(_low_precision_experts, mod)
+
+
+def _low_precision_experts(self: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    dev = hidden_states.device.type
+    plain = type(self).forward
+    if self._partita_low or not torch.is_autocast_enabled(dev) or not hidden_states.is_floating_point():
+        return plain(self, hidden_states, *args, **kwargs)
+    from torch.func import functional_call
+
+    low = torch.get_autocast_dtype(dev)
+    casts = {a: w.to(low) for a in WEIGHTS if isinstance(w := getattr(self, a, None), torch.Tensor)}
+    self._partita_low = True
+    try:
+        out = functional_call(self, casts, (hidden_states.to(low), *args), kwargs)
+    finally:
+        self._partita_low = False
+    return out.to(hidden_states.dtype)
 
 
 def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh, paths: list[str]) -> None:

@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from partita.backends.torch import moe as torch_moe
 from partita.backends.torch import stages as torch_stages
 from partita.backends.torch import tp as torch_tp
 from partita.backends.torch.tp import parse_placement  # noqa: F401 - the emitted program's API
@@ -280,6 +281,7 @@ def apply_autocast(module: nn.Module, dtype: str) -> None:
 
     module.register_forward_pre_hook(pre)
     module.register_forward_hook(post)
+    torch_moe.experts_in_autocast_dtype(module)  # grouped experts matmuls in dt too (autocast skips them)
 
 
 def boundary_in(boundary: Sequence[tuple[torch.Size, torch.dtype]], dtype: str) -> list[tuple[torch.Size, torch.dtype]]:
@@ -296,6 +298,7 @@ def reference_forward(model: nn.Module, x: torch.Tensor, precision: str, dtype: 
         return model(x)
     dt = LOW_PRECISION[dtype]
     if precision == "autocast":
+        torch_moe.experts_in_autocast_dtype(model)  # as apply_autocast: grouped experts in dt too
         with torch.autocast(x.device.type, dtype=dt):
             return model(x)
     from torch.func import functional_call
