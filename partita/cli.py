@@ -375,7 +375,10 @@ def _add_training(p: argparse.ArgumentParser, defaults: bool = True) -> None:
     )
 
 
-_SP_HELP = "Megatron sequence parallelism: refused, the runtime has none (exit 2 with the reason)"
+_SP_HELP = (
+    "Megatron sequence parallelism (compile with a hand-made layout: tp >= 2, 1f1b / gpipe, recompute none or "
+    "selective); `evaluate` refuses it (exit 2 with the reason)"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -548,11 +548,13 @@ def compile_layout(
     t0 = time.perf_counter()
     _check_training(training)
     cl = parse_cluster(cluster, gpus_per_node)  # validate the cheap inputs before tracing
-    from partita.search.evaluate import check_sequence_parallel
+    from partita.search import sequence_parallel
     from partita.search.hand_plan import hand_plan
     from partita.search.precision import choose_precision
 
-    check_sequence_parallel(bool(layout.get("sequence_parallel")))
+    if layout.get("sequence_parallel"):  # what the runtime does not build with it, refused before tracing
+        keys = ("tp", "dp", "zero_stage", "recompute", "schedule", "num_virtual")
+        sequence_parallel.check(**{k: layout[k] for k in keys})
 
     training = choose_precision(cl, training)  # the search's and evaluate's rule
     traced = trace_model(model, batch=TRACE_BATCH, seq=training.seq_len)

@@ -13,9 +13,9 @@ zero-bubble schedule (``zb_h1``) with ZeRO-2/3 or recompute, which no runtime ru
 (:func:`check_split_backward`). Under ``zb_h1`` each stage's deferred weight gradients are priced
 with its own layers (``search/zero_bubble.py``), as the planner prices them.
 A ``tp`` wider than a node is priced over the network and said so in the notes (the planner
-itself never searches it, rule R1). Sequence parallelism is refused the same way (``sequence_parallel=True``):
-no emitter realizes Megatron's sequence parallelism (``backends/torch/tp.py`` keeps whole activations on
-the tp group), so it is not a dimension of the search, and a layout with it could not be emitted.
+itself never searches it, rule R1). Sequence parallelism (``sequence_parallel=True``) is refused here: it is
+no dimension of the search and ``evaluate`` does not price it; a hand layout's ``partita compile
+--sequence-parallel`` builds it (``search/sequence_parallel.py``, ``backends/torch/tp.py``).
 
 The :class:`Evaluation` carries memory per device by category (parameters, gradients, optimizer
 state, activations: the same terms ``search/stage_cost.stage_arrays`` sums), whether it fits, the
@@ -129,13 +129,14 @@ def tp_dims(graph: Graph) -> tuple[dict[str, set[int]], int | None]:
 
 
 def check_sequence_parallel(sequence_parallel: bool) -> None:
-    """Refuse Megatron sequence parallelism (module docstring): no emitter realizes it."""
+    """Refuse Megatron sequence parallelism here (module docstring): ``partita evaluate`` and the
+    search price programs without it; a hand layout's compile builds it (``search/sequence_parallel.py``)."""
     if sequence_parallel:
         raise ConfigError(
-            "sequence parallelism cannot be built: the runtime has no Megatron sequence parallelism (its tensor "
-            "parallelism keeps whole activations on the tp group: column- and row-parallel modules with an "
-            "all-reduce, backends/torch/tp.py), so no program could realize the layout and it is not priced.",
-            "drop --sequence-parallel; with tp > 1, --recompute selective or full lowers activation memory instead.",
+            "sequence parallelism is not priced by `partita evaluate` or the search: only a hand-made layout's "
+            "compile builds it (search/sequence_parallel.py writes its roles, records and memory into the plan).",
+            "run `partita compile MODEL --tp T --pp P --dp D --micro-batch B --sequence-parallel` instead "
+            "(its report and plan.json carry the prediction), or drop --sequence-parallel.",
         )
 
 

@@ -1,11 +1,13 @@
-"""A Plan for a hand-made Megatron layout (tp, pp, dp, micro-batch, ZeRO, recompute), priced by the search's model.
+"""A Plan for a hand-made Megatron layout (tp, pp, dp, micro-batch, ZeRO, recompute, sequence parallelism), priced by the search's model.
 
 The what-if path of issue 15 (``partita compile MODEL --tp T --pp P --dp D ...``): the layout is
 checked and priced as ``search/evaluate.evaluate_config`` prices it (blocks split evenly over
 stages, the cluster's first device type), with the tensor parallelism the program builds
 (``tp_style="torch"`` for a torch graph: the ILP picks each module's role, ``Stage.tp_plan``), and
 the winning-candidate path of the planner (``search/plan_build.build_plan``) writes the Plan, so its records (collectives per stage with bytes, memory by category, FLOPs) are the ones a
-searched plan carries. Used by ``bench/rehearse.py`` and the rehearsal tests.
+searched plan carries. Used by ``bench/rehearse.py`` and the rehearsal tests. ``sequence_parallel``:
+Megatron's sequence parallelism, written into that Plan by ``search/sequence_parallel.py`` (roles,
+records, memory); no search builds it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from partita.search.config import SearchOptions, TrainingConfig
 from partita.search.evaluate import check_layout, megatron_split, stage_tps
 from partita.search.plan_build import Candidate, StagePick, build_plan
 from partita.search.planner import Option, Search
+from partita.search.sequence_parallel import apply as sequence_parallel_apply
+from partita.search.sequence_parallel import check as sequence_parallel_check
 from partita.search.stage_cost import SolverCosts
 from partita.search.zero_bubble import in_flight_table, range_held
 
@@ -59,8 +63,11 @@ def hand_plan(
         micro_batch=micro_batch,
         schedule=schedule,
         num_virtual=num_virtual,
-        sequence_parallel=sequence_parallel,
     )
+    if sequence_parallel:  # built and recorded by search/sequence_parallel.py after the plan without it
+        sequence_parallel_check(
+            tp=tp, dp=dp, zero_stage=zero_stage, recompute=recompute, schedule=schedule, num_virtual=num_virtual
+        )
     v = num_virtual if schedule == "interleaved_1f1b" else 1  # model chunks per rank group (chunk_layout.py)
     if (schedule == "zbv" or v > 1) and graph.meta.get("no_chunks"):
         raise ConfigError(
@@ -107,6 +114,8 @@ def hand_plan(
         plan = v_layout.lay_out(search, build_plan(search, [vc], time.perf_counter() - t0), vc)
     else:
         plan = chunk_layout.lay_out(search, build_plan(search, [cand], time.perf_counter() - t0))
+    if sequence_parallel:
+        plan = sequence_parallel_apply(plan, graph)
     layout = {
         "tp": tps[0] if len(set(tps)) == 1 else list(tps),
         "pp": pp,
@@ -115,6 +124,7 @@ def hand_plan(
         "zero_stage": zero_stage,
         "recompute": recompute,
         "schedule": schedule,
+        **({"sequence_parallel": True} if sequence_parallel else {}),
         **({"num_virtual_stages": v} if v > 1 else {}),
         "dtype": training.dtype,
         "device": dev.name,

@@ -215,3 +215,37 @@ def saved_plan(g: Graph, layer: Layer, mode: str, low: int, grad: frozenset[str]
 def _is_weight(n: Node, i: int, g: Graph) -> bool:
     """A matmul's weight operand (rank >= 2), not its bias (the backward never reads a bias)."""
     return g.tensors[n.inputs[i]].rank >= 2
+
+
+def replicated_bytes(
+    g: Graph, layer: Layer, sp: SavedPlan, replicated: frozenset[str], env: Mapping[str, int]
+) -> float:
+    """Bytes of ``sp`` that the nodes named in ``replicated`` count (the outputs they save and the roots from
+    before the layer they first read), at the sizes ``env`` gives, without autocast's copies of matmul
+    inputs and weights, and without a root that a node outside ``replicated`` also reads (a column
+    matmul's input, which sequence parallelism all-gathers and keeps whole): what a tp-replicated region
+    keeps whole on every rank, and Megatron's sequence parallelism keeps for ``s/t`` rows
+    (``search/sequence_parallel.py``; the same tensors ``intra_op``'s ``_saved_bytes`` prices)."""
+    import math
+
+    from partita.ir import dim_size
+
+    def numel(t: str) -> float:
+        return float(math.prod(dim_size(d, env) for d in g.tensors[t].shape))
+
+    outside = {sp.root.get(t, t) for name in layer.nodes if name not in replicated for t in g.node(name).inputs}
+    total = 0.0
+    for name in layer.nodes:
+        if name not in replicated:
+            continue
+        n = g.node(name)
+        for t in n.outputs:
+            if sp.root.get(t) == t and t in sp.saved and t not in outside:
+                total += numel(t) * sp.item[t]
+        seen: set[str] = set()
+        for t in n.inputs:
+            r = sp.root.get(t, t)
+            if sp.owner.get(r) == n.name and r not in seen and r not in outside:
+                seen.add(r)
+                total += numel(r) * sp.item[r]
+    return total

@@ -749,9 +749,21 @@ class SolverCosts:
             return 0.0, 0.0
         return max(0.0, act - inputs - keep), sol.selective_forward_s
 
+    @functools.cached_property
+    def _num_readers(self) -> dict[str, int]:
+        """Tensor -> how many layers take it as an input."""
+        out: dict[str, int] = {}
+        for lay in self.graph.layers:
+            for t in set(lay.inputs):
+                out[t] = out.get(t, 0) + 1
+        return out
+
     def _cache_prev_boundary(self, index: int, sol, item: float | None = None) -> float:  # noqa: ANN001
         """Bytes of the layer's input activations per device (replicated over tp at the boundary); ``item``:
-        bytes per floating-point element as the program holds them (default: the traced dtype)."""
+        bytes per floating-point element as the program holds them (default: the traced dtype). An input
+        other layers read too (Llama's rotary cos / sin and mask, made once before the blocks) is one
+        tensor held by the stage, not a checkpointed layer's own: not counted (issue 15, selective
+        recompute's closed form in ``tests/runtime/test_closed_forms.py``)."""
         from partita.ir import dim_size
 
         lay = self.graph.layers[index]
@@ -759,7 +771,7 @@ class SolverCosts:
         total = 0.0
         for t in lay.inputs:
             ten = self.graph.tensors.get(t)
-            if ten is not None and ten.role.value == "activation":
+            if ten is not None and ten.role.value == "activation" and self._num_readers[t] < 2:
                 floating = item is not None and ten.dtype in ("f64", "f32", "bf16", "f16")
                 total += float(dim_size(ten.nbytes(), env)) * (item / ten.itemsize if floating else 1.0)
         return total

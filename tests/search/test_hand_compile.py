@@ -3,8 +3,8 @@
 What these tests prove, through the CLI in-process: the written plan.json records the layout asked
 for (degrees per stage, ZeRO, recompute, schedule, precision) and its price is the one ``partita
 evaluate`` gives for the same layout (one cost model); a layout that cannot be built, or layout
-options without a layout, or Megatron sequence parallelism (the runtime has none: refused in
-``evaluate`` too), end with one paragraph, exit 2 and no file written.
+options without a layout, or Megatron sequence parallelism where the runtime does not build it (full
+recompute, tp = 1; ``evaluate`` never prices it), end with one paragraph, exit 2 and no file written.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def test_hand_layout_is_emitted_and_recorded(tmp_path: Path, capsys) -> None:  #
 def test_evaluate_refuses_sequence_parallelism(capsys: pytest.CaptureFixture) -> None:
     assert main(["evaluate", *BASE, "--tp", "2", "--sequence-parallel"]) == 2
     err = capsys.readouterr().err
-    assert "no Megatron sequence parallelism" in err and "Fix:" in err and "Traceback" not in err
+    assert "not priced by `partita evaluate`" in err and "Fix:" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize(
@@ -61,7 +61,8 @@ def test_evaluate_refuses_sequence_parallelism(capsys: pytest.CaptureFixture) ->
         (["--tp", "4", "--dp", "4"], "exceeds the cluster's 8 devices"),
         (["--pp", "3"], "do not split into pp=3"),
         (["--recompute", "full"], "no layout was given"),
-        (["--tp", "2", "--sequence-parallel"], "sequence parallelism cannot be built"),
+        (["--tp", "2", "--sequence-parallel", "--recompute", "full"], "sequence parallelism cannot be built"),
+        (["--sequence-parallel", "--dp", "2"], "sequence parallelism cannot be built"),
     ],
 )
 def test_bad_layout_writes_nothing(tmp_path: Path, capsys, extra: list[str], words: str) -> None:  # noqa: ANN001

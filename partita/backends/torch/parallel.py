@@ -95,7 +95,8 @@ def _gpt2_embed(root: nn.Module, ids: Any, ctx: StageContext) -> Any:
 
 
 def _llama_block(root: nn.Module, block: nn.Module, x: Any, ctx: StageContext) -> Any:
-    pos = torch.arange(x.shape[1], device=ctx.device).unsqueeze(0)
+    # under sequence parallelism a block after the stage's first gets 1/tp of the rows (tp.SEQ_SPLIT)
+    pos = torch.arange(x.shape[1] * getattr(block, "partita_seq_split", 1), device=ctx.device).unsqueeze(0)
     cos, sin = root.model.rotary_emb(torch.ones(1, device=ctx.device), pos)
     return block(x, attention_mask=None, position_embeddings=(cos, sin), position_ids=pos)
 

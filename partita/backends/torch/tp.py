@@ -25,7 +25,27 @@ role                      what the hooks do                                  for
 ``embed_dim``             nn.Embedding sharded on the hidden dim             all_gather        -
 ``expert``                an experts module sharded by expert (``moe.py``)   2 all_to_all,     2 all_to_all,
                           tokens sliced, dispatched, combined, gathered      2 all_gather      2 all_gather
+``colwise_sp``            input: sequence shard -> Shard(1) -> Replicate     all_gather [1]    reduce_scatter
+``rowwise_sp``            as ``rowwise``, Partial -> Shard(1) (sequence)     reduce_scatter    all_gather
+``sequence_parallel``     a block: its input sliced to this rank's sequence  all_gather (out)  all_gather (in),
+                          shard, its output gathered (first / last of the                      all_reduce per
+                          stage's blocks); its plain parameters' gradients                     plain parameter
+                          summed over tp (the norms ran on a shard)
 ========================  =================================================  ===============  =============
+
+Megatron sequence parallelism (Korthikanti et al. 2022; torchtitan's ``SequenceParallel`` norms,
+``ColwiseParallel(input_layouts=Shard(1))``, ``RowwiseParallel(output_layouts=Shard(1))``): a stage
+whose plan gives its blocks the role ``sequence_parallel`` keeps the residual stream between its
+first and last block as this rank's slice of the sequence (dim 1, ``[b, s/t, h]``): norms, residual
+adds and every other op outside the tp modules run on ``s/t`` rows. The column modules all-gather
+their (cast) input once per parent and the row modules reduce-scatter their output. The norms'
+weights stay plain tensors; a gradient hook sums each over tp (the ``SequenceParallel`` style's
+Replicate weights would leave a Partial gradient for the optimizer to reduce), registered on the
+object the owning module runs with (under FSDP2, its unsharded parameter, before FSDP2's
+reduce-scatter over dp reads the gradient). Unlike torchtitan the
+embedding and the LM head keep their non-SP roles: the stage's first block slices its input (no
+communication forward, an all-gather of the gradient backward) and its last block all-gathers its
+output (the final norm and the head then run on the whole sequence).
 
 (``colwise`` = ``ColwiseParallel(output_layouts=Shard(-1), use_local_output=True)``, ``colwise_gather``
 = ``ColwiseParallel(output_layouts=Replicate())``, ``rowwise`` = ``RowwiseParallel(input_layouts=Shard(-1))``,
@@ -62,7 +82,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
 from partita.backends.torch import moe
 from partita.errors import PlanError
@@ -71,7 +91,11 @@ from partita.frontends.torch_shim import strided_shard
 COLUMN, COLUMN_GATHER, ROW, ROW_REPLICATED = "colwise", "colwise_gather", "rowwise", "rowwise_replicated"
 VOCAB, EMBED_DIM, GENERIC = "vocab", "embed_dim", "generic"
 EXPERT = moe.EXPERT  # an experts module sharded over tp by expert (backends/torch/moe.py: all_to_all dispatch)
-ROLES = (COLUMN, COLUMN_GATHER, ROW, ROW_REPLICATED, VOCAB, EMBED_DIM, EXPERT, GENERIC)
+COLUMN_SP, ROW_SP, SEQUENCE = "colwise_sp", "rowwise_sp", "sequence_parallel"  # Megatron SP (module docstring)
+SP_ROLES = (COLUMN_SP, ROW_SP, SEQUENCE)
+SEQ_DIM = 1  # the sequence dim of a block's activations [b, s, h] (torchtitan's Shard(1))
+SEQ_SPLIT = "partita_seq_split"  # on a block whose input is 1/tp of the rows (parallel._llama_block's positions)
+ROLES = (COLUMN, COLUMN_GATHER, ROW, ROW_REPLICATED, VOCAB, EMBED_DIM, EXPERT, *SP_ROLES, GENERIC)
 
 
 def parse_placement(text: str) -> Placement:
@@ -143,8 +167,9 @@ def with_aliases(model: nn.Module, placements: Mapping[str, str]) -> dict[str, s
 
 
 _ROLE_OF_OWN = {
-    COLUMN: (COLUMN, COLUMN_GATHER),
-    ROW: (ROW, ROW_REPLICATED),
+    "": (SEQUENCE,),  # a block: no tp-sharded parameter of its own
+    COLUMN: (COLUMN, COLUMN_GATHER, COLUMN_SP),
+    ROW: (ROW, ROW_REPLICATED, ROW_SP),
     VOCAB: (VOCAB,),
     EMBED_DIM: (EMBED_DIM,),
     EXPERT: (EXPERT,),
@@ -239,6 +264,9 @@ def tp_collectives(roles: Mapping[str, str], no_input_grad: Sequence[str] = ()) 
     for role in roles.values():
         if role in (ROW, ROW_REPLICATED, VOCAB):
             add(fwd, "all_reduce")
+        if role == ROW_SP:
+            add(fwd, "reduce_scatter")
+            add(bwd, "all_gather")
         if role in (COLUMN_GATHER, EMBED_DIM):
             add(fwd, "all_gather")
         if role == ROW_REPLICATED:
@@ -250,6 +278,12 @@ def tp_collectives(roles: Mapping[str, str], no_input_grad: Sequence[str] = ()) 
     cols = [p for p, r in roles.items() if r in (COLUMN, COLUMN_GATHER) and p not in no_input_grad]
     for _ in {p.rpartition(".")[0] for p in cols}:
         add(bwd, "all_reduce")
+    for _ in {p.rpartition(".")[0] for p, r in roles.items() if r == COLUMN_SP}:
+        add(fwd, "all_gather")
+        add(bwd, "reduce_scatter")
+    if any(r == SEQUENCE for r in roles.values()):  # the region's ends (the norms' gradient sums: not counted)
+        add(fwd, "all_gather")
+        add(bwd, "all_gather")
     return {"forward": fwd, "backward": bwd}
 
 
@@ -290,10 +324,17 @@ class _Hooks:
                 return args
             if role in (COLUMN, COLUMN_GATHER):
                 return (self.replicated(parent, x), *rest)
+            if role == COLUMN_SP:
+                raise PlanError(
+                    f"{type(mod).__name__} is column-parallel on the whole sequence, but its input arrives as "
+                    "this rank's rows (its parent module did not gather them).",
+                    "recompile the plan for this model; sequence parallelism needs the column modules' parent "
+                    "to take the block's hidden states as its first input.",
+                )
             if role == ROW_REPLICATED:  # arrives replicated: take this rank's slice
                 dt = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
                 return (dt.redistribute(mesh, [Shard(x.dim() - 1)]), *rest)
-            if role == ROW:
+            if role in (ROW, ROW_SP):
                 if mesh.size() > 1 and x.shape[-1] == in_features:
                     raise PlanError(
                         f"{type(mod).__name__} is row-parallel on a sharded input, but its input arrives whole "
@@ -311,8 +352,10 @@ class _Hooks:
         def hook(mod: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
             if not isinstance(out, DTensor):
                 return out
-            if role == COLUMN:
+            if role in (COLUMN, COLUMN_SP):
                 return out.to_local()
+            if role == ROW_SP:  # Partial -> this rank's rows: a reduce-scatter (its gradient all-gathers)
+                return out.redistribute(mesh, [Shard(SEQ_DIM)]).to_local()
             return out.redistribute(mesh, [Replicate()]).to_local()
 
         return hook
@@ -332,7 +375,7 @@ def _localize_attrs(
 ) -> None:
     """Divide the parent attributes that size a strided column module's split by ``tp``."""
     for path, role in roles.items():
-        if role != COLUMN or _strided(placements.get(f"{path}.weight", "")) is None:
+        if role not in (COLUMN, COLUMN_SP) or _strided(placements.get(f"{path}.weight", "")) is None:
             continue
         for suffix, attrs in strided_attrs.items():
             if path != suffix and not path.endswith("." + suffix):
@@ -380,6 +423,8 @@ def tensor_parallel(
             owners.setdefault(id(p), []).append((mod, attr))
     done: set[int] = set()
     for path in derived:
+        if derived[path] == SEQUENCE:
+            continue  # a block: its own tp modules are placed on their own
         for _, p in list(module.get_submodule(path).named_parameters(recurse=False)):
             if id(p) in done:
                 continue
@@ -396,13 +441,103 @@ def tensor_parallel(
     moe.apply_expert_parallel(module, mesh, [p for p, r in derived.items() if r == EXPERT])
     hooks = _Hooks(mesh)
     for path, role in derived.items():
-        if role == EXPERT:
-            continue  # its forward is replaced: the experts run on this rank's shard (moe.py)
+        if role in (EXPERT, SEQUENCE):
+            continue  # experts: forward replaced (moe.py); blocks: _sequence_region below
         mod, parent = module.get_submodule(path), path.rpartition(".")[0]
         mod.register_forward_pre_hook(hooks.pre(role, parent, _in_features(mod)))
         mod.register_forward_hook(hooks.post(role))
-    for parent in {p.rpartition(".")[0] for p, r in derived.items() if r in (COLUMN, COLUMN_GATHER)}:
+    _sequence_region(module, mesh, [p for p, r in derived.items() if r == SEQUENCE])
+    for parent in sorted({p.rpartition(".")[0] for p, r in derived.items() if r == COLUMN_SP}):
+        module.get_submodule(parent).register_forward_pre_hook(_gather_rows(mesh), with_kwargs=True)
+    for parent in {p.rpartition(".")[0] for p, r in derived.items() if r in (COLUMN, COLUMN_GATHER, COLUMN_SP)}:
         owner = module.get_submodule(parent)  # the shared input lives for one call of the parent
         owner.register_forward_pre_hook(lambda m, a, parent=parent: hooks.clear(parent))
         owner.register_forward_hook(lambda m, a, o, parent=parent: hooks.clear(parent))
     return derived
+
+
+def _gather_rows(mesh: DeviceMesh) -> Any:
+    """Forward pre-hook of a ``colwise_sp`` parent (torchtitan's ``PrepareModuleInput(Shard(1) ->
+    Replicate)`` on attention / MLP): its hidden states, this rank's rows (cast to the autocast dtype
+    first, as :meth:`_Hooks.replicated`), become one all-gathered Replicate DTensor that its column
+    modules share (their input gradients meet in one reduce-scatter). Inside the parent the shapes are
+    the whole sequence's (``view(*input_shape, -1, head_dim)``)."""
+
+    def gather(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
+            return x
+        dev = x.device.type
+        if x.is_floating_point() and torch.is_autocast_enabled(dev):
+            x = x.to(torch.get_autocast_dtype(dev))
+        return DTensor.from_local(x, mesh, [Shard(SEQ_DIM)], run_check=False).redistribute(mesh, [Replicate()])
+
+    def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        if args:
+            return (gather(args[0]), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": gather(kwargs["hidden_states"])}
+
+    return hook
+
+
+def _sequence_region(module: nn.Module, mesh: DeviceMesh, blocks: Sequence[str]) -> None:
+    """Megatron sequence parallelism over ``blocks`` (module docstring): the first slices its input to
+    this rank's rows, the last all-gathers its output, and each plain parameter inside them (a norm's
+    weight, which saw only this rank's rows) gets its gradient summed over tp by a hook."""
+    if not blocks:
+        return
+    order = {n: i for i, (n, _) in enumerate(module.named_modules())}
+    blocks = sorted(blocks, key=order.__getitem__)
+    tp = mesh.size()
+
+    def to_rows(x: Any) -> Any:  # Replicate -> Shard(1): a local slice (its gradient all-gathers)
+        if not isinstance(x, torch.Tensor) or x.dim() <= SEQ_DIM:
+            return x
+        if x.shape[SEQ_DIM] % tp:
+            raise PlanError(
+                f"sequence parallelism splits the sequence ({x.shape[SEQ_DIM]} tokens) over tp={tp}, which "
+                "does not divide it.",
+                "choose a sequence length divisible by tp, or drop --sequence-parallel.",
+            )
+        d = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        return d.redistribute(mesh, [Shard(SEQ_DIM)]).to_local()
+
+    def to_all(x: Any) -> Any:  # Shard(1) -> Replicate: an all-gather (its gradient is a local slice)
+        if not isinstance(x, torch.Tensor) or x.dim() <= SEQ_DIM:
+            return x
+        d = DTensor.from_local(x, mesh, [Shard(SEQ_DIM)], run_check=False)
+        return d.redistribute(mesh, [Replicate()]).to_local()
+
+    def enter(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        if args:
+            return (to_rows(args[0]), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": to_rows(kwargs["hidden_states"])}
+
+    def leave(mod: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
+        if isinstance(out, tuple):
+            return (to_all(out[0]), *out[1:])
+        return to_all(out)
+
+    module.get_submodule(blocks[0]).register_forward_pre_hook(enter, with_kwargs=True)
+    for path in blocks[1:]:  # their input holds 1/tp of the rows: an adapter sizing positions reads this
+        setattr(module.get_submodule(path), SEQ_SPLIT, tp)
+    module.get_submodule(blocks[-1]).register_forward_hook(leave)
+
+    def summed(g: torch.Tensor) -> torch.Tensor:
+        return DTensor.from_local(g, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+
+    def hook_params(mod: nn.Module, args: tuple[Any, ...]) -> None:
+        # registered when the module that owns the parameter runs, on the object it runs with:
+        # materializing the stage (to_empty, the rehearsal's fake mode) may replace the parameters the
+        # setup saw, and FSDP2 swaps its unsharded ones in from the block's own pre-forward
+        for p in mod.parameters(recurse=False):
+            if not isinstance(p, DTensor) and p.requires_grad and not getattr(p, _SUMMED, False):
+                p.register_hook(summed)
+                setattr(p, _SUMMED, True)
+
+    for path in blocks:
+        for mod in module.get_submodule(path).modules():
+            if any(True for _ in mod.parameters(recurse=False)):
+                mod.register_forward_pre_hook(hook_params)
+
+
+_SUMMED = "_partita_tp_summed"  # a plain parameter whose gradient hook sums it over tp (_sequence_region)
