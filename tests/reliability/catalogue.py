@@ -479,6 +479,15 @@ CASES: list[Case] = [
         before="new option",
     ),
     Case(
+        "sequence-parallel-tp1",
+        "training",
+        "--sequence-parallel on a layout without tensor parallelism",
+        ("compile", "llama-tiny", "--cluster", "4xCPU", "--global-batch", "8", "--seq", "16", "--tp", "1")
+        + ("--dp", "4", "--sequence-parallel", "--out", "{t}/out"),
+        ("sequence parallelism cannot be built here", "tp=1", "--tp 2 or more"),
+        before="new option",
+    ),
+    Case(
         "zero-micro-batch",
         "training",
         "--micro-batch 0",
