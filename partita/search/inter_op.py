@@ -135,11 +135,28 @@ def _tables(p: StageProblem) -> list[list[_Table]]:
         by_seg[seg].append(_Table(w, tab, diag, shortest))
     if len(_TABLES) >= 2:  # one problem is solved at a time: keep its tables, not old ones
         _TABLES.clear()
+        _SHORTEST.clear()
     _TABLES[id(p)] = (p, by_seg)
+    flat = [t.shortest for tabs in by_seg for t in tabs]
+    _SHORTEST[id(p)] = np.stack(flat) if flat else np.zeros((0, num_units + 1, p.max_stages + 1))
     return by_seg
 
 
 _TABLES: dict[int, tuple[StageProblem, list[list[_Table]]]] = {}
+_SHORTEST: dict[int, np.ndarray] = {}  # per problem, every table's ``shortest`` stacked in _tables' order
+
+
+def _bands(p: StageProblem, by_seg: list[list[_Table]], t_max: float) -> list[list[list[int]]]:
+    """Per segment, per table, per stage count ``s``: the most units of a stage that fits under
+    ``t_max`` (0: none), i.e. ``max(d : shortest[d, s] <= t_max)``; one numpy pass for all tables."""
+    short = _SHORTEST[id(p)]
+    lengths = np.arange(short.shape[1])[None, :, None]
+    flat = np.where(short <= t_max, lengths, 0).max(axis=1).tolist()  # [tables, S + 1]
+    out, at = [], 0
+    for tabs in by_seg:
+        out.append(flat[at : at + len(tabs)])
+        at += len(tabs)
+    return out
 
 
 def _masked(x: np.ndarray, t_max: float) -> np.ndarray:
@@ -149,13 +166,28 @@ def _masked(x: np.ndarray, t_max: float) -> np.ndarray:
 PREMASK_MAX = 1 << 16  # tables up to this many entries are masked by t_max whole, once per run
 
 
-def _premasked(t: _Table, t_max: float) -> tuple[np.ndarray, np.ndarray, float]:
-    """``(tab, diag, t_max)`` for :func:`_run`: a small table masked whole here (one ``np.where``
-    instead of one per stage count ``s``), its slices then need no mask (``INF``); a large one is
-    masked slice by slice where read (a narrow band reads a few columns). Same floats either way."""
-    if t_max == INF or t.tab.size > PREMASK_MAX:
-        return t.tab, t.diag, t_max
-    return _masked(t.tab, t_max), _masked(t.diag, t_max), INF
+class _Premask:
+    """``tab`` and ``diag`` of one table for :func:`_run`: a small table masked by ``t_max`` whole (one
+    ``np.where`` instead of one per stage count ``s``; its slices then need no mask, ``mask_at`` INF),
+    each array on its first read (a table no band reaches is never masked); a large one is masked
+    slice by slice where read (a narrow band reads a few columns). Same floats either way."""
+
+    def __init__(self, t: _Table, t_max: float) -> None:
+        self.t, self.t_max = t, t_max
+        whole = t_max != INF and t.tab.size <= PREMASK_MAX
+        self.mask_at = INF if whole else t_max  # what _run still masks slice by slice
+        self._tab: np.ndarray | None = None if whole else t.tab
+        self._diag: np.ndarray | None = None if whole else t.diag
+
+    def tab(self) -> np.ndarray:
+        if self._tab is None:
+            self._tab = _masked(self.t.tab, self.t_max)
+        return self._tab
+
+    def diag(self) -> np.ndarray:
+        if self._diag is None:
+            self._diag = _masked(self.t.diag, self.t_max)
+        return self._diag
 
 
 def _run(p: StageProblem, t_max: float) -> list[np.ndarray]:
@@ -174,12 +206,11 @@ def _run(p: StageProblem, t_max: float) -> list[np.ndarray]:
         g[i][0, num_units, :] = 0.0
     by_seg = _tables(p)
     # band[s]: the most units of a stage that fits under t_max with s stages left (0: none)
-    lengths = np.arange(num_units + 1)[:, None]
     # (large tables are masked by t_max slice by slice, where read: a narrow band reads a few columns;
-    # small ones whole, once per run: _premasked)
+    # small ones whole, once per run, on first read: _Premask)
     bands = [
-        [(t, np.where(t.shortest <= t_max, lengths, 0).max(axis=0), *_premasked(t, t_max)) for t in tabs]
-        for tabs in by_seg
+        [(t, band, _Premask(t, t_max)) for t, band in zip(tabs, seg_bands)]
+        for tabs, seg_bands in zip(by_seg, _bands(p, by_seg, t_max))
     ]
     for s in range(1, min(max_stages, num_units) + 1):
         nk = num_units - s + 1
@@ -189,21 +220,21 @@ def _run(p: StageProblem, t_max: float) -> list[np.ndarray]:
                 cur[:nk, :] = g[i + 1][s][:nk, p.capacities[i + 1], None]
             cap = p.capacities[i]
             prev = g[i][s - 1][: nk + 1]
-            widths = [min(int(band[s]), nk) for _, band, _, _, _ in bands[i]]
+            widths = [min(band[s], nk) for _, band, _ in bands[i]]
             narrow = max((x for x in widths if 2 * x < nk), default=0)
             if narrow:  # win[k, d, c] = G[s - 1][k + 1 + d, c] (inf past the last unit), a view
                 padded = np.concatenate([prev[1:], np.full((narrow, cap + 1), INF)])
                 r, col = padded.strides
                 win = np.lib.stride_tricks.as_strided(padded, (nk, narrow, cap + 1), (r, r, col), writeable=False)
-            for (t, _, tab, diag, mask_at), width in zip(bands[i], widths):
+            for (t, _, pm), width in zip(bands[i], widths):
                 w = t.width
                 if width == 0:
                     continue
                 if 2 * width >= nk:  # wide band: the square corner is as cheap
-                    c = _masked(tab[:nk, : nk + 1, s], mask_at)  # [U - s + 1, U - s + 2]
+                    c = _masked(pm.tab()[:nk, : nk + 1, s], pm.mask_at)  # [U - s + 1, U - s + 2]
                     cand = (c[:, :, None] + prev[None, :, : cap + 1 - w]).min(axis=1)
                 else:  # cand[k] = min_d diag[k, d] + G[s - 1][k + 1 + d]
-                    d = _masked(diag[:nk, :width, s], mask_at)
+                    d = _masked(pm.diag()[:nk, :width, s], pm.mask_at)
                     cand = (d[:, :, None] + win[:, :width, : cap + 1 - w]).min(axis=1)  # [U - s + 1, cap + 1 - w]
                 np.minimum(cur[:nk, w:], cand, out=cur[:nk, w:])
     return g

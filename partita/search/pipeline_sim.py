@@ -25,6 +25,7 @@ from partita.errors import PartitaError
 from partita.search.schedule import (
     Action,
     pipeline_actions,
+    rank_orders,
     splits_backward,
     stage_rank,
     virtual_stages,
@@ -89,7 +90,8 @@ def simulate(
     if actions is None:
         lists, table = pipeline_actions(schedule, num_ranks, num_micro, v), _dag(schedule, num_ranks, num_micro, v)
     else:
-        lists, table = actions, _compile(schedule, actions, num_ranks, v)
+        orders = [[(a.stage, a.micro, a.kind) for a in acts] for acts in actions]
+        lists, table = actions, _compile(schedule, orders, num_ranks, v)
     start, end = _run(table, ft, bt, wt, comm, split)
     stage, kind, rank, micro = table[0], table[1], table[7], table[8]
     boxes = [Box(rank[i], Action(stage[i], micro[i], "FBW"[kind[i]]), start[i], end[i]) for i in range(len(stage))]
@@ -127,11 +129,14 @@ def _peaks(lists: list[list[Action]], n_st: int, last: str) -> tuple[tuple[int, 
 def _dag(schedule: str, num_ranks: int, num_micro: int, num_virtual: int) -> tuple[tuple[int, ...], ...]:
     """:func:`_compile` of the schedule's own lists, once per shape."""
     v = virtual_stages(schedule, num_virtual)
-    return _compile(schedule, pipeline_actions(schedule, num_ranks, num_micro, v), num_ranks, v)
+    return _compile(schedule, rank_orders(schedule, num_ranks, num_micro, v), num_ranks, v)
 
 
-def _compile(schedule: str, lists: list[list[Action]], num_ranks: int, v: int) -> tuple[tuple[int, ...], ...]:
-    """Action lists as a dependency-ordered table (columns), the form :func:`_run` executes.
+def _compile(
+    schedule: str, lists: Sequence[Sequence[tuple[int, int, str]]], num_ranks: int, v: int
+) -> tuple[tuple[int, ...], ...]:
+    """Action lists (``(stage, micro, kind)`` per action, :func:`rank_orders`) as a dependency-ordered
+    table (columns), the form :func:`_run` executes.
 
     Retiring each rank's actions in list order as soon as their inputs exist gives an order that
     depends on the lists alone, never on the durations, so it is a topological order that holds for
@@ -140,36 +145,52 @@ def _compile(schedule: str, lists: list[list[Action]], num_ranks: int, v: int) -
     """
     n_st = num_ranks * v
     home = [stage_rank(schedule, s, num_ranks, v) for s in range(n_st)]
+    # hop[s]: the boundary after stage s when its two sides run on different ranks (a p2p), else -1
+    hop = [s if s + 1 < n_st and home[s] != home[s + 1] else -1 for s in range(n_st)]
     kinds = {"F": 0, "B": 1, "W": 2}
     index: dict[tuple[int, int, str], int] = {}
     cols: list[list[int]] = [[] for _ in range(9)]
     pos, last = [0] * num_ranks, [-1] * num_ranks
     remaining = sum(len(x) for x in lists)
+    get = index.get
     while remaining:
         progressed = False
         for r in range(num_ranks):
-            while pos[r] < len(lists[r]):
-                a = lists[r][pos[r]]
-                s, m = a.stage, a.micro
-                if a.kind == "F":
-                    deps = [(s - 1, m, "F", s - 1)] if s > 0 else []
-                elif a.kind == "B":
-                    deps = [(s, m, "F", -1)] + ([(s + 1, m, "B", s)] if s + 1 < n_st else [])
+            acts, i, n = lists[r], pos[r], len(lists[r])
+            while i < n:
+                s, m, kind = acts[i]
+                d2 = h2 = h1 = -1
+                if kind == "F":  # input: the previous stage's forward of this micro-batch
+                    if s > 0:
+                        d1 = get((s - 1, m, "F"))
+                        if d1 is None:
+                            break
+                        h1 = hop[s - 1]
+                    else:
+                        d1 = -1
+                elif kind == "B":  # its own forward, and the next stage's backward
+                    d1 = get((s, m, "F"))
+                    if d1 is None:
+                        break
+                    if s + 1 < n_st:
+                        d2 = get((s + 1, m, "B"))
+                        if d2 is None:
+                            break
+                        h2 = hop[s]
                 else:
-                    deps = [(s, m, "B", -1)]
-                if any(d[:3] not in index for d in deps):
-                    break
-                edges = [(index[d[:3]], d[3] if d[3] >= 0 and home[d[3]] != home[d[3] + 1] else -1) for d in deps]
-                edges += [(-1, -1)] * (2 - len(edges))
-                row = (s, kinds[a.kind], last[r], edges[0][0], edges[0][1], edges[1][0], edges[1][1], r, m)
+                    d1 = get((s, m, "B"))
+                    if d1 is None:
+                        break
+                row = (s, kinds[kind], last[r], d1, h1, d2, h2, r, m)
                 for col, x in zip(cols, row, strict=True):
                     col.append(x)
-                index[(s, m, a.kind)] = last[r] = len(cols[0]) - 1
-                pos[r] += 1
+                index[(s, m, kind)] = last[r] = len(cols[0]) - 1
+                i += 1
                 remaining -= 1
                 progressed = True
+            pos[r] = i
         if not progressed:
-            stuck = {r: str(lists[r][pos[r]]) for r in range(num_ranks) if pos[r] < len(lists[r])}
+            stuck = {r: str(Action(*lists[r][pos[r]])) for r in range(num_ranks) if pos[r] < len(lists[r])}
             raise ScheduleDeadlock(
                 f"the {schedule} action lists block: every rank waits ({stuck}).",
                 "fix the order in search/schedule.py so that each action's inputs come from earlier actions.",

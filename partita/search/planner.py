@@ -70,9 +70,11 @@ def _tail_bound(fam: list[Option]) -> float:
     last one ends at unit U, on some option and combo that fits (rule R7)."""
     first, last = math.inf, math.inf
     for o in fam:
-        fit = np.isfinite(o.stack).any(axis=3)  # [C, U, U+1]: fits with some number of stages after it
-        first = min(first, float(np.min(o.tails[:, 0][fit[:, 0]], initial=math.inf)))
-        last = min(last, float(np.min(o.tails[:, :, -1][fit[:, :, -1]], initial=math.inf)))
+        # fits with some number of stages after it: the first row and the last column of [C, U, U+1]
+        fit_first = np.isfinite(o.stack[:, 0]).any(axis=2)
+        fit_last = np.isfinite(o.stack[:, :, -1]).any(axis=2)
+        first = min(first, float(np.min(o.tails[:, 0][fit_first], initial=math.inf)))
+        last = min(last, float(np.min(o.tails[:, :, -1][fit_last], initial=math.inf)))
     bound = max(first, last)
     return bound if math.isfinite(bound) else 0.0
 
@@ -112,6 +114,14 @@ class Option:
         return np.where(self.stack[0] == best, 0, pick)
 
     @functools.cached_property
+    def pick_tail(self) -> np.ndarray:
+        """[U, U+1, S+1] the step tail of the combo ``pick`` chose (``capped`` compares it per cap)."""
+        num_units, width, _ = self.pick.shape
+        k = np.arange(num_units)[:, None, None]
+        j = np.arange(width)[None, :, None]
+        return self.tails[self.pick, k, j]
+
+    @functools.cached_property
     def tails(self) -> np.ndarray:
         """[C, U, U+1] step tail per combo."""
         return np.stack([a.tail for a in self.arrays])
@@ -124,10 +134,7 @@ class Option:
         # other combos to inf, and it was already the first least one); only the other entries are
         # re-minimised over the combos under the cap: the same values and ties as masking them all.
         pick = self.pick
-        num_units, width, depth = pick.shape
-        k = np.arange(num_units)[:, None, None]
-        j = np.arange(width)[None, :, None]
-        redo = np.nonzero(self.tails[pick, k, j] >= cap)
+        redo = np.nonzero(self.pick_tail >= cap)
         if not redo[0].size:
             return self.best, pick
         sub = np.where(self.tails[:, redo[0], redo[1]] < cap, self.stack[:, redo[0], redo[1], redo[2]], np.inf)
@@ -210,7 +217,7 @@ class Search:
         """Per combo arrays for a device class, the combos, and their times (inf where a combo does
         not fit on every device of the class) stacked ``[C, U, U+1, S+1]``."""
         per_combo: list[Any] = []
-        times: list[np.ndarray] = []
+        stack: np.ndarray | None = None
         combos = [(z, r) for z, r in ZERO_RECOMPUTE if z in self.options.zero_stages and r in self.options.recompute]
         if dp == 1:
             combos = [(z, r) for z, r in combos if z == 0]
@@ -266,8 +273,11 @@ class Search:
                     )
                 )
             per_combo.append(worst)
-            times.append(np.where(ok, worst.time[:, :, None], np.inf))
-        return per_combo, combos, np.stack(times)
+            if stack is None:  # [C, U, U+1, S+1], filled combo by combo (no np.stack copy)
+                stack = np.empty((len(combos), *ok.shape))
+            stack[len(per_combo) - 1] = np.inf
+            np.copyto(stack[len(per_combo) - 1], worst.time[:, :, None], where=ok)
+        return per_combo, combos, stack if stack is not None else np.stack([])  # (no combo: numpy's error)
 
     def mixes(self, dp: int, b: int) -> list[tuple[tuple[DeviceType, int, int], ...]]:
         """Device classes: each type alone, and the Cephalo mix (replicas proportional to counts)."""

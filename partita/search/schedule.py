@@ -153,7 +153,7 @@ def in_flight(
         peaks = peak_in_flight(schedule, p, m, v, w_held)
         return peaks[i] if schedule == "zb_h1" else max(peaks)
     try:
-        return peak_in_flight(schedule, p, m, v)[i]
+        return rank_peak_in_flight(schedule, i, p, m, v)
     except ConfigError:  # a micro-batch count the interleaved order cannot split: Megatron's count
         return min((p - i - 1) * 2 + (v - 1) * p + 1, m * v) / v
 
@@ -188,6 +188,24 @@ def stage_rank(schedule: str, stage: int, num_ranks: int, num_virtual: int) -> i
 def pipeline_actions(schedule: str, num_ranks: int, num_micro: int, num_virtual: int = 1) -> list[list[Action]]:
     """Per pipeline rank, that rank's actions in execution order (a fresh list; cached underneath)."""
     return [list(r) for r in _actions(schedule, num_ranks, num_micro, num_virtual)]
+
+
+def rank_orders(
+    schedule: str, num_ranks: int, num_micro: int, num_virtual: int = 1
+) -> list[list[tuple[int, int, str]]]:
+    """:func:`pipeline_actions` as ``(stage, micro, kind)`` tuples; 1F1B and ZB-H1 without building
+    their Action objects (the simulator's table of a 1536-micro-batch pipeline: a fifth of its time)."""
+    if schedule in ("1f1b", "zb_h1"):
+        check(schedule, num_micro, num_virtual)
+        if num_ranks < 1:
+            raise ConfigError(f"num_ranks={num_ranks} must be >= 1.", "")
+        return [
+            [(r, i, k) for i, k in _one_f_one_b_steps(r, num_ranks, num_micro, r if schedule == "zb_h1" else None)]
+            for r in range(num_ranks)
+        ]
+    return [
+        [(a.stage, a.micro, a.kind) for a in acts] for acts in _actions(schedule, num_ranks, num_micro, num_virtual)
+    ]
 
 
 @functools.lru_cache(maxsize=256)
@@ -323,25 +341,34 @@ def peak_in_flight(
     its autograd graph, hence its activations, from B to W, and the output gradients W needs); from
     its B to its W it counts ``w_held``. Counted on the order alone.
     """
+    return tuple(rank_peak_in_flight(schedule, r, num_ranks, num_micro, num_virtual, w_held) for r in range(num_ranks))
+
+
+@functools.lru_cache(maxsize=4096)
+def rank_peak_in_flight(
+    schedule: str, rank: int, num_ranks: int, num_micro: int, num_virtual: int = 1, w_held: float = 1.0
+) -> float:
+    """``peak_in_flight(...)[rank]`` from that rank's own list alone (the planner asks for the first
+    rank's count per pipeline depth: building every rank's list cost the 175B search 5% of its time)."""
     v = virtual_stages(schedule, num_virtual)
     split = splits_backward(schedule)
+    check(schedule, num_micro, v)
+    if num_ranks < 1:
+        raise ConfigError(f"num_ranks={num_ranks} must be >= 1.", "")
     if schedule == "zb_h1":  # the same order as _actions, without building Action objects
-        check(schedule, num_micro, v)
-        orders = [_one_f_one_b_steps(r, num_ranks, num_micro, r) for r in range(num_ranks)]
+        kinds = [k for _, k in _one_f_one_b_steps(rank, num_ranks, num_micro, rank)]
     else:
-        orders = [[(a.micro, a.kind) for a in acts] for acts in _actions(schedule, num_ranks, num_micro, v)]
-    peaks = []
-    for acts in orders:
-        fwd = deferred = 0
-        peak = 0.0
-        for _, kind in acts:
-            if kind == "F":
-                fwd += 1
-            elif kind == "B":
-                fwd -= 1
-                deferred += split
-            else:
-                deferred -= 1
-            peak = max(peak, fwd + w_held * deferred)
-        peaks.append(peak / v)
-    return tuple(peaks)
+        gen = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved_1f1b": _interleaved, "zbv": _zbv}
+        kinds = [a.kind for a in gen[schedule](rank, num_ranks, num_micro, v)]
+    fwd = deferred = 0
+    peak = 0.0
+    for kind in kinds:
+        if kind == "F":
+            fwd += 1
+        elif kind == "B":
+            fwd -= 1
+            deferred += split
+        else:
+            deferred -= 1
+        peak = max(peak, fwd + w_held * deferred)
+    return peak / v
