@@ -176,6 +176,17 @@ _LAYOUT_FLAGS = ("tp", "pp", "dp", "micro_batch")
 _LAYOUT_OPTIONS = ("zero", "recompute", "schedule", "virtual_stages")
 
 
+def _degrees(text: str) -> int | tuple[int, ...]:
+    """``--tp``: one degree (``2``), or one per pipeline stage (``2,1,1``)."""
+    try:
+        got = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a degree: pass an integer (--tp 2) or one per stage, comma-separated (--tp 2,1,1)"
+        ) from None
+    return got[0] if len(got) == 1 else got
+
+
 def _hand_layout(args: argparse.Namespace) -> dict[str, Any] | None:
     """The hand-made layout of `partita compile --tp/--pp/--dp/--micro-batch`, or None (search)."""
     given = [f for f in _LAYOUT_FLAGS if getattr(args, f) is not None]
@@ -415,7 +426,12 @@ def build_parser() -> argparse.ArgumentParser:
     hand = s.add_argument_group(
         "hand-made layout (no search: the program for this Megatron-style layout, priced by the search's model)"
     )
-    hand.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default 1 once a layout is given)")
+    hand.add_argument(
+        "--tp",
+        type=_degrees,
+        default=None,
+        help="tensor-parallel degree (default 1 once a layout is given), or one per stage: 2,1,1 with --pp 3",
+    )
     hand.add_argument("--pp", type=int, default=None, help="pipeline stages (blocks split evenly)")
     hand.add_argument("--dp", type=int, default=None, help="data-parallel replicas")
     hand.add_argument("--micro-batch", type=int, default=None, help="samples per micro-batch and replica")

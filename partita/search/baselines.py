@@ -124,7 +124,7 @@ def heterogeneity_unaware(
         held = range_held(graph, training.seq_len, real.units)
         in_flight = in_flight_table(held, plan.schedule, m, sched.virtual_stages(plan.schedule, v), p_num)
     else:
-        in_flight = np.array([0.0] + [sched.in_flight(plan.schedule, 0, s, m, v) for s in range(1, p_num + 1)])
+        in_flight = np.array(sched.in_flight_by_stages_left(plan.schedule, p_num, m, v))
     for st in plan.stages:
         types = [kinds[used[r]] for r in st.ranks]
         devs = tuple((d, types.count(d.name) // st.tp, plan.micro_batch_size) for d in real.types if d.name in types)

@@ -26,6 +26,7 @@ whole cluster.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -144,7 +145,7 @@ def check_layout(
     cluster: Cluster,
     training: TrainingConfig,
     *,
-    tp: int,
+    tp: int | Sequence[int],
     pp: int,
     dp: int,
     micro_batch: int,
@@ -154,11 +155,56 @@ def check_layout(
     dims: tuple[dict[str, set[int]], int | None] | None = None,
 ) -> list[str]:
     """Refuse a layout that cannot be built (module docstring); return notes on one that can.
-    ``dims``: ``tp_dims(graph)`` when the caller checks many layouts of one graph (computed once)."""
+    ``tp``: one degree for every stage, or one per stage (:func:`stage_tps`). ``dims``:
+    ``tp_dims(graph)`` when the caller checks many layouts of one graph (computed once)."""
     check_sequence_parallel(sequence_parallel)
-    for name, val in (("tp", tp), ("pp", pp), ("dp", dp), ("micro_batch", micro_batch), ("num_virtual", num_virtual)):
+    for name, val in (("pp", pp), ("dp", dp), ("micro_batch", micro_batch), ("num_virtual", num_virtual)):
         if val < 1:
             raise ConfigError(f"{name}={val} must be >= 1.", f"pass a positive {name}.")
+    tps = stage_tps(tp, pp)
+    notes = [] if len(set(tps)) == 1 else [_hetero_tp_note(tps, dp)]
+    for t in sorted(set(tps)):
+        notes += _check_uniform(graph, cluster, training, t, pp, dp, micro_batch, schedule, num_virtual, dims, tps)
+    return list(dict.fromkeys(notes))  # the notes every degree repeats (idle devices), once
+
+
+def stage_tps(tp: int | Sequence[int], pp: int) -> tuple[int, ...]:
+    """Per stage, its tensor-parallel degree: ``tp`` for all ``pp`` stages, or one given per stage (a
+    heterogeneous pipeline, as the search lays out across device types); ConfigError otherwise."""
+    tps = (tp,) * pp if isinstance(tp, int) else tuple(tp)
+    if len(tps) != pp:
+        raise ConfigError(
+            f"{len(tps)} tensor-parallel degrees ({','.join(map(str, tps))}) for pp={pp} stages.",
+            f"give one degree for every stage (e.g. --tp {','.join(['2'] + ['1'] * (pp - 1))} with --pp {pp}), or one for all.",
+        )
+    for t in tps:
+        if t < 1:
+            raise ConfigError(f"tp={t} must be >= 1.", "pass a positive tp.")
+    return tps
+
+
+def _hetero_tp_note(tps: tuple[int, ...], dp: int) -> str:
+    return (
+        f"stages of different tensor parallelism ({', '.join(f'stage {i}: tp={t}' for i, t in enumerate(tps))}), "
+        f"each on dp*tp = {', '.join(str(dp * t) for t in tps)} devices: boundary activations go from each "
+        "replica's tp rank 0 to every tp rank of the next stage's replicas (backends/torch/schedule.P2PPipeline)."
+    )
+
+
+def _check_uniform(
+    graph: Graph,
+    cluster: Cluster,
+    training: TrainingConfig,
+    tp: int,
+    pp: int,
+    dp: int,
+    micro_batch: int,
+    schedule: str,
+    num_virtual: int,
+    dims: tuple[dict[str, set[int]], int | None] | None,
+    tps: tuple[int, ...],
+) -> list[str]:
+    """:func:`check_layout` for the stages of degree ``tp`` (``tps``: every stage's)."""
     why = graph.meta.get("no_pipeline")  # the runtime cannot cut this model (frontends/trace_torch.py)
     if pp > 1 and why:
         raise ConfigError(
@@ -167,13 +213,14 @@ def check_layout(
         )
     dev = cluster.device_types()[0]
     have = cluster.count(dev.name)
-    used = dp * tp * pp
+    used = dp * sum(tps)
     if used > have:
-        fit = have // (tp * pp)
+        fit = have // sum(tps)
         other = f" (every stage runs on the first device type, {dev.name}; the cluster has {cluster.num_devices})"
+        degrees = f"tp={tp}, pp={pp}" if len(set(tps)) == 1 else f"tp={','.join(map(str, tps))}"
         raise ConfigError(
             f"dp*tp*pp = {used} exceeds the cluster's {have} devices{other if have < cluster.num_devices else ''}.",
-            f"lower a degree (dp={fit} fits with tp={tp}, pp={pp})" + ", or use a larger cluster."
+            f"lower a degree (dp={fit} fits with {degrees})" + ", or use a larger cluster."
             if fit
             else "lower a degree or use a larger cluster.",
         )
@@ -381,7 +428,7 @@ def evaluate_config(
     if sched.splits_backward(schedule):  # issue 19: per stage, its own deferred-W weight (search/zero_bubble.py)
         in_flight = in_flight_table(range_held(graph, training.seq_len, search.units), schedule, m, v, pp)
     else:
-        in_flight = np.array([0.0] + [sched.in_flight(schedule, 0, s, m, v) for s in range(1, pp + 1)])
+        in_flight = np.array(sched.in_flight_by_stages_left(schedule, pp, m, v))
     split = sched.splits_backward(schedule)  # W's gradient copy (stage_cost.static_memory)
     got = search.arrays(
         ((dev, dp, micro_batch),), dp, tp, in_flight, sched.p2p_multiplier(schedule, v), split_backward=split

@@ -89,7 +89,7 @@ def best_hand_layout(
             searches[pp].units = megatron_split(graph, pp)  # the stages are the units
         search = searches[pp]
         m = training.global_batch // (b * dp)
-        in_flight = np.array([0.0] + [sched.in_flight(SCHEDULE, 0, s, m, 1) for s in range(1, pp + 1)])
+        in_flight = np.array(sched.in_flight_by_stages_left(SCHEDULE, pp, m))
         got = search.arrays(((dev, dp, b),), dp, tp, in_flight, sched.p2p_multiplier(SCHEDULE, 1))
         if got is None:
             continue

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -23,7 +24,7 @@ from partita.plan import Plan
 from partita.search import chunk_layout, v_layout
 from partita.search import schedule as sched
 from partita.search.config import SearchOptions, TrainingConfig
-from partita.search.evaluate import check_layout, megatron_split
+from partita.search.evaluate import check_layout, megatron_split, stage_tps
 from partita.search.plan_build import Candidate, StagePick, build_plan
 from partita.search.planner import Option, Search
 from partita.search.sequence_parallel import apply as sequence_parallel_apply
@@ -37,7 +38,7 @@ def hand_plan(
     cluster: Cluster,
     training: TrainingConfig,
     *,
-    tp: int,
+    tp: int | Sequence[int],
     pp: int,
     dp: int,
     micro_batch: int,
@@ -47,7 +48,8 @@ def hand_plan(
     sequence_parallel: bool = False,
     num_virtual: int = 1,
 ) -> Plan:
-    """The Plan of one Megatron layout (module docstring); ConfigError if it cannot be built."""
+    """The Plan of one Megatron layout (module docstring); ConfigError if it cannot be built. ``tp``:
+    one degree for every stage, or one per stage (``evaluate.stage_tps``: a heterogeneous pipeline)."""
     from partita.errors import ConfigError
 
     t0 = time.perf_counter()
@@ -75,7 +77,8 @@ def hand_plan(
     if zero_stage and dp == 1:
         notes.append(f"ZeRO-{zero_stage} with dp=1 shards nothing: priced as ZeRO-0.")
         zero_stage = 0
-    opts = SearchOptions(zero_stages=(zero_stage,), recompute=(recompute,), max_layer_units=0, max_tp=tp)
+    tps = stage_tps(tp, pp)
+    opts = SearchOptions(zero_stages=(zero_stage,), recompute=(recompute,), max_layer_units=0, max_tp=max(tps))
     # the program's own tp (issue 15 item 1): torch graphs take the roles backends/torch/tp.py builds
     costs = SolverCosts(
         graph, cluster, training, tp_style="torch" if graph.meta.get("framework") != "jax" else "megatron"
@@ -87,17 +90,19 @@ def hand_plan(
         held = range_held(graph, training.seq_len, search.units)
         in_flight = in_flight_table(held, schedule, m, sched.virtual_stages(schedule, v), pp)
     else:
-        in_flight = np.array([0.0] + [sched.in_flight(schedule, 0, s, m, v) for s in range(1, pp + 1)])
+        in_flight = np.array(sched.in_flight_by_stages_left(schedule, pp, m, v))
     mb = None if sched.splits_backward(schedule) else m  # stage_cost.stage_arrays: gradients at the peak
     split = sched.splits_backward(schedule)  # W's gradient copy (stage_cost.static_memory)
-    got = search.arrays(
-        ((dev, dp, micro_batch),), dp, tp, in_flight, sched.p2p_multiplier(schedule, v), mb, split_backward=split
-    )
-    if got is None:
-        raise ConfigError(f"the model cannot run with tp={tp} on {dev.name}.", "use another tp.")
-    per_combo, combos, stack = got
-    opt = Option(0, tp, tp, ((dev, dp, micro_batch),), (), per_combo, combos, stack)
-    picks = tuple(StagePick(a, b, opt, 0) for a, b in megatron_split(graph, pp))
+    options = {}  # per degree, its stage option (the stage arrays of every layer range)
+    for t in sorted(set(tps)):
+        got = search.arrays(
+            ((dev, dp, micro_batch),), dp, t, in_flight, sched.p2p_multiplier(schedule, v), mb, split_backward=split
+        )
+        if got is None:
+            raise ConfigError(f"the model cannot run with tp={t} on {dev.name}.", "use another tp.")
+        per_combo, combos, stack = got
+        options[t] = Option(0, t, t, ((dev, dp, micro_batch),), (), per_combo, combos, stack)
+    picks = tuple(StagePick(a, b, options[t], 0) for (a, b), t in zip(megatron_split(graph, pp), tps))
     cand = Candidate(dp, micro_batch, m, schedule, v, picks, search)
     if schedule == "zbv":  # issue 19: the V layout, each stage's blocks halved into its two chunks
         vc = v_layout.v_candidate(cand, refine=False)
@@ -112,7 +117,7 @@ def hand_plan(
     if sequence_parallel:
         plan = sequence_parallel_apply(plan, graph)
     layout = {
-        "tp": tp,
+        "tp": tps[0] if len(set(tps)) == 1 else list(tps),
         "pp": pp,
         "dp": dp,
         "micro_batch": micro_batch,

@@ -491,12 +491,7 @@ def plan_graph(
                 # with is decided on the new partition (chunk_layout.runnable: layers, not units)
                 if len(c.stages) > 1:
                     search.num_configs += 1
-                    try:
-                        # only what the torch program runs as model chunks (search/chunk_layout.py)
-                        found = search.solve_config(c.dp, c.b, "interleaved_1f1b", v)
-                        cands.extend(x for x in found if chunk_layout.runnable(x))
-                    except ConfigError:  # m micro-batches do not split into rounds (schedule.interleave_round)
-                        pass
+                    cands.extend(_solve_interleaved(search, c, v))
     if "zbv" in options.schedules and chunks:  # issue 19: V layouts
         vc: list[Candidate] = list(v_layout.v_candidates(_zbv_bases(search, cands)))
         # zbv alone asked for: its V layouts, 1F1B (searched as their base) only when none exists
@@ -508,6 +503,27 @@ def plan_graph(
     if isinstance(best, v_layout.VCandidate) and plan.schedule == "zbv":
         return v_layout.lay_out(search, plan, best)
     return chunk_layout.lay_out(search, plan)
+
+
+def _solve_interleaved(search: Search, base: Candidate, v: int) -> list[Candidate]:
+    """``base``'s configuration re-solved under interleaved 1F1B with ``v`` chunks per rank group, at
+    ``base``'s depth: a position's in-flight count depends on the depth too
+    (``schedule.in_flight_by_stages_left``), so the DP is priced for exactly that many stages and only
+    its picks of that depth are kept (as ``zero_bubble.solve_zero_bubble`` does per depth); and only
+    what the torch program runs as model chunks (``chunk_layout.runnable``)."""
+    depth = len(base.stages)
+    try:
+        table = np.array(sched.in_flight_by_stages_left("interleaved_1f1b", depth, base.m, v))
+    except ConfigError:  # m micro-batches do not split into rounds (schedule.interleave_round)
+        return []
+    search.in_flight = lambda _s, _m, _v, _n: table  # type: ignore[method-assign]
+    try:
+        found = search.solve_config(base.dp, base.b, "interleaved_1f1b", v)
+    except ConfigError:
+        return []
+    finally:
+        search.__dict__.pop("in_flight", None)
+    return [x for x in found if len(x.stages) == depth and chunk_layout.runnable(x)]
 
 
 def _zbv_bases(search: Search, cands: list[Candidate]) -> list[Candidate]:

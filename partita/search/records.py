@@ -48,6 +48,7 @@ from partita.plan import Collective, Plan, Stage, chunk_position, shares
 from partita.search.schedule import pipeline_actions
 
 F32 = 4
+FLOATING = frozenset({"f64", "f32", "bf16", "f16", "f8"})  # ir.DTYPE_BYTES's floating-point kinds
 NOT_BLOCKS = ("embed", "head")
 
 
@@ -131,8 +132,12 @@ class GraphFacts:
         return boundaries.cut_elems(self.graph, self.index[layer], seq_len)
 
     def traced_item(self, layer: str) -> int:
+        """Bytes per element the layer's activations were traced in: its first floating-point output's
+        (an embedding layer's first output can be a boolean mask, which made a stage of only the
+        embedding record its tensor-parallel bytes 4x)."""
         lay = self.graph.layers[self.index[layer]]
-        items = [self.graph.tensors[t].itemsize for t in lay.outputs if t in self.graph.tensors]
+        outs = [self.graph.tensors[t] for t in lay.outputs if t in self.graph.tensors]
+        items = [t.itemsize for t in outs if t.dtype in FLOATING]
         return int(items[0]) if items else F32
 
 

@@ -158,6 +158,18 @@ def in_flight(
         return min((p - i - 1) * 2 + (v - 1) * p + 1, m * v) / v
 
 
+def in_flight_by_stages_left(
+    schedule: str, num_stages: int, num_micro_batches: int, num_virtual: int = 1
+) -> list[float]:
+    """``[0, count of the stage with s stages left...]`` for a pipeline of exactly ``num_stages`` stages:
+    position ``num_stages - s``'s :func:`in_flight`, as the stage DP and ``Candidate.memory`` index
+    counts. Under 1F1B and GPipe the same as the first stage of an ``s``-stage pipeline; interleaved
+    1F1B's count depends on the depth as well (position 1 of 3 holds 3.5 stages' worth at v = 2, the
+    first stage of 2 holds 2.5: ``partita rehearse`` of a 3-stage interleaved plan measured it)."""
+    p, m, v = num_stages, num_micro_batches, num_virtual
+    return [0.0] + [in_flight(schedule, p - s, p, m, v) for s in range(1, p + 1)]
+
+
 def p2p_multiplier(schedule: str, num_virtual: int = 1) -> int:
     """Interleaving sends every activation ``v`` times as often (once per model chunk)."""
     return num_virtual if schedule in ("interleaved_1f1b", "zbv") else 1

@@ -46,11 +46,17 @@ from partita.search import records
 _SP_ROLE = {"colwise": "colwise_sp", "rowwise": "rowwise_sp"}
 
 
-def check(*, tp: int, dp: int, zero_stage: int, recompute: str, schedule: str, num_virtual: int) -> None:
+def check(
+    *, tp: int | Sequence[int], dp: int, zero_stage: int, recompute: str, schedule: str, num_virtual: int
+) -> None:
     """Refuse what the runtime does not build with sequence parallelism (module docstring); ``dp`` and
-    ``zero_stage`` are any (FSDP2 stages included)."""
+    ``zero_stage`` are any (FSDP2 stages included). ``tp``: one degree, or one per stage (refused
+    unless all equal: this pass rewrites stages of one layout)."""
     why, fix = "", ""
-    if tp < 2:
+    if not isinstance(tp, int) and len(set(tp)) > 1:
+        why = f"it is built for one tensor-parallel degree on every stage, and the stages have {','.join(map(str, tp))}"
+        fix = "give one --tp for all stages, or drop --sequence-parallel"
+    elif min([tp] if isinstance(tp, int) else tp) < 2:
         why, fix = "it splits the sequence over tp, and tp=1", "pass --tp 2 or more, or drop --sequence-parallel"
     elif recompute == "full":
         why = "full recompute would run each block's all-gathers and reduce-scatters again, which is not priced"

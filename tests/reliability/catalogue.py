@@ -470,6 +470,24 @@ CASES: list[Case] = [
         ("dp*tp*pp = 8", "4 devices", "larger cluster"),
     ),
     Case(
+        "tp-per-stage-count",
+        "training",
+        "--tp with one degree per stage, but not as many as --pp stages",
+        ("compile", "gpt2-tiny", "--cluster", "4xCPU", "--global-batch", "8", "--seq", "16", "--tp", "2,1")
+        + ("--pp", "3", "--out", "{t}/out"),
+        ("2 tensor-parallel degrees (2,1) for pp=3", "one degree for every stage"),
+        before="new option",
+    ),
+    Case(
+        "sequence-parallel-tp1",
+        "training",
+        "--sequence-parallel on a layout without tensor parallelism",
+        ("compile", "llama-tiny", "--cluster", "4xCPU", "--global-batch", "8", "--seq", "16", "--tp", "1")
+        + ("--dp", "4", "--sequence-parallel", "--out", "{t}/out"),
+        ("sequence parallelism cannot be built here", "tp=1", "--tp 2 or more"),
+        before="new option",
+    ),
+    Case(
         "zero-micro-batch",
         "training",
         "--micro-batch 0",

@@ -192,9 +192,10 @@ def _rehearse_rank(program: Any, rank: int) -> RankResult:
         with fake:
             fake.allow_non_fake_inputs = True
             rt.module.to_empty(device=cpu)
-            if not any(isinstance(p, DTensor) for p in rt.module.parameters()):
-                # plain parameters: tied again, as train._train's materialize.retie after its to_empty (a V
-                # plan's rank group holding wte and lm_head once counted the tied gradient twice)
+            if not rt.fsdp_modules:
+                # tied again, as train._train's materialize.retie after its to_empty, before the stage's
+                # setup (tp.apply keeps a tied DTensor one object): a V plan's rank group holding wte and
+                # lm_head once counted the tied gradient twice, at tp = 2 the parameter too
                 materialize.retie(rt.module, tied)
             fake.allow_non_fake_inputs = False
             rt.device = cpu
