@@ -26,7 +26,10 @@ groups (ZB-V, the tied pair on one rank, one module), and two dp=2 ZeRO-1 rank g
 gradients, collectives per rank group: the p2p of every chunk, no message for a hand-off between
 chunks of one rank). One ZB-V plan comes from the search, not by hand (``searched_plan``: gpt2-tiny on
 4 CPU ranks with only zbv allowed, priced on its V layout by ``search/v_layout.py``: two dp=2 rank
-groups, embed + head on the first) and runs in the 4-rank launch, checked the same way.
+groups, embed + head on the first) and runs in the 4-rank launch, checked the same way. And both
+chunked schedules on a heterogeneous pipeline (``hetero_chunked_plan``: a hand layout ``--tp 2,1,1 --pp
+3`` of a 6-block GPT-2, 6 chunks on rank groups of tp 2, 1 and 1): losses and gradients as above, every
+record the plan's own (priced by the search's model) equal to the counted collectives.
 """
 
 from __future__ import annotations
@@ -176,6 +179,28 @@ JOBS[2] += [("gpt2-tiny", "v2", s) for s in ("interleaved_1f1b", "zbv")]
 JOBS[4] += [("gpt2-tiny", "v2_tp", "interleaved_1f1b"), ("gpt2-tiny", "v2_dp", "zbv")]
 JOBS[4] += [("gpt2-tiny", "v2_z1", "zbv"), ("llama-tiny", "v2_z1", "interleaved_1f1b")]
 JOBS[4] += [("gpt2-tiny", "searched", "zbv")]  # a ZB-V plan from the search, not hand-made
+# model chunks on a heterogeneous pipeline: a hand layout with one tp per stage (`--tp 2,1,1 --pp 3`, priced
+# by the search's model: its records are the plan's own, tp included) of a 6-block GPT-2 of width 256 (8 layers:
+# 6 chunks of V or loop placement over 3 rank groups), every schedule the other layouts leave out
+HETERO_CHUNKED = {"model_type": "gpt2", "n_embd": 256, "n_layer": 6, "n_head": 4, "vocab_size": 256, "n_positions": 64}
+JOBS[4] += [("gpt2-6l", "hetero_tp", s) for s in ("interleaved_1f1b", "zbv")]
+
+
+def hetero_chunked_plan(config: Path, schedule: str) -> Plan:
+    """``partita compile CONFIG --tp 2,1,1 --pp 3 --schedule S`` on 4 CPU ranks (8 micro-batches of 1)."""
+    from partita.cluster import parse_cluster
+    from partita.driver import trace_model
+    from partita.search.config import TrainingConfig
+    from partita.search.hand_plan import hand_plan
+
+    if not config.exists():
+        config.write_text(json.dumps(HETERO_CHUNKED))
+    graph = trace_model(str(config), batch=1, seq=64).graph  # width 256, seq 64: wide enough that the
+    training = TrainingConfig(global_batch=8, seq_len=64, dtype="f32")  # layer ILP shards the blocks at tp 2
+    v = 2 if schedule == "interleaved_1f1b" else 1
+    plan = hand_plan(graph, parse_cluster("4xCPU"), training, tp=(2, 1, 1), pp=3, dp=1, micro_batch=1,
+                     schedule=schedule, num_virtual=v)  # fmt: skip
+    return Plan.from_json(plan.to_json(), f"hetero_tp {schedule}")
 
 
 # ---- in process ---------------------------------------------------------------------------------
@@ -292,12 +317,20 @@ def test_chunked_plans_are_validated() -> None:
 
 
 # ---- under torchrun --------------------------------------------------------------------------------
+def _job_plan(tmp: Path, model: str, name: str, sched: str) -> tuple[str, Plan]:
+    """(model spec, plan) of a job: the heterogeneous chunked layouts run a config.json in ``tmp``."""
+    if name == "hetero_tp":
+        config = tmp / "gpt2_6l.json"
+        return str(config), hetero_chunked_plan(config, sched)
+    return model, schedule_plan(model, name, sched)
+
+
 def _launch(tmp: Path, world: int) -> dict:
     todo = []
     for model, name, sched in JOBS[world]:
-        plan = schedule_plan(model, name, sched)
+        spec, plan = _job_plan(tmp, model, name, sched)
         assert plan.world_size == world
-        todo.append({"id": f"{model}-{name}-{sched}", "spec": model, "plan": plan.to_json(), "steps": STEPS})
+        todo.append({"id": f"{model}-{name}-{sched}", "spec": spec, "plan": plan.to_json(), "steps": STEPS})
     (tmp / "jobs.json").write_text(json.dumps(todo))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]
@@ -365,10 +398,11 @@ def test_schedules_match_single_device(tmp_path: Path, world: int) -> None:
     counts: dict[tuple[str, str], dict] = {}
     for model, name, sched in JOBS[world]:
         job = f"{model}-{name}-{sched}"
-        res, plan = got[job], schedule_plan(model, name, sched)
-        key = (model, json.dumps(plan.training, sort_keys=True))  # the searched plan trains its own optimizer
+        spec, plan = _job_plan(tmp_path, model, name, sched)
+        res = got[job]
+        key = (spec, json.dumps(plan.training, sort_keys=True))  # the searched plan trains its own optimizer
         if key not in refs:
-            refs[key] = reference_run(model, plan.training, STEPS, dump_steps=tuple(range(1, STEPS + 1)))
+            refs[key] = reference_run(spec, plan.training, STEPS, dump_steps=tuple(range(1, STEPS + 1)))
         ref = refs[key]
         torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
         for step in range(1, STEPS + 1):
@@ -385,6 +419,12 @@ def test_schedules_match_single_device(tmp_path: Path, world: int) -> None:
         for s in groups.stages:
             k = f"stage{s.index}"
             measured[k] = _kinds(res["collectives"][k])
+            if name == "hetero_tp":  # a priced plan: every record its own (tp: counts, as the exemption below)
+                tp_left = [x for x in res["collective_mismatches"].get(k, []) if not (s.tp > 1 and _tp_axis(x))]
+                assert tp_left == [], (job, k, tp_left)
+                tp_keys = [x for x in res["collectives"][k] if x.endswith("@tp") or "@group:" in x]
+                assert bool(tp_keys) == (s.tp > 1), (job, k, res["collectives"][k])  # tp runs where planned
+                continue
             want = _first_principles(model, groups, s)
             assert {x: c for x, c in measured[k].items() if x != "p2p"} == want, (job, k, measured[k], want)
             msgs, rows = P2P[(name, sched) if name in CHUNKED or name == "searched" else name][s.index]
@@ -403,7 +443,7 @@ def test_schedules_match_single_device(tmp_path: Path, world: int) -> None:
                 if not (s.tp > 1 and _tp_axis(x)) and not (x.startswith("p2p@pp: measured") and x.endswith(" B"))
             ]
             assert left == [], (job, k, left)
-        if name not in CHUNKED and name != "searched":  # a chunked layout's placement depends on its schedule
+        if name not in CHUNKED and name not in ("searched", "hetero_tp"):  # chunk placement depends on the schedule
             assert counts.setdefault((model, name), measured) == measured, job  # the same for every schedule
 
 
