@@ -159,7 +159,8 @@ def _compile(
             acts, i, n = lists[r], pos[r], len(lists[r])
             while i < n:
                 s, m, kind = acts[i]
-                d2 = h2 = h1 = -1
+                h2 = h1 = -1
+                d2: int | None = -1
                 if kind == "F":  # input: the previous stage's forward of this micro-batch
                     if s > 0:
                         d1 = get((s - 1, m, "F"))
@@ -183,7 +184,7 @@ def _compile(
                         break
                 row = (s, kinds[kind], last[r], d1, h1, d2, h2, r, m)
                 for col, x in zip(cols, row, strict=True):
-                    col.append(x)
+                    col.append(x)  # type: ignore[arg-type]  # d1, d2: None broke out above
                 index[(s, m, kind)] = last[r] = len(cols[0]) - 1
                 i += 1
                 remaining -= 1

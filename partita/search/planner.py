@@ -516,7 +516,7 @@ def _solve_interleaved(search: Search, base: Candidate, v: int) -> list[Candidat
         table = np.array(sched.in_flight_by_stages_left("interleaved_1f1b", depth, base.m, v))
     except ConfigError:  # m micro-batches do not split into rounds (schedule.interleave_round)
         return []
-    search.in_flight = lambda _s, _m, _v, _n: table  # type: ignore[method-assign]
+    search.in_flight = lambda _s, _m, _v, _n: table  # type: ignore[method-assign, assignment]
     try:
         found = search.solve_config(base.dp, base.b, "interleaved_1f1b", v)
     except ConfigError:
