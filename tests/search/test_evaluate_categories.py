@@ -36,3 +36,32 @@ def test_torch_memory_categories_sum_to_the_priced_total(gpt2: Graph, zero: int,
     )
     for cat, total in zip(ev.memory_by_category, ev.memory_per_device, strict=True):
         assert sum(cat.values()) == pytest.approx(total, rel=1e-9), (zero, recompute, cat, total)
+
+
+def test_interleaved_positions_are_priced_for_the_pipelines_depth(tmp_path) -> None:  # noqa: ANN001
+    """Interleaved 1F1B: the planner's re-solve of a 3-stage base (``planner._solve_interleaved``) prices
+    each position at its own in-flight count for a pipeline of that depth, the count the categories
+    use (``schedule.in_flight``). It priced position ``i`` at the first stage of a ``3 - i``-stage
+    pipeline before: positions 1 and 2 of this 6-block GPT-2 were 8% and 18% under (rehearsed +15.8% and
+    +25.5% on such a layout, ``tests/runtime/test_rehearse_hetero.py``)."""
+    import json
+
+    from partita.driver import trace_model
+    from partita.search import schedule as sched
+    from partita.search.config import SearchOptions
+    from partita.search.evaluate import memory_by_category
+    from partita.search.planner import Search, _solve_interleaved
+
+    cfg = tmp_path / "gpt2.json"
+    cfg.write_text(json.dumps({"model_type": "gpt2", "n_embd": 128, "n_layer": 6, "n_head": 4, "vocab_size": 256}))
+    graph = trace_model(str(cfg), batch=1, seq=64).graph
+    opts = SearchOptions(zero_stages=(0,), recompute=("none",), max_tp=1, max_micro_batch=1)
+    search = Search(graph, parse_cluster("3xA100-80G"), TrainingConfig(global_batch=12, seq_len=64, dtype="f32"), opts)
+    base = next(c for c in search.solve_config(1, 1, "1f1b") if len(c.stages) == 3)
+    got = _solve_interleaved(search, base, 2)
+    assert got and all(len(c.stages) == 3 and c.schedule == "interleaved_1f1b" for c in got)
+    counts = [sched.in_flight("interleaved_1f1b", i, 3, base.m, 2) for i in range(3)]
+    assert counts[0] > counts[1] > counts[2] > sched.in_flight("interleaved_1f1b", 0, 1, base.m, 2)
+    for c in got:
+        for i in range(3):
+            assert sum(memory_by_category(c, i).values()) == pytest.approx(c.memory(i), rel=1e-9), i
