@@ -162,10 +162,60 @@ def check_layout(
         if val < 1:
             raise ConfigError(f"{name}={val} must be >= 1.", f"pass a positive {name}.")
     tps = stage_tps(tp, pp)
+    why = graph.meta.get("no_pipeline")  # the runtime cannot cut this model (frontends/trace_torch.py)
+    if pp > 1 and why:
+        raise ConfigError(
+            f"pp={pp} cannot be built for {graph.meta.get('model', graph.name)}: {why}.",
+            "use pp=1 and split the model with dp, tp and ZeRO instead.",
+        )
+    dev = cluster.device_types()[0]
+    have = cluster.count(dev.name)
+    used = dp * sum(tps)
+    if used > have:
+        fit = have // sum(tps)
+        other = f" (every stage runs on the first device type, {dev.name}; the cluster has {cluster.num_devices})"
+        degrees = f"tp={tps[0]}, pp={pp}" if len(set(tps)) == 1 else f"tp={','.join(map(str, tps))}"
+        raise ConfigError(
+            f"dp*tp*pp = {used} exceeds the cluster's {have} devices{other if have < cluster.num_devices else ''}.",
+            f"lower a degree (dp={fit} fits with {degrees})" + ", or use a larger cluster."
+            if fit
+            else "lower a degree or use a larger cluster.",
+        )
     notes = [] if len(set(tps)) == 1 else [_hetero_tp_note(tps, dp)]
+    need, vocab = dims if dims is not None else tp_dims(graph)
     for t in sorted(set(tps)):
-        notes += _check_uniform(graph, cluster, training, t, pp, dp, micro_batch, schedule, num_virtual, dims, tps)
-    return list(dict.fromkeys(notes))  # the notes every degree repeats (idle devices), once
+        notes += _check_degree(graph, cluster, t, need)
+    if training.global_batch % (micro_batch * dp):
+        raise ConfigError(
+            f"global batch {training.global_batch} is not a multiple of micro_batch*dp={micro_batch * dp}.",
+            "pick degrees that divide the batch.",
+        )
+    if num_virtual > 1 and schedule != "interleaved_1f1b":
+        raise ConfigError(
+            f"{num_virtual} virtual stages need the interleaved_1f1b schedule, not {schedule}.",
+            "pass --schedule interleaved_1f1b, or --virtual-stages 1.",
+        )
+    if schedule == "interleaved_1f1b":
+        if pp < 2 or num_virtual < 2:
+            raise ConfigError(
+                f"interleaved_1f1b needs pp >= 2 and at least 2 virtual stages (got pp={pp}, {num_virtual}).",
+                "pass --pp 2 or more and --virtual-stages 2 or more, or use --schedule 1f1b.",
+            )
+        n = sum(lay.kind == block_kind(graph) for lay in graph.layers)
+        if n % (pp * num_virtual):
+            raise ConfigError(
+                f"{n} blocks do not split into pp={pp} stages of {num_virtual} virtual chunks each.",
+                f"use pp * virtual stages dividing {n}.",
+            )
+    megatron_split(graph, pp)  # pp must divide the blocks
+    for t in sorted({t for t in tps if vocab and vocab % t}):
+        notes.append(
+            f"vocabulary {vocab} is not divisible by tp={t}: the embedding and output layer stay replicated on the "
+            "tp group, as priced (Megatron-LM pads the vocabulary instead)."
+        )
+    if used < cluster.num_devices:
+        notes.append(f"{cluster.num_devices - used} of {cluster.num_devices} devices stay idle in this layout.")
+    return notes
 
 
 def stage_tps(tp: int | Sequence[int], pp: int) -> tuple[int, ...]:
@@ -191,39 +241,10 @@ def _hetero_tp_note(tps: tuple[int, ...], dp: int) -> str:
     )
 
 
-def _check_uniform(
-    graph: Graph,
-    cluster: Cluster,
-    training: TrainingConfig,
-    tp: int,
-    pp: int,
-    dp: int,
-    micro_batch: int,
-    schedule: str,
-    num_virtual: int,
-    dims: tuple[dict[str, set[int]], int | None] | None,
-    tps: tuple[int, ...],
-) -> list[str]:
-    """:func:`check_layout` for the stages of degree ``tp`` (``tps``: every stage's)."""
-    why = graph.meta.get("no_pipeline")  # the runtime cannot cut this model (frontends/trace_torch.py)
-    if pp > 1 and why:
-        raise ConfigError(
-            f"pp={pp} cannot be built for {graph.meta.get('model', graph.name)}: {why}.",
-            "use pp=1 and split the model with dp, tp and ZeRO instead.",
-        )
+def _check_degree(graph: Graph, cluster: Cluster, tp: int, need: dict[str, set[int]]) -> list[str]:
+    """What :func:`check_layout` asks of one tensor-parallel degree: it splits the blocks (``need``,
+    from :func:`tp_dims`); a note when it spans nodes."""
     dev = cluster.device_types()[0]
-    have = cluster.count(dev.name)
-    used = dp * sum(tps)
-    if used > have:
-        fit = have // sum(tps)
-        other = f" (every stage runs on the first device type, {dev.name}; the cluster has {cluster.num_devices})"
-        degrees = f"tp={tp}, pp={pp}" if len(set(tps)) == 1 else f"tp={','.join(map(str, tps))}"
-        raise ConfigError(
-            f"dp*tp*pp = {used} exceeds the cluster's {have} devices{other if have < cluster.num_devices else ''}.",
-            f"lower a degree (dp={fit} fits with {degrees})" + ", or use a larger cluster."
-            if fit
-            else "lower a degree or use a larger cluster.",
-        )
     gpn = cluster.gpus_per_node(dev.name)
     notes = []
     if tp > gpn:
@@ -231,7 +252,6 @@ def _check_uniform(
             f"tp={tp} spans {-(-tp // gpn)} nodes of {gpn} {dev.name}: its per-layer collectives are priced over the "
             f"network ({cluster.network_for(dev.name).describe()}); the planner itself never searches tp beyond a node."
         )
-    need, vocab = dims if dims is not None else tp_dims(graph)
     bad = {k: sorted(x for x in v if x % tp) for k, v in need.items()}
     bad = {k: v for k, v in bad.items() if v}
     if bad:
@@ -241,36 +261,6 @@ def _check_uniform(
             f"tp={tp} cannot split {graph.meta.get('model', graph.name)}'s blocks: {what} not divisible by {tp}.",
             f"use a tp that divides them, up to the node size {gpn}: {', '.join(map(str, ok))}.",
         )
-    if training.global_batch % (micro_batch * dp):
-        raise ConfigError(
-            f"global batch {training.global_batch} is not a multiple of micro_batch*dp={micro_batch * dp}.",
-            "pick degrees that divide the batch.",
-        )
-    if num_virtual > 1 and schedule != "interleaved_1f1b":
-        raise ConfigError(
-            f"{num_virtual} virtual stages need the interleaved_1f1b schedule, not {schedule}.",
-            "pass --schedule interleaved_1f1b, or --virtual-stages 1.",
-        )
-    if schedule == "interleaved_1f1b":
-        if pp < 2 or num_virtual < 2:
-            raise ConfigError(
-                f"interleaved_1f1b needs pp >= 2 and at least 2 virtual stages (got pp={pp}, {num_virtual}).",
-                "pass --pp 2 or more and --virtual-stages 2 or more, or use --schedule 1f1b.",
-            )
-        n = sum(lay.kind == block_kind(graph) for lay in graph.layers)
-        if n % (pp * num_virtual):
-            raise ConfigError(
-                f"{n} blocks do not split into pp={pp} stages of {num_virtual} virtual chunks each.",
-                f"use pp * virtual stages dividing {n}.",
-            )
-    megatron_split(graph, pp)  # pp must divide the blocks
-    if vocab and vocab % tp:
-        notes.append(
-            f"vocabulary {vocab} is not divisible by tp={tp}: the embedding and output layer stay replicated on the "
-            "tp group, as priced (Megatron-LM pads the vocabulary instead)."
-        )
-    if used < cluster.num_devices:
-        notes.append(f"{cluster.num_devices - used} of {cluster.num_devices} devices stay idle in this layout.")
     return notes
 
 

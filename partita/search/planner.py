@@ -22,11 +22,12 @@ and recompute are per stage.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -199,6 +200,18 @@ class Search:
         held = schedule_cost.w_held(self.graph, self.training.seq_len) if sched.splits_backward(schedule) else 1.0
         got.extend(sched.in_flight(schedule, 0, s, m, v, w_held=held) for s in range(len(got), max_stages + 1))
         return np.array(got[: max_stages + 1])
+
+    @contextlib.contextmanager
+    def pricing_in_flight(self, table: Callable[[int], np.ndarray]) -> Iterator[None]:
+        """Within it, stage options are priced with ``table(max_stages)`` in place of :meth:`in_flight`
+        (the first stage of an ``s``-stage pipeline, per ``s``): the counts of a pipeline of one depth,
+        each position its own, where they depend on the depth too (``zero_bubble.solve_zero_bubble``
+        per depth tried, :func:`_solve_interleaved` at its base's depth)."""
+        self.in_flight = lambda _s, _m, _v, max_stages: table(max_stages)  # type: ignore[method-assign, assignment]
+        try:
+            yield
+        finally:
+            self.__dict__.pop("in_flight", None)
 
     def tps(self, dev: DeviceType) -> list[int]:
         return [t for t in powers_of_two(min(self.options.max_tp, self.cluster.gpus_per_node(dev.name)))]
@@ -516,13 +529,11 @@ def _solve_interleaved(search: Search, base: Candidate, v: int) -> list[Candidat
         table = np.array(sched.in_flight_by_stages_left("interleaved_1f1b", depth, base.m, v))
     except ConfigError:  # m micro-batches do not split into rounds (schedule.interleave_round)
         return []
-    search.in_flight = lambda _s, _m, _v, _n: table  # type: ignore[method-assign, assignment]
     try:
-        found = search.solve_config(base.dp, base.b, "interleaved_1f1b", v)
+        with search.pricing_in_flight(lambda _n: table):
+            found = search.solve_config(base.dp, base.b, "interleaved_1f1b", v)
     except ConfigError:
         return []
-    finally:
-        search.__dict__.pop("in_flight", None)
     return [x for x in found if len(x.stages) == depth and chunk_layout.runnable(x)]
 
 

@@ -194,11 +194,12 @@ def solve_zero_bubble(search: Any, dp: int, b: int, schedule: str) -> list[Any]:
         return got
 
     search.options = dataclasses.replace(opts, zero_stages=zeros, recompute=("none",))
-    search.in_flight = lambda _s, _m, _v, max_stages: _first_pass_table(held, schedule, m, v, max_stages)
     search.options_for = first_options
     found: list[Any] = []
     try:
-        first = search.solve_config(dp, b, schedule, v)  # counts by stages left: later stages under-priced
+        with search.pricing_in_flight(lambda max_stages: _first_pass_table(held, schedule, m, v, max_stages)):
+            first = search.solve_config(dp, b, schedule, v)  # counts by stages left: later stages under-priced
+        search.__dict__.pop("options_for", None)
         if built and built[0][0]:
             max_stages = built[0][0][0].stack.shape[3] - 1
             depths = {2**k for k in range(num_units.bit_length()) if 2**k <= num_units}
@@ -209,12 +210,10 @@ def solve_zero_bubble(search: Any, dp: int, b: int, schedule: str) -> list[Any]:
                 # `depth + 1` columns bound the DP's stages (inter_op: times.shape[3] - 1), so deeper
                 # pipelines are not priced at all (and the arrays are as narrow as the depth)
                 table = in_flight_table(held, schedule, m, v, depth)
-                search.in_flight = lambda _s, _m, _v, _n, t=table: t
-                search.options_for = options_for
-                found += [c for c in search.solve_config(dp, b, schedule, v) if len(c.stages) == depth]
+                with search.pricing_in_flight(lambda _n, t=table: t):
+                    found += [c for c in search.solve_config(dp, b, schedule, v) if len(c.stages) == depth]
     finally:
         search.options = opts
-        search.__dict__.pop("in_flight", None)
         search.__dict__.pop("options_for", None)
     usable = search.factors.memory_usable
     return [  # each stage at its own position's count, as Candidate.memory reads it (the DP's fits, checked)
