@@ -63,7 +63,7 @@ from partita.search.cost_model import CostModel, program_state_bytes
 from partita.search.ilp import IlpStats
 from partita.search.mesh import LogicalMesh
 from partita.search.reshard import Layout, grad_requirement, reshard_steps, shard_dim, shard_factor
-from partita.search.saved import SavedPlan, saved_plan
+from partita.search.saved import FLOAT_DTYPES, SavedPlan, saved_plan
 from partita.search.strategies import Strategy, enumerate_strategies, linear_operands, torch_tp_strategies
 
 FOLLOWER_PRIMS = (Prim.ELEMENTWISE, Prim.RESHAPE, Prim.PERMUTE, Prim.DROPOUT, Prim.EXPAND, Prim.SPLIT, Prim.SLICE)
@@ -594,7 +594,6 @@ def _megatron_only(strats: list[Strategy], tokens: set[str], mesh: LogicalMesh) 
 
 
 FORBIDDEN = 1e3  # seconds: a tp transition the torch runtime cannot build (never the optimum: all-R is free of it)
-_FLOAT_DTYPES = frozenset({"f64", "f32", "bf16", "f16", "f8"})
 _NEEDS_GRAD: dict[int, tuple[list[Node], frozenset[str]]] = {}
 
 
@@ -606,7 +605,7 @@ def needs_grad(g: Graph) -> frozenset[str]:
         out = {t for t, ten in g.tensors.items() if ten.role is Role.PARAMETER}
         for n in g.nodes:
             if any(t in out for t in n.inputs):
-                out.update(o for o in n.outputs if g.tensors[o].dtype in _FLOAT_DTYPES)
+                out.update(o for o in n.outputs if g.tensors[o].dtype in FLOAT_DTYPES)
         if len(_NEEDS_GRAD) > 16:
             _NEEDS_GRAD.clear()
         hit = (g.nodes, frozenset(out))

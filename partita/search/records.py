@@ -45,10 +45,10 @@ from typing import Any
 from partita.ir import DTYPE_BYTES, Graph, Role, dim_size
 from partita.passes import boundaries
 from partita.plan import Collective, Plan, Stage, chunk_position, shares
+from partita.search.saved import FLOAT_DTYPES
 from partita.search.schedule import pipeline_actions
 
 F32 = 4
-FLOATING = frozenset({"f64", "f32", "bf16", "f16", "f8"})  # ir.DTYPE_BYTES's floating-point kinds
 NOT_BLOCKS = ("embed", "head")
 
 
@@ -137,7 +137,7 @@ class GraphFacts:
         embedding record its tensor-parallel bytes 4x)."""
         lay = self.graph.layers[self.index[layer]]
         outs = [self.graph.tensors[t] for t in lay.outputs if t in self.graph.tensors]
-        items = [t.itemsize for t in outs if t.dtype in FLOATING]
+        items = [t.itemsize for t in outs if t.dtype in FLOAT_DTYPES]
         return int(items[0]) if items else F32
 
 

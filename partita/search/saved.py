@@ -60,7 +60,7 @@ _NO_SAVE_OPS = frozenset(
 )
 _OUTPUT_OPS = frozenset({"rsqrt", "tanh", "sigmoid", "exp", "sqrt", "relu", "reciprocal", "softmax", "_softmax"})
 _OUTPUT_OPS = _OUTPUT_OPS | {"log_softmax", "_log_softmax"}
-_FLOAT = frozenset({"f64", "f32", "bf16", "f16", "f8"})
+FLOAT_DTYPES = frozenset({"f64", "f32", "bf16", "f16", "f8"})  # ir.DTYPE_BYTES's floating-point kinds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +84,7 @@ def _op(n: Node) -> str:
 def _rule(n: Node, g: Graph, grad: frozenset[str]) -> tuple[tuple[int, ...], bool]:
     """(positions of the activation inputs ``n`` saves, whether it saves its output)."""
     acts = [i for i, t in enumerate(n.inputs) if g.tensors[t].role is not Role.PARAMETER]
-    floats = [i for i in acts if g.tensors[n.inputs[i]].dtype in _FLOAT]
+    floats = [i for i in acts if g.tensors[n.inputs[i]].dtype in FLOAT_DTYPES]
     if not any(o in grad for o in n.outputs):
         return (), False  # no gradient flows through: nothing kept
     op, prim = _op(n), n.prim
@@ -121,7 +121,7 @@ def saved_plan(g: Graph, layer: Layer, mode: str, low: int, grad: frozenset[str]
         if t not in item:  # produced outside the layer
             ten = g.tensors[t]
             traced = float(ten.itemsize)
-            floating = ten.dtype in _FLOAT
+            floating = ten.dtype in FLOAT_DTYPES
             if ten.role is Role.BUFFER or not floating or mode == "f32":
                 item[t] = traced
             elif ten.role is Role.PARAMETER:
@@ -141,7 +141,7 @@ def saved_plan(g: Graph, layer: Layer, mode: str, low: int, grad: frozenset[str]
     for name in layer.nodes:
         n = g.node(name)
         ins = [it(t) for t in n.inputs]
-        floats = [x for t, x in zip(n.inputs, ins) if g.tensors[t].dtype in _FLOAT]
+        floats = [x for t, x in zip(n.inputs, ins) if g.tensors[t].dtype in FLOAT_DTYPES]
         op, prim = _op(n), n.prim
         acts = [i for i, t in enumerate(n.inputs) if g.tensors[t].role is not Role.PARAMETER]
         first = n.inputs[acts[0]] if acts else None
@@ -149,16 +149,16 @@ def saved_plan(g: Graph, layer: Layer, mode: str, low: int, grad: frozenset[str]
             ten = g.tensors[o]
             out = float(ten.itemsize)
             alias = None
-            if ten.dtype in _FLOAT and mode != "f32":
+            if ten.dtype in FLOAT_DTYPES and mode != "f32":
                 out = max(floats) if floats else out
-                wide = [t for t in n.inputs if g.tensors[t].dtype in _FLOAT and item[t] >= 4]
+                wide = [t for t in n.inputs if g.tensors[t].dtype in FLOAT_DTYPES and item[t] >= 4]
                 if wide and all(t in up for t in wide) and min(floats) < 4:
                     # an f32 up-cast mixed with low data: the trace (in f32) read the cast where the model
                     # reads the original (Llama's residual add of the RMSNorm input): low, as the program runs
                     out = min(floats)
                 if prim is Prim.ELEMENTWISE and op in _CASTS and first is not None:
                     src = it(first)
-                    if ten.dtype != "f32" or g.tensors[first].dtype not in _FLOAT:
+                    if ten.dtype != "f32" or g.tensors[first].dtype not in FLOAT_DTYPES:
                         out = float(ten.itemsize)
                     elif src < 4:
                         out = 4.0
