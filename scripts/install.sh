@@ -12,8 +12,9 @@ if ! python -c "import torch" 2>/dev/null; then
     python -m pip install -q "torch==2.13.0"
   fi
 fi
+# scripts/constraints.txt pins what the shipped stored traces were made with (transformers)
 if [ -n "$extras" ]; then
-  python -m pip install -q -e ".[$extras]"
+  python -m pip install -q -c scripts/constraints.txt -e ".[$extras]"
 else
-  python -m pip install -q -e .
+  python -m pip install -q -c scripts/constraints.txt -e .
 fi

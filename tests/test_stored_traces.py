@@ -14,7 +14,10 @@ from partita.frontends import stored
 from partita.frontends.trace import TRACE_BATCH
 
 SHIPPED = sorted(stored.TRACES.glob("*.json.gz"))
-FIX = "regenerate them: python -m partita.frontends.stored"
+FIX = (
+    "install the versions in scripts/constraints.txt (bash scripts/install.sh), or move that pin and "
+    "regenerate them: python -m partita.frontends.stored"
+)
 
 
 def test_every_benchmark_model_is_shipped() -> None:

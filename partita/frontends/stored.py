@@ -14,6 +14,8 @@ A stored graph is used only when it is exactly what a fresh trace would give:
   ``models/``, ``ir.py``, ``prims.py``) and the installed torch / transformers versions, read with
   ``importlib.metadata`` (no import); any difference and :func:`load_stored` returns ``None``, so
   the driver traces afresh (slower, never wrong); ``PARTITA_STORED_TRACES=off`` always traces afresh;
+* the install steps take the transformers release the files were traced with
+  (``scripts/constraints.txt``), so a newer release on the registry does not make them all stale;
 * ``tests/test_stored_traces.py`` checks that every shipped file is current (else: re-run the
   command above) and that one equals a fresh ``torch.export`` trace, graph hash for graph hash.
 
