@@ -45,12 +45,13 @@ from partita.search.precision import choose_precision
 from partita.search.stage_cost import (
     SolverCosts,
     StageFactors,
+    StageParts,
     UnitTable,
     affine,
     dp_link,
     p2p_time_fn,
     scatter_gather_p2p,
-    stage_arrays,
+    stage_parts,
 )
 from partita.search.zero_bubble import solve_zero_bubble
 
@@ -177,6 +178,7 @@ class Search:
         self._tables: dict[tuple, UnitTable | None] = {}
         self._same_layout: dict[tuple, bool] = {}
         self._in_flight: dict[tuple, list[float]] = {}
+        self._parts: dict[tuple, tuple[UnitTable, StageParts]] | None = None  # sharing_stage_parts
 
     # ---- per-unit tables -----------------------------------------------------------------
     def table(self, dev: DeviceType, tp: int, b: int) -> UnitTable | None:
@@ -212,6 +214,32 @@ class Search:
             yield
         finally:
             self.__dict__.pop("in_flight", None)
+
+    @contextlib.contextmanager
+    def sharing_stage_parts(self) -> Iterator[None]:
+        """Within it, :meth:`stage_parts` keeps what it computed: the zero-bubble search prices one
+        configuration's options once per pipeline depth tried, with other in-flight counts only
+        (``zero_bubble.solve_zero_bubble``; 9,000 of the 175B search's 20,000 pricings, half of them
+        repeats). Scoped, so that one configuration's parts are held at a time (they are ~40 kB each)."""
+        outer = self._parts
+        if outer is None:
+            self._parts = {}
+        try:
+            yield
+        finally:
+            if outer is None:
+                self._parts = None
+
+    def stage_parts(self, tab: UnitTable, **kw: Any) -> StageParts:
+        """``stage_cost.stage_parts(tab, **kw)``, kept within :meth:`sharing_stage_parts` (keyed by the
+        table and every other argument: the same inputs, the same arrays)."""
+        if self._parts is None:
+            return stage_parts(tab, **kw)
+        key = (id(tab), tuple(sorted(kw.items())))
+        hit = self._parts.get(key)
+        if hit is None or hit[0] is not tab:
+            hit = self._parts[key] = (tab, stage_parts(tab, **kw))
+        return hit[1]
 
     def tps(self, dev: DeviceType) -> list[int]:
         return [t for t in powers_of_two(min(self.options.max_tp, self.cluster.gpus_per_node(dev.name)))]
@@ -252,16 +280,16 @@ class Search:
                 p2p = scatter_gather_p2p(p2p, tp, dev, cm)
             kinds = ("all_reduce", "reduce_scatter", "all_gather")
             prices.append((p2p, *(affine(cm, kind, link) for kind in kinds)))
+        flat_sync = getattr(self.costs, "flat_sync", False)  # torch program: sync after the schedule
         for z, r in combos:
             worst: Any = None
             ok: Any = None
             for (dev, _, _), tab, (p2p, allreduce, reduce_scatter, all_gather) in zip(devs, tabs, prices):
-                a = stage_arrays(
+                parts = self.stage_parts(
                     tab,
                     dp=dp,
                     zero=z,
                     recompute=r,
-                    in_flight=in_flight,
                     allreduce=allreduce,
                     reduce_scatter=reduce_scatter,
                     all_gather=all_gather,
@@ -269,10 +297,10 @@ class Search:
                     p2p_mult=p2p_mult,
                     hbm_bandwidth=dev.hbm_bandwidth,
                     factors=self.factors,
-                    flat_sync=getattr(self.costs, "flat_sync", False),  # torch program: sync after the schedule
-                    num_micro_batches=num_micro_batches,
+                    flat_sync=flat_sync,
                     split_backward=split_backward,
                 )
+                a = parts.arrays(in_flight, num_micro_batches)
                 fit = a.memory <= dev.memory_bytes * self.factors.memory_usable
                 ok = fit if ok is None else ok & fit
                 worst = (

@@ -316,7 +316,91 @@ def stage_arrays(
     more than its in-flight count: one micro-batch, GPipe), its gradients (freed by ``zero_grad``
     between steps) are not yet there at the activation peak: memory is then the larger of the two
     moments, activations without gradients or gradients (and the flat copy) without activations.
-    None: gradients always count (the stage-level callers that do not know ``m``)."""
+    None: gradients always count (the stage-level callers that do not know ``m``).
+
+    :func:`stage_parts` (what no in-flight count changes) then :func:`stage_memory` (the rest)."""
+    parts = stage_parts(
+        tab,
+        dp=dp,
+        zero=zero,
+        recompute=recompute,
+        allreduce=allreduce,
+        reduce_scatter=reduce_scatter,
+        all_gather=all_gather,
+        p2p=p2p,
+        p2p_mult=p2p_mult,
+        hbm_bandwidth=hbm_bandwidth,
+        factors=factors,
+        flat_sync=flat_sync,
+        split_backward=split_backward,
+    )
+    return parts.arrays(in_flight, num_micro_batches)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageParts:
+    """The terms of :func:`stage_arrays` that no in-flight count (nor ``m``) changes: the per
+    micro-batch time, the tail and the static memory of every range ``[k, j)``, and what the
+    activation memory is made of. A zero-bubble search prices one configuration's options once per
+    pipeline depth with other counts only (``search/zero_bubble.py``), so the planner keeps these
+    per configuration (``Search.sharing_stage_parts``). Arrays are ``[U, U + 1]``, read-only."""
+
+    time: np.ndarray  # period per micro-batch, p2p included; inf where k >= j
+    tail: np.ndarray
+    compute: np.ndarray
+    comm: np.ndarray
+    static: np.ndarray  # parameters + optimizer state; inf where k >= j
+    base: np.ndarray  # static + gradients; inf where k >= j
+    gradients: np.ndarray
+    grads: np.ndarray  # the range's gradient bytes (the flat copy)
+    saved: np.ndarray  # saved activation bytes per micro-batch in flight
+    transient: Any  # [U, U + 1] or 0.0
+    rs_held: np.ndarray | None  # reduce_scatter_in_flight where any, else None
+    recompute: str
+    flat_copy: bool  # the flat gradient copy (flat_sync at ZeRO-0, dp > 1)
+
+    def arrays(self, in_flight: np.ndarray, num_micro_batches: int | None) -> StageArrays:
+        return StageArrays(self.time, self.memory(in_flight, num_micro_batches), self.tail, self.compute, self.comm)
+
+    def memory(self, in_flight: np.ndarray, num_micro_batches: int | None) -> np.ndarray:
+        """``[U, U + 1, S + 1]`` bytes per device (:func:`stage_arrays`); inf where k >= j (``base``
+        and ``static`` are: every activation term is finite)."""
+        flight = in_flight if in_flight.ndim == 3 else in_flight[None, None, :]  # [U, U+1, S+1]: per range (issue 19)
+        acts = held = self.saved[:, :, None] * flight + np.asarray(self.transient)[..., None]
+        # a ZeRO-2/3 unit's gradients in flight to the reduce-scatter (reduce_scatter_in_flight), held with
+        # the activations where the backward runs beside them: other micro-batches' (more than one in
+        # flight) or the recomputed block's; a lone micro-batch without recompute peaks in its forward
+        if self.rs_held is not None:  # (all zero, as for ZeRO < 2, adds nothing: skipped)
+            acts = acts + np.where((flight > 1.0) | (self.recompute != "none"), self.rs_held[..., None], 0.0)
+        if self.flat_copy:  # the flat gradient copy, made after the activations are freed
+            acts = np.maximum(acts, self.grads[:, :, None])
+        memory = self.base[:, :, None] + acts
+        last = flight >= num_micro_batches if num_micro_batches is not None and self.recompute == "none" else None
+        if last is not None and last.any():  # gradients only after the last forward
+            # (docstring); a recomputing backward re-runs blocks while earlier blocks' gradients exist
+            after = self.gradients * (2.0 if self.flat_copy else 1.0)
+            peak = np.maximum(held, after[:, :, None])  # held: the activations without the gradients
+            memory = np.where(last, self.static[:, :, None] + peak, memory)
+        return memory
+
+
+def stage_parts(
+    tab: UnitTable,
+    *,
+    dp: int,
+    zero: int,
+    recompute: str,
+    allreduce: tuple[float, float],
+    reduce_scatter: tuple[float, float],
+    all_gather: tuple[float, float],
+    p2p: tuple[float, float],
+    p2p_mult: int,
+    hbm_bandwidth: float,
+    factors: StageFactors,
+    flat_sync: bool = False,
+    split_backward: bool = False,
+) -> StageParts:
+    """:class:`StageParts` of one stage option (:func:`stage_arrays` less its in-flight arguments)."""
     tab = tab.for_stage(dp, zero)
     r = tab.ranged  # range sums / maxima, memoised per table across combos
     fwd, bwd, comm = r("fwd"), r("bwd"), r("comm")
@@ -352,25 +436,9 @@ def stage_arrays(
     copies = copies_deferred_gradients(split_backward, np.arange(len(tab.fwd))[:, None])
     cats = static_memory(params, grads, opt, max_params, dp, zero, tab.gather_ratio, tab.fsdp_copies, copies)
     mem_static = cats["parameters"] + cats["optimizer"]
-    flight = in_flight if in_flight.ndim == 3 else in_flight[None, None, :]  # [U, U+1, S+1]: per range (issue 19)
     if tab.transient is not None:  # the loss's backward buffers (LayerCost.transient_bytes), once
         transient = np.maximum(transient, r("transient"))
-    acts = held = saved[:, :, None] * flight + np.asarray(transient)[..., None]
-    # a ZeRO-2/3 unit's gradients in flight to the reduce-scatter (reduce_scatter_in_flight), held with
-    # the activations where the backward runs beside them: other micro-batches' (more than one in
-    # flight) or the recomputed block's; a lone micro-batch without recompute peaks in its forward
     rs_held = reduce_scatter_in_flight(max_params, dp, zero, tab.gather_ratio, tab.fsdp_copies)
-    if np.any(rs_held):  # (all zero, as for ZeRO < 2, adds nothing: skipped, a fifth of this function's time)
-        acts = acts + np.where((flight > 1.0) | (recompute != "none"), np.asarray(rs_held)[..., None], 0.0)
-    if flat_sync and dp > 1 and zero == 0:  # the flat gradient copy, made after the activations are freed
-        acts = np.maximum(acts, grads[:, :, None])
-    memory = mem_static[:, :, None] + cats["gradients"][:, :, None] + acts
-    last = flight >= num_micro_batches if num_micro_batches is not None and recompute == "none" else None
-    if last is not None and last.any():  # gradients only after the last forward
-        # (docstring); a recomputing backward re-runs blocks while earlier blocks' gradients exist
-        after = cats["gradients"] * (2.0 if flat_sync and dp > 1 and zero == 0 else 1.0)
-        peak = np.maximum(held, after[:, :, None])  # held: the activations without the gradients
-        memory = np.where(last, mem_static[:, :, None] + peak, memory)
     if dp > 1:
         sync = allreduce[0] + allreduce[1] * grads if zero == 0 else rs
     else:
@@ -387,13 +455,24 @@ def stage_arrays(
     if tab.opt_fixed is not None:
         tail = tail + r("opt_fixed")
     inf = np.inf
-    return StageArrays(
-        np.where(valid, t_mb, inf),
-        np.where(valid[:, :, None], memory, inf),
-        np.where(valid, tail, 0.0),
-        np.where(valid, compute, 0.0),
-        np.where(valid, comm_total, 0.0),
+    parts = StageParts(
+        time=np.where(valid, t_mb, inf),
+        tail=np.where(valid, tail, 0.0),
+        compute=np.where(valid, compute, 0.0),
+        comm=np.where(valid, comm_total, 0.0),
+        static=np.where(valid, mem_static, inf),
+        base=np.where(valid, mem_static + cats["gradients"], inf),
+        gradients=cats["gradients"],
+        grads=grads,
+        saved=saved,
+        transient=transient,
+        rs_held=np.asarray(rs_held) if np.any(rs_held) else None,
+        recompute=recompute,
+        flat_copy=flat_sync and dp > 1 and zero == 0,
     )
+    for x in (parts.time, parts.tail, parts.compute, parts.comm, parts.static, parts.base, parts.gradients):
+        x.flags.writeable = False  # shared by the StageArrays of every pass that reuses the parts
+    return parts
 
 
 GATHERED_UNITS = 2  # ZeRO-3: FSDP2 holds the running block's gathered parameters and prefetches the next

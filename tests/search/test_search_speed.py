@@ -179,3 +179,93 @@ def test_premasked_tables_give_the_same_dp(seed: int, monkeypatch: pytest.Monkey
         monkeypatch.setattr(inter_op, "PREMASK_MAX", 0)
         sliced = inter_op._run(p, float(t))
         assert all(np.array_equal(a, b) for a, b in zip(whole, sliced, strict=True))
+
+
+# ---- stage parts shared between pricings (Search.sharing_stage_parts) --------------------------------
+def _plan_json(graph: Graph, cluster: str, batch: int) -> str:
+    return plan_graph(graph, parse_cluster(cluster), TrainingConfig(global_batch=batch, seq_len=32)).to_json()
+
+
+@pytest.mark.parametrize(("cluster", "batch"), [("4xA100-80G+4xV100-32G", 64)])
+def test_shared_stage_parts_give_the_same_plan(
+    graph: Graph, cluster: str, batch: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plan file, search statistics included, is the same with the zero-bubble passes' parts
+    shared (the default), with nothing shared, and with everything shared over the whole search (one
+    table's parts reused across every dp, combo, schedule and micro-batch count: 1,268 of 1,784
+    pricings here would be handed another combo's arrays with ``recompute`` left out of the key, yet
+    this plan happens not to change then; a missing ``zero`` changes it.
+    ``test_stage_parts_key_holds_every_input`` checks each input of the key alone)."""
+    import contextlib
+
+    shared = _plan_json(graph, cluster, batch)
+    monkeypatch.setattr(Search, "sharing_stage_parts", lambda self: contextlib.nullcontext())
+    unshared = _plan_json(graph, cluster, batch)
+    init = Search.__init__
+
+    def everywhere(self: Search, *a: object, **k: object) -> None:
+        init(self, *a, **k)  # type: ignore[arg-type]
+        self._parts = {}
+
+    monkeypatch.setattr(Search, "__init__", everywhere)
+    whole = _plan_json(graph, cluster, batch)
+    assert json.loads(shared)["search"]["dp_runs"] > 0
+    assert shared == unshared == whole
+
+
+def test_stage_parts_key_holds_every_input(graph: Graph) -> None:
+    """Each argument of ``stage_parts`` changed alone, after a pricing with the first values: the
+    shared parts are the fresh ones (and differ from the first, so the check can fail)."""
+    import dataclasses
+
+    from partita.search.stage_cost import StageFactors, stage_parts
+
+    cl = parse_cluster("8xA100-80G")
+    search = Search(graph, cl, TrainingConfig(global_batch=64, seq_len=32), SearchOptions())
+    tab, other = search.table(search.types[0], 1, 1), search.table(search.types[0], 1, 2)
+    assert tab is not None and other is not None
+    base = dict(
+        dp=2,
+        zero=1,
+        recompute="none",
+        allreduce=(1e-5, 1e-10),
+        reduce_scatter=(2e-5, 2e-10),
+        all_gather=(3e-5, 3e-10),
+        p2p=(1e-5, 1e-9),
+        p2p_mult=1,
+        hbm_bandwidth=2e12,
+        factors=StageFactors(),
+        flat_sync=True,
+        split_backward=False,
+    )
+    changes = dict(
+        dp=4,
+        zero=3,
+        recompute="selective",
+        allreduce=(1e-5, 5e-10),
+        reduce_scatter=(2e-5, 5e-10),
+        all_gather=(3e-5, 5e-10),
+        p2p=(1e-5, 5e-9),
+        p2p_mult=2,
+        hbm_bandwidth=1e12,
+        factors=StageFactors(optimizer_passes=3.0),
+        split_backward=True,
+    )
+
+    def fields(p: object) -> list[np.ndarray]:
+        return [np.asarray(getattr(p, f.name)) for f in dataclasses.fields(p) if f.name not in ("recompute",)]
+
+    def same(a: object, b: object) -> bool:
+        return all(x.shape == y.shape and np.array_equal(x, y) for x, y in zip(fields(a), fields(b), strict=True))
+
+    with search.sharing_stage_parts():
+        first = search.stage_parts(tab, **base)
+        assert search.stage_parts(tab, **base) is first  # shared within the scope
+        for name, value in [*changes.items(), ("flat_sync", False)]:
+            at = {**base, **({"zero": 0} if name in ("allreduce", "flat_sync") else {})}  # ZeRO-0's sync
+            kw = {**at, name: value}
+            got, fresh = search.stage_parts(tab, **kw), stage_parts(tab, **kw)
+            assert same(got, fresh), name
+            assert not same(got, stage_parts(tab, **at)), f"{name} changes nothing here"
+        assert same(search.stage_parts(other, **base), stage_parts(other, **base))  # another table
+    assert search._parts is None  # dropped with its scope
