@@ -366,20 +366,25 @@ class StageParts:
         """``[U, U + 1, S + 1]`` bytes per device (:func:`stage_arrays`); inf where k >= j (``base``
         and ``static`` are: every activation term is finite)."""
         flight = in_flight if in_flight.ndim == 3 else in_flight[None, None, :]  # [U, U+1, S+1]: per range (issue 19)
-        acts = held = self.saved[:, :, None] * flight + np.asarray(self.transient)[..., None]
+        last = flight >= num_micro_batches if num_micro_batches is not None and self.recompute == "none" else None
+        if last is not None and not last.any():
+            last = None
+        # the sums below run in place on one new array (a+b and b+a are the same float)
+        acts = self.saved[:, :, None] * flight
+        acts += np.asarray(self.transient)[..., None]
+        held = acts.copy() if last is not None else None  # the activations without the gradients
         # a ZeRO-2/3 unit's gradients in flight to the reduce-scatter (reduce_scatter_in_flight), held with
         # the activations where the backward runs beside them: other micro-batches' (more than one in
         # flight) or the recomputed block's; a lone micro-batch without recompute peaks in its forward
         if self.rs_held is not None:  # (all zero, as for ZeRO < 2, adds nothing: skipped)
-            acts = acts + np.where((flight > 1.0) | (self.recompute != "none"), self.rs_held[..., None], 0.0)
+            acts += np.where((flight > 1.0) | (self.recompute != "none"), self.rs_held[..., None], 0.0)
         if self.flat_copy:  # the flat gradient copy, made after the activations are freed
-            acts = np.maximum(acts, self.grads[:, :, None])
-        memory = self.base[:, :, None] + acts
-        last = flight >= num_micro_batches if num_micro_batches is not None and self.recompute == "none" else None
-        if last is not None and last.any():  # gradients only after the last forward
+            np.maximum(acts, self.grads[:, :, None], out=acts)
+        memory = np.add(acts, self.base[:, :, None], out=acts)
+        if last is not None:  # gradients only after the last forward
             # (docstring); a recomputing backward re-runs blocks while earlier blocks' gradients exist
             after = self.gradients * (2.0 if self.flat_copy else 1.0)
-            peak = np.maximum(held, after[:, :, None])  # held: the activations without the gradients
+            peak = np.maximum(held, after[:, :, None])
             memory = np.where(last, self.static[:, :, None] + peak, memory)
         return memory
 
