@@ -81,6 +81,12 @@ def _tail_bound(fam: list[Option]) -> float:
     return bound if math.isfinite(bound) else 0.0
 
 
+def _pick(option: Option, pick: np.ndarray | None, k: int, j: int, s: int) -> int:
+    """The combo of ``option`` a stage ``[k, j)`` with ``s`` stages left runs: ``pick`` (a capped
+    one) or, uncapped, ``option.pick_at``."""
+    return option.pick_at(k, j, s) if pick is None else int(pick[k, j, s])
+
+
 def powers_of_two(limit: int) -> list[int]:
     out, x = [], 1
     while x <= limit:
@@ -114,6 +120,12 @@ class Option:
         for c in range(self.stack.shape[0] - 1, 0, -1):
             pick = np.where(self.stack[c] == best, c, pick)
         return np.where(self.stack[0] == best, 0, pick)
+
+    def pick_at(self, k: int, j: int, s: int) -> int:
+        """``pick[k, j, s]`` without the whole array: the first least combo of one entry (``argmin``,
+        as ``pick`` is, NaN included). The uncapped DP reads its stages' entries only (issue 20: the
+        whole ``pick`` was 0.3 s of the 175B search, for about one entry in ten thousand read)."""
+        return int(self.stack[:, k, j, s].argmin())
 
     @functools.cached_property
     def pick_tail(self) -> np.ndarray:
@@ -450,7 +462,8 @@ class Search:
             cap = math.inf
             lb = _tail_bound(fam)
             while True:
-                capped = [o.capped(cap) for o in fam]
+                # uncapped: each option's best, and its pick read only at the stages chosen (Option.pick_at)
+                capped = [o.capped(cap) if math.isfinite(cap) else (o.best, None) for o in fam]
                 p = stage_problem(
                     np.stack([c[0] for c in capped]),
                     [remap[o.segment] for o in fam],
@@ -465,7 +478,8 @@ class Search:
                     break
                 n = len(sol.stages)
                 picks = [
-                    StagePick(k, j, fam[o], int(capped[o][1][k, j, n - i])) for i, (k, j, o) in enumerate(sol.stages)
+                    StagePick(k, j, fam[o], _pick(fam[o], capped[o][1], k, j, n - i))
+                    for i, (k, j, o) in enumerate(sol.stages)
                 ]
                 cand = Candidate(dp, b, m, schedule, v, tuple(picks), self)
                 if best is None or cand.step_time < best.step_time:
