@@ -269,3 +269,53 @@ def test_stage_parts_key_holds_every_input(graph: Graph) -> None:
             assert not same(got, stage_parts(tab, **at)), f"{name} changes nothing here"
         assert same(search.stage_parts(other, **base), stage_parts(other, **base))  # another table
     assert search._parts is None  # dropped with its scope
+
+
+# ---- strategies and saved-activation plans shared between layer problems (intra_op._SHARED) ----------
+def test_shared_layer_pieces_give_the_same_solutions(graph: Graph, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layers solved on a run of meshes, batches, styles and devices that each differ from the one
+    before in one input of the shared strategies' key (tp width, label sizes, style, axis names,
+    device): the solutions equal those of solving with nothing shared, so a key that missed an
+    input would hand a problem another's strategies and fail here (each part of the key was
+    dropped once to see it fail). A GPT block large enough that tensor parallelism pays, and the
+    traced model (torch style, saved-activation plans in two precision modes)."""
+    import dataclasses
+
+    from partita.cluster import DEVICE_PRESETS
+    from partita.search import intra_op
+    from partita.search.cost_model import CostModel
+    from partita.search.mesh import LogicalMesh
+    from tests.search import builders
+
+    a100, v100 = DEVICE_PRESETS["A100-80G"], DEVICE_PRESETS["V100-32G"]
+    block = builders.gpt(1, 1024, 16)
+    runs = [
+        (block, a100, (1, 2), ("dp", "tp"), 1, "auto"),
+        (block, a100, (1, 4), ("dp", "tp"), 1, "auto"),  # tp width
+        (block, a100, (1, 4), ("dp", "tp"), 8, "auto"),  # label sizes (B)
+        (block, a100, (1, 4), ("dp", "tp"), 8, "megatron"),  # style
+        (block, a100, (1, 4), ("tp", "dp"), 8, "megatron"),  # axis names
+        (block, v100, (1, 4), ("tp", "dp"), 8, "megatron"),  # device (not in the key: the same strategies)
+        (graph, a100, (1, 2), ("dp", "tp"), 1, "torch"),
+        (graph, v100, (1, 2), ("dp", "tp"), 2, "torch"),
+    ]
+
+    def solve_all() -> list[object]:
+        intra_op._SHARED.clear()
+        out = []
+        for g, dev, shape, names, b, style in runs:
+            mesh = LogicalMesh(shape, names, dev, 8)
+            cm = CostModel.for_device(dev)
+            for lay in g.layers:
+                env = {"B": b, "S": 512}
+                sol = intra_op.solve_layer(g, lay, mesh, env=env, dtype="bf16", cost_model=cm, tp_style=style)
+                out.append(dataclasses.replace(sol, stats=dataclasses.replace(sol.stats, solve_time_s=0.0)))
+        return out
+
+    shared = solve_all()
+    assert len(intra_op._SHARED) == 2  # both graphs shared pieces
+    monkeypatch.setattr(intra_op, "_node_strategies", lambda g, n, *a: intra_op.node_strategies(g, n, *a))
+    monkeypatch.setattr(intra_op, "_saved_plan", intra_op.saved_plan)
+    apart = solve_all()
+    assert not intra_op._SHARED  # nothing shared this time
+    assert shared == apart
