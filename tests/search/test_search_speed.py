@@ -45,6 +45,9 @@ def test_capped_equals_masking_every_combo(seed: int) -> None:
         want_best, want_pick = _masked_capped(opt, cap)
         assert np.array_equal(best, want_best)
         assert np.array_equal(pick[np.isfinite(want_best)], want_pick[np.isfinite(want_best)])
+        assert np.array_equal(opt.capped_best(cap), want_best)  # the DP's path: best, then picks read one by one
+        for k, j, s in zip(*np.nonzero(np.isfinite(want_best))):
+            assert opt.pick_at(k, j, s, cap) == want_pick[k, j, s]
 
 
 def test_graph_node_index_follows_changes(graph: Graph) -> None:
