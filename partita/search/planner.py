@@ -248,15 +248,16 @@ class Search:
             if outer is None:
                 self._parts = None
 
-    def stage_parts(self, tab: UnitTable, **kw: Any) -> StageParts:
-        """``stage_cost.stage_parts(tab, **kw)``, kept within :meth:`sharing_stage_parts` (keyed by the
-        table and every other argument: the same inputs, the same arrays)."""
+    def stage_parts(self, tab: UnitTable, terms: dict[tuple, Any] | None = None, **kw: Any) -> StageParts:
+        """``stage_cost.stage_parts(tab, terms=terms, **kw)``, kept within :meth:`sharing_stage_parts`
+        (keyed by the table and every other argument: the same inputs, the same arrays; ``terms`` is
+        the caller's memo of their shared terms, not an input)."""
         if self._parts is None:
-            return stage_parts(tab, **kw)
+            return stage_parts(tab, terms=terms, **kw)
         key = (id(tab), tuple(sorted(kw.items())))
         hit = self._parts.get(key)
         if hit is None or hit[0] is not tab:
-            hit = self._parts[key] = (tab, stage_parts(tab, **kw))
+            hit = self._parts[key] = (tab, stage_parts(tab, terms=terms, **kw))
         return hit[1]
 
     def tps(self, dev: DeviceType) -> list[int]:
@@ -299,12 +300,14 @@ class Search:
             kinds = ("all_reduce", "reduce_scatter", "all_gather")
             prices.append((p2p, *(affine(cm, kind, link) for kind in kinds)))
         flat_sync = getattr(self.costs, "flat_sync", False)  # torch program: sync after the schedule
+        terms: dict[tuple, Any] = {}  # stage_parts' terms shared by the combos (per recompute / ZeRO stage)
         for z, r in combos:
             worst: Any = None
             ok: Any = None
             for (dev, _, _), tab, (p2p, allreduce, reduce_scatter, all_gather) in zip(devs, tabs, prices):
                 parts = self.stage_parts(
                     tab,
+                    terms,
                     dp=dp,
                     zero=z,
                     recompute=r,

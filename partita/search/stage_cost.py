@@ -404,14 +404,71 @@ def stage_parts(
     factors: StageFactors,
     flat_sync: bool = False,
     split_backward: bool = False,
+    terms: dict[tuple, Any] | None = None,
 ) -> StageParts:
-    """:class:`StageParts` of one stage option (:func:`stage_arrays` less its in-flight arguments)."""
+    """:class:`StageParts` of one stage option (:func:`stage_arrays` less its in-flight arguments).
+
+    Its terms depend on the recompute mode alone (:func:`_recompute_terms`), on the ZeRO stage and
+    the link prices alone (:func:`_zero_terms`), or on the p2p price alone; only the per micro-batch
+    time and communication join them. ``terms``: a dict the caller keeps across the ZeRO / recompute
+    combos of one option (``Search.arrays``), so that each is computed once, not once per combo
+    (issue 20: 12 combos, a third of the arithmetic); keyed by every argument it depends on."""
+    memo: dict[tuple, Any] = {} if terms is None else terms
     tab = tab.for_stage(dp, zero)
+    key = (id(tab), recompute)
+    rec = memo.get(key)
+    if rec is None or rec[0] is not tab:
+        rec = memo[key] = (tab, _recompute_terms(tab, recompute))
+    key = (id(tab), dp, zero, allreduce, reduce_scatter, all_gather, hbm_bandwidth, factors, flat_sync, split_backward)
+    zt = memo.get(key)
+    if zt is None or zt[0] is not tab:
+        zt = memo[key] = (
+            tab,
+            _zero_terms(
+                tab, dp, zero, allreduce, reduce_scatter, all_gather, hbm_bandwidth, factors, flat_sync, split_backward
+            ),
+        )
+    key = (id(tab), p2p, p2p_mult)
+    rv = memo.get(key)
+    if rv is None or rv[0] is not tab:
+        recv = np.zeros(len(tab.fwd))
+        recv[1:] = p2p_mult * 2 * (p2p[0] + p2p[1] * tab.boundary[:-1])  # activation in, its gradient out
+        rv = memo[key] = (tab, recv[:, None])
+    t, saved, transient, compute = rec[1]
+    z, recv = zt[1], rv[1]
+    r = tab.ranged
+    valid = r("num_layers") > 0
+    t_mb = np.maximum(t, z.sync_comm)
+    comm_total = r("comm") + np.maximum(0.0, z.sync_comm - t)
+    t_mb = t_mb + recv
+    comm_total = comm_total + recv
+    inf = np.inf
+    parts = StageParts(
+        time=np.where(valid, t_mb, inf),
+        tail=z.tail,
+        compute=compute,
+        comm=np.where(valid, comm_total, 0.0),
+        static=z.static,
+        base=z.base,
+        gradients=z.gradients,
+        grads=z.grads,
+        saved=saved,
+        transient=transient,
+        rs_held=z.rs_held,
+        recompute=recompute,
+        flat_copy=z.flat_copy,
+    )
+    parts.time.flags.writeable = False  # shared by the StageArrays of every pass that reuses the parts
+    parts.comm.flags.writeable = False
+    return parts
+
+
+def _recompute_terms(tab: UnitTable, recompute: str) -> tuple[np.ndarray, np.ndarray, Any, np.ndarray]:
+    """``(t, saved, transient, compute)`` of :func:`stage_parts`: compute time per micro-batch, saved
+    activations per micro-batch in flight, the transient held once, and the compute part of ``t``
+    (0 where k >= j). Read-only."""
     r = tab.ranged  # range sums / maxima, memoised per table across combos
     fwd, bwd, comm = r("fwd"), r("bwd"), r("comm")
-    params, grads, opt = r("params"), r("grads"), r("opt")
-    nlay = r("num_layers")
-    valid = nlay > 0
     transient: Any = 0.0
     if recompute == "none":
         t, saved = fwd + bwd, r("act")
@@ -421,19 +478,53 @@ def stage_parts(
     else:
         t, saved, transient = 2 * fwd + bwd, r("inputs"), r("max_layer_act")
     compute = t - comm * (2 if recompute == "full" else 1)
-    sync_comm = np.zeros_like(t)
+    if tab.transient is not None:  # the loss's backward buffers (LayerCost.transient_bytes), once
+        transient = np.maximum(transient, r("transient"))
+    compute = np.where(r("num_layers") > 0, compute, 0.0)
+    for x in (t, compute, transient):
+        if isinstance(x, np.ndarray):
+            x.flags.writeable = False
+    return t, saved, transient, compute
+
+
+@dataclasses.dataclass(frozen=True)
+class _ZeroTerms:
+    """The terms of :func:`stage_parts` that the ZeRO stage and the link prices decide (read-only)."""
+
+    sync_comm: np.ndarray  # ZeRO-2/3 gradient / parameter traffic overlapping each micro-batch
+    tail: np.ndarray  # 0 where k >= j
+    static: np.ndarray  # inf where k >= j
+    base: np.ndarray  # inf where k >= j
+    gradients: np.ndarray
+    grads: np.ndarray
+    rs_held: np.ndarray | None
+    flat_copy: bool
+
+
+def _zero_terms(
+    tab: UnitTable,
+    dp: int,
+    zero: int,
+    allreduce: tuple[float, float],
+    reduce_scatter: tuple[float, float],
+    all_gather: tuple[float, float],
+    hbm_bandwidth: float,
+    factors: StageFactors,
+    flat_sync: bool,
+    split_backward: bool,
+) -> _ZeroTerms:
+    r = tab.ranged
+    bwd = r("bwd")
+    params, grads, opt = r("params"), r("grads"), r("opt")
+    nlay = r("num_layers")
+    valid = nlay > 0
+    sync_comm = np.zeros_like(bwd)
     rs = reduce_scatter[0] + reduce_scatter[1] * grads if dp > 1 else 0.0 * grads
     ag = all_gather[0] + all_gather[1] * params * tab.gather_ratio if dp > 1 else 0.0 * params  # in param_dtype
     if zero == 2:
         sync_comm = rs
     elif zero == 3:
         sync_comm = 2 * ag + rs
-    t_mb = np.maximum(t, sync_comm)
-    comm_total = comm + np.maximum(0.0, sync_comm - t)
-    recv = np.zeros(len(tab.fwd))
-    recv[1:] = p2p_mult * 2 * (p2p[0] + p2p[1] * tab.boundary[:-1])  # activation in, its gradient out
-    t_mb = t_mb + recv[:, None]
-    comm_total = comm_total + recv[:, None]
 
     shard = float(dp)
     max_params = r("max_layer_params")
@@ -441,8 +532,6 @@ def stage_parts(
     copies = copies_deferred_gradients(split_backward, np.arange(len(tab.fwd))[:, None])
     cats = static_memory(params, grads, opt, max_params, dp, zero, tab.gather_ratio, tab.fsdp_copies, copies)
     mem_static = cats["parameters"] + cats["optimizer"]
-    if tab.transient is not None:  # the loss's backward buffers (LayerCost.transient_bytes), once
-        transient = np.maximum(transient, r("transient"))
     rs_held = reduce_scatter_in_flight(max_params, dp, zero, tab.gather_ratio, tab.fsdp_copies)
     if dp > 1:
         sync = allreduce[0] + allreduce[1] * grads if zero == 0 else rs
@@ -460,24 +549,19 @@ def stage_parts(
     if tab.opt_fixed is not None:
         tail = tail + r("opt_fixed")
     inf = np.inf
-    parts = StageParts(
-        time=np.where(valid, t_mb, inf),
+    terms = _ZeroTerms(
+        sync_comm=sync_comm,
         tail=np.where(valid, tail, 0.0),
-        compute=np.where(valid, compute, 0.0),
-        comm=np.where(valid, comm_total, 0.0),
         static=np.where(valid, mem_static, inf),
         base=np.where(valid, mem_static + cats["gradients"], inf),
         gradients=cats["gradients"],
         grads=grads,
-        saved=saved,
-        transient=transient,
         rs_held=np.asarray(rs_held) if np.any(rs_held) else None,
-        recompute=recompute,
         flat_copy=flat_sync and dp > 1 and zero == 0,
     )
-    for x in (parts.time, parts.tail, parts.compute, parts.comm, parts.static, parts.base, parts.gradients):
-        x.flags.writeable = False  # shared by the StageArrays of every pass that reuses the parts
-    return parts
+    for x in (terms.sync_comm, terms.tail, terms.static, terms.base, terms.gradients):
+        x.flags.writeable = False  # shared by every combo and pass that reuses them
+    return terms
 
 
 GATHERED_UNITS = 2  # ZeRO-3: FSDP2 holds the running block's gathered parameters and prefetches the next

@@ -218,7 +218,9 @@ def test_shared_stage_parts_give_the_same_plan(
 
 def test_stage_parts_key_holds_every_input(graph: Graph) -> None:
     """Each argument of ``stage_parts`` changed alone, after a pricing with the first values: the
-    shared parts are the fresh ones (and differ from the first, so the check can fail)."""
+    shared parts, and the parts built from shared terms (``stage_parts(terms=...)``, the memo one
+    option's ZeRO / recompute combos share), are the fresh ones (and differ from the first, so the
+    check can fail)."""
     import dataclasses
 
     from partita.search.stage_cost import StageFactors, stage_parts
@@ -261,6 +263,7 @@ def test_stage_parts_key_holds_every_input(graph: Graph) -> None:
     def same(a: object, b: object) -> bool:
         return all(x.shape == y.shape and np.array_equal(x, y) for x, y in zip(fields(a), fields(b), strict=True))
 
+    terms: dict[tuple, object] = {}
     with search.sharing_stage_parts():
         first = search.stage_parts(tab, **base)
         assert search.stage_parts(tab, **base) is first  # shared within the scope
@@ -269,6 +272,9 @@ def test_stage_parts_key_holds_every_input(graph: Graph) -> None:
             kw = {**at, name: value}
             got, fresh = search.stage_parts(tab, **kw), stage_parts(tab, **kw)
             assert same(got, fresh), name
+            # the terms one option's combos share (stage_parts' own memo), kept across every change too
+            assert same(stage_parts(tab, terms=terms, **at), stage_parts(tab, **at)), name
+            assert same(stage_parts(tab, terms=terms, **kw), fresh), name
             assert not same(got, stage_parts(tab, **at)), f"{name} changes nothing here"
         assert same(search.stage_parts(other, **base), stage_parts(other, **base))  # another table
     assert search._parts is None  # dropped with its scope
