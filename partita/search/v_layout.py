@@ -187,6 +187,7 @@ def group_memory(c: VCandidate, r: int) -> dict[str, float]:
 
     fwd = dict.fromkeys(mine, 0)
     dfr = dict.fromkeys(mine, 0)
+
     def acts_now() -> float:
         return sum(saved[i] * (fwd[i] + held[i] * dfr[i]) + out[i] * fwd[i] for i in mine)
 
