@@ -212,14 +212,14 @@ def _run(p: StageProblem, t_max: float) -> list[np.ndarray]:
     # (large tables are masked by t_max slice by slice, where read: a narrow band reads a few columns;
     # small ones whole, once per run, on first read: _Premask)
     nks = num_units + 1 - np.arange(max_stages + 1)  # U - s + 1 per s
-    segs = []
-    for tabs, seg_bands in zip(by_seg, _bands(p, by_seg, t_max)):
-        if not tabs:
+    segs: list[tuple[list[tuple[_Table, _Premask]], list[list[int]], list[int]]] = []
+    for seg_tables, seg_bands in zip(by_seg, _bands(p, by_seg, t_max)):
+        if not seg_tables:
             segs.append(([], [[]] * (max_stages + 1), [0] * (max_stages + 1)))
             continue
         wid = np.minimum(np.array(seg_bands, dtype=np.int64), nks[None, :])  # [tables, S + 1]
         narrow = np.where(2 * wid < nks[None, :], wid, 0).max(axis=0)
-        segs.append(([(t, _Premask(t, t_max)) for t in tabs], wid.T.tolist(), narrow.tolist()))
+        segs.append(([(t, _Premask(t, t_max)) for t in seg_tables], wid.T.tolist(), narrow.tolist()))
     for s in range(1, min(max_stages, num_units) + 1):
         nk = num_units - s + 1
         for i in reversed(range(nseg)):
@@ -227,12 +227,12 @@ def _run(p: StageProblem, t_max: float) -> list[np.ndarray]:
             if i + 1 < nseg:
                 cur[:nk, :] = g[i + 1][s][:nk, p.capacities[i + 1], None]
             cap = p.capacities[i]
-            tabs, wid, narrow = segs[i]
+            tabs, widths, narrows = segs[i]
             prev = g[i][s - 1]
-            if narrow[s]:  # win[k, d, c] = G[s - 1][k + 1 + d, c] (inf past the last unit: the padding), a view
+            if narrows[s]:  # win[k, d, c] = G[s - 1][k + 1 + d, c] (inf past the last unit: the padding), a view
                 r, col = prev.strides
-                win = np.ndarray((nk, narrow[s], cap + 1), prev.dtype, prev, r, (r, r, col))
-            for (t, pm), width in zip(tabs, wid[s]):
+                win = np.ndarray((nk, narrows[s], cap + 1), prev.dtype, prev, r, (r, r, col))
+            for (t, pm), width in zip(tabs, widths[s]):
                 w = t.width
                 if width == 0:
                     continue

@@ -4,6 +4,7 @@ on random inputs with ties and infinities (in-process, well under a second)."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 import pytest
@@ -229,7 +230,7 @@ def test_stage_parts_key_holds_every_input(graph: Graph) -> None:
     search = Search(graph, cl, TrainingConfig(global_batch=64, seq_len=32), SearchOptions())
     tab, other = search.table(search.types[0], 1, 1), search.table(search.types[0], 1, 2)
     assert tab is not None and other is not None
-    base = dict(
+    base: dict[str, Any] = dict(
         dp=2,
         zero=1,
         recompute="none",
@@ -243,7 +244,7 @@ def test_stage_parts_key_holds_every_input(graph: Graph) -> None:
         flat_sync=True,
         split_backward=False,
     )
-    changes = dict(
+    changes: dict[str, Any] = dict(
         dp=4,
         zero=3,
         recompute="selective",
@@ -257,18 +258,21 @@ def test_stage_parts_key_holds_every_input(graph: Graph) -> None:
         split_backward=True,
     )
 
-    def fields(p: object) -> list[np.ndarray]:
+    def fields(p: Any) -> list[np.ndarray]:
         return [np.asarray(getattr(p, f.name)) for f in dataclasses.fields(p) if f.name not in ("recompute",)]
 
-    def same(a: object, b: object) -> bool:
+    def same(a: Any, b: Any) -> bool:
         return all(x.shape == y.shape and np.array_equal(x, y) for x, y in zip(fields(a), fields(b), strict=True))
 
-    terms: dict[tuple, object] = {}
+    terms: dict[tuple, Any] = {}
     with search.sharing_stage_parts():
         first = search.stage_parts(tab, **base)
         assert search.stage_parts(tab, **base) is first  # shared within the scope
         for name, value in [*changes.items(), ("flat_sync", False)]:
-            at = {**base, **({"zero": 0} if name in ("allreduce", "flat_sync") else {})}  # ZeRO-0's sync
+            at: dict[str, Any] = {
+                **base,
+                **({"zero": 0} if name in ("allreduce", "flat_sync") else {}),
+            }  # ZeRO-0's sync
             kw = {**at, name: value}
             got, fresh = search.stage_parts(tab, **kw), stage_parts(tab, **kw)
             assert same(got, fresh), name
@@ -309,7 +313,7 @@ def test_shared_layer_pieces_give_the_same_solutions(graph: Graph, monkeypatch: 
         (graph, v100, (1, 2), ("dp", "tp"), 2, "torch"),
     ]
 
-    def solve_all() -> list[object]:
+    def solve_all() -> list[Any]:
         intra_op._SHARED.clear()
         out = []
         for g, dev, shape, names, b, style in runs:
