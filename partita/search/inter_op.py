@@ -198,6 +198,8 @@ def _run(p: StageProblem, t_max: float) -> list[np.ndarray]:
     ``[k, j)`` with ``s`` left has ``k <= U - s`` and ``j <= U - s + 1``; and a stage longer than
     the longest one that fits under ``t_max`` (its *band*, per table and ``s``) is inf, so the
     min-plus product runs over ``j - k <= band`` only (``t_max`` small: a few units per stage).
+    And ``s`` stages take at most ``s`` times a segment's widest option in slots, so only the slot
+    columns up to that many are priced; the ones past it are a copy (the same candidates).
     """
     num_units, max_stages = p.num_units, p.max_stages
     nseg = len(p.capacities)
@@ -212,6 +214,9 @@ def _run(p: StageProblem, t_max: float) -> list[np.ndarray]:
     # (large tables are masked by t_max slice by slice, where read: a narrow band reads a few columns;
     # small ones whole, once per run, on first read: _Premask)
     nks = num_units + 1 - np.arange(max_stages + 1)  # U - s + 1 per s
+    # most slots s stages can take in segment i: past them every column of G[i][s] equals that one
+    # (each candidate there is the same float: every width fits and leaves as many slots as it needs)
+    most = [max((t.width for t in tabs), default=0) for tabs in by_seg]
     segs: list[tuple[list[tuple[_Table, _Premask]], list[list[int]], list[int]]] = []
     for seg_tables, seg_bands in zip(by_seg, _bands(p, by_seg, t_max)):
         if not seg_tables:
@@ -227,6 +232,7 @@ def _run(p: StageProblem, t_max: float) -> list[np.ndarray]:
             if i + 1 < nseg:
                 cur[:nk, :] = g[i + 1][s][:nk, p.capacities[i + 1], None]
             cap = p.capacities[i]
+            lim = min(cap, s * most[i])  # columns past lim: a copy of column lim (filled below)
             tabs, widths, narrows = segs[i]
             prev = g[i][s - 1]
             if narrows[s]:  # win[k, d, c] = G[s - 1][k + 1 + d, c] (inf past the last unit: the padding), a view
@@ -238,13 +244,15 @@ def _run(p: StageProblem, t_max: float) -> list[np.ndarray]:
                     continue
                 if 2 * width >= nk:  # wide band: the square corner is as cheap
                     c = _masked(pm.tab()[:nk, : nk + 1, s], pm.mask_at)  # [U - s + 1, U - s + 2]
-                    cand = (c[:, :, None] + prev[None, : nk + 1, : cap + 1 - w]).min(axis=1)
+                    cand = (c[:, :, None] + prev[None, : nk + 1, : lim + 1 - w]).min(axis=1)
                 else:  # cand[k] = min_d diag[k, d] + G[s - 1][k + 1 + d]
                     d = pm.diag()[:nk, :width, s]
                     if pm.mask_at != INF:
                         d = np.where(d <= pm.mask_at, d, INF)
-                    cand = (d[:, :, None] + win[:, :width, : cap + 1 - w]).min(axis=1)  # [U - s + 1, cap + 1 - w]
-                np.minimum(cur[:nk, w:], cand, out=cur[:nk, w:])
+                    cand = (d[:, :, None] + win[:, :width, : lim + 1 - w]).min(axis=1)  # [U - s + 1, lim + 1 - w]
+                np.minimum(cur[:nk, w : lim + 1], cand, out=cur[:nk, w : lim + 1])
+            if lim < cap:
+                cur[:nk, lim + 1 :] = cur[:nk, lim, None]
     return [x[:, : num_units + 1] for x in g]  # without the padding
 
 
