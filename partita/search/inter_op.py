@@ -198,20 +198,33 @@ def _run(p: StageProblem, t_max: float) -> list[np.ndarray]:
     ``[k, j)`` with ``s`` left has ``k <= U - s`` and ``j <= U - s + 1``; and a stage longer than
     the longest one that fits under ``t_max`` (its *band*, per table and ``s``) is inf, so the
     min-plus product runs over ``j - k <= band`` only (``t_max`` small: a few units per stage).
+    And ``s`` stages take at most ``s`` times a segment's widest option in slots, so only the slot
+    columns up to that many are priced; the ones past it are a copy (the same candidates).
     """
     num_units, max_stages = p.num_units, p.max_stages
     nseg = len(p.capacities)
-    g = [np.full((max_stages + 1, num_units + 1, cap + 1), INF) for cap in p.capacities]
+    # rows past U stay inf: the padding a narrow band's window reads past the last unit (a view, below)
+    pad = num_units // 2 + 1  # a narrow band is under half of the U - s + 1 <= U first units
+    g = [np.full((max_stages + 1, num_units + 1 + pad, cap + 1), INF) for cap in p.capacities]
     for i in range(nseg):
         g[i][0, num_units, :] = 0.0
     by_seg = _tables(p)
-    # band[s]: the most units of a stage that fits under t_max with s stages left (0: none)
+    # band[s]: the most units of a stage that fits under t_max with s stages left (0: none), capped at
+    # the U - s + 1 first units there are, per table; narrow[s]: the widest band under half of those.
     # (large tables are masked by t_max slice by slice, where read: a narrow band reads a few columns;
     # small ones whole, once per run, on first read: _Premask)
-    bands = [
-        [(t, band, _Premask(t, t_max)) for t, band in zip(tabs, seg_bands)]
-        for tabs, seg_bands in zip(by_seg, _bands(p, by_seg, t_max))
-    ]
+    nks = num_units + 1 - np.arange(max_stages + 1)  # U - s + 1 per s
+    # most slots s stages can take in segment i: past them every column of G[i][s] equals that one
+    # (each candidate there is the same float: every width fits and leaves as many slots as it needs)
+    most = [max((t.width for t in tabs), default=0) for tabs in by_seg]
+    segs: list[tuple[list[tuple[_Table, _Premask]], list[list[int]], list[int]]] = []
+    for seg_tables, seg_bands in zip(by_seg, _bands(p, by_seg, t_max)):
+        if not seg_tables:
+            segs.append(([], [[]] * (max_stages + 1), [0] * (max_stages + 1)))
+            continue
+        wid = np.minimum(np.array(seg_bands, dtype=np.int64), nks[None, :])  # [tables, S + 1]
+        narrow = np.where(2 * wid < nks[None, :], wid, 0).max(axis=0)
+        segs.append(([(t, _Premask(t, t_max)) for t in seg_tables], wid.T.tolist(), narrow.tolist()))
     for s in range(1, min(max_stages, num_units) + 1):
         nk = num_units - s + 1
         for i in reversed(range(nseg)):
@@ -219,25 +232,28 @@ def _run(p: StageProblem, t_max: float) -> list[np.ndarray]:
             if i + 1 < nseg:
                 cur[:nk, :] = g[i + 1][s][:nk, p.capacities[i + 1], None]
             cap = p.capacities[i]
-            prev = g[i][s - 1][: nk + 1]
-            widths = [min(band[s], nk) for _, band, _ in bands[i]]
-            narrow = max((x for x in widths if 2 * x < nk), default=0)
-            if narrow:  # win[k, d, c] = G[s - 1][k + 1 + d, c] (inf past the last unit), a view
-                padded = np.concatenate([prev[1:], np.full((narrow, cap + 1), INF)])
-                r, col = padded.strides
-                win = np.lib.stride_tricks.as_strided(padded, (nk, narrow, cap + 1), (r, r, col), writeable=False)
-            for (t, _, pm), width in zip(bands[i], widths):
+            lim = min(cap, s * most[i])  # columns past lim: a copy of column lim (filled below)
+            tabs, widths, narrows = segs[i]
+            prev = g[i][s - 1]
+            if narrows[s]:  # win[k, d, c] = G[s - 1][k + 1 + d, c] (inf past the last unit: the padding), a view
+                r, col = prev.strides
+                win = np.ndarray((nk, narrows[s], cap + 1), prev.dtype, prev, r, (r, r, col))
+            for (t, pm), width in zip(tabs, widths[s]):
                 w = t.width
                 if width == 0:
                     continue
                 if 2 * width >= nk:  # wide band: the square corner is as cheap
                     c = _masked(pm.tab()[:nk, : nk + 1, s], pm.mask_at)  # [U - s + 1, U - s + 2]
-                    cand = (c[:, :, None] + prev[None, :, : cap + 1 - w]).min(axis=1)
+                    cand = (c[:, :, None] + prev[None, : nk + 1, : lim + 1 - w]).min(axis=1)
                 else:  # cand[k] = min_d diag[k, d] + G[s - 1][k + 1 + d]
-                    d = _masked(pm.diag()[:nk, :width, s], pm.mask_at)
-                    cand = (d[:, :, None] + win[:, :width, : cap + 1 - w]).min(axis=1)  # [U - s + 1, cap + 1 - w]
-                np.minimum(cur[:nk, w:], cand, out=cur[:nk, w:])
-    return g
+                    d = pm.diag()[:nk, :width, s]
+                    if pm.mask_at != INF:
+                        d = np.where(d <= pm.mask_at, d, INF)
+                    cand = (d[:, :, None] + win[:, :width, : lim + 1 - w]).min(axis=1)  # [U - s + 1, lim + 1 - w]
+                np.minimum(cur[:nk, w : lim + 1], cand, out=cur[:nk, w : lim + 1])
+            if lim < cap:
+                cur[:nk, lim + 1 :] = cur[:nk, lim, None]
+    return [x[:, : num_units + 1] for x in g]  # without the padding
 
 
 def _best_stages(p: StageProblem, g: list[np.ndarray]) -> tuple[float, int]:

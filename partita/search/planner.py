@@ -45,12 +45,13 @@ from partita.search.precision import choose_precision
 from partita.search.stage_cost import (
     SolverCosts,
     StageFactors,
+    StageParts,
     UnitTable,
     affine,
     dp_link,
     p2p_time_fn,
     scatter_gather_p2p,
-    stage_arrays,
+    stage_parts,
 )
 from partita.search.zero_bubble import solve_zero_bubble
 
@@ -113,6 +114,24 @@ class Option:
         for c in range(self.stack.shape[0] - 1, 0, -1):
             pick = np.where(self.stack[c] == best, c, pick)
         return np.where(self.stack[0] == best, 0, pick)
+
+    def pick_at(self, k: int, j: int, s: int, cap: float = math.inf) -> int:
+        """``capped(cap)[1][k, j, s]`` without the whole array, where that entry is finite: the first
+        least combo of one entry whose tail is below ``cap`` (``argmin``, as ``pick`` is, NaN
+        included). The DP reads its stages' entries only (issue 20: the whole ``pick`` was 0.3 s of
+        the 175B search, for about one entry in ten thousand read)."""
+        col = self.stack[:, k, j, s]
+        if math.isfinite(cap):
+            col = np.where(self.tails[:, k, j] < cap, col, np.inf)
+        return int(col.argmin())
+
+    def capped_best(self, cap: float) -> np.ndarray:
+        """``capped(cap)[0]`` (the same floats) by masking every combo over the cap and one minimum
+        over the leading axis: the DP needs the picks of its stages only (:meth:`pick_at`), and
+        ``capped``'s whole pick and pick tails were 0.8 s of the 175B search's 821 capped solves."""
+        if not math.isfinite(cap):
+            return self.best
+        return np.where(self.tails[:, :, :, None] < cap, self.stack, np.inf).min(axis=0)
 
     @functools.cached_property
     def pick_tail(self) -> np.ndarray:
@@ -177,6 +196,7 @@ class Search:
         self._tables: dict[tuple, UnitTable | None] = {}
         self._same_layout: dict[tuple, bool] = {}
         self._in_flight: dict[tuple, list[float]] = {}
+        self._parts: dict[tuple, tuple[UnitTable, StageParts]] | None = None  # sharing_stage_parts
 
     # ---- per-unit tables -----------------------------------------------------------------
     def table(self, dev: DeviceType, tp: int, b: int) -> UnitTable | None:
@@ -212,6 +232,33 @@ class Search:
             yield
         finally:
             self.__dict__.pop("in_flight", None)
+
+    @contextlib.contextmanager
+    def sharing_stage_parts(self) -> Iterator[None]:
+        """Within it, :meth:`stage_parts` keeps what it computed: the zero-bubble search prices one
+        configuration's options once per pipeline depth tried, with other in-flight counts only
+        (``zero_bubble.solve_zero_bubble``; 9,000 of the 175B search's 20,000 pricings, half of them
+        repeats). Scoped, so that one configuration's parts are held at a time (they are ~40 kB each)."""
+        outer = self._parts
+        if outer is None:
+            self._parts = {}
+        try:
+            yield
+        finally:
+            if outer is None:
+                self._parts = None
+
+    def stage_parts(self, tab: UnitTable, terms: dict[tuple, Any] | None = None, **kw: Any) -> StageParts:
+        """``stage_cost.stage_parts(tab, terms=terms, **kw)``, kept within :meth:`sharing_stage_parts`
+        (keyed by the table and every other argument: the same inputs, the same arrays; ``terms`` is
+        the caller's memo of their shared terms, not an input)."""
+        if self._parts is None:
+            return stage_parts(tab, terms=terms, **kw)
+        key = (id(tab), tuple(sorted(kw.items())))
+        hit = self._parts.get(key)
+        if hit is None or hit[0] is not tab:
+            hit = self._parts[key] = (tab, stage_parts(tab, terms=terms, **kw))
+        return hit[1]
 
     def tps(self, dev: DeviceType) -> list[int]:
         return [t for t in powers_of_two(min(self.options.max_tp, self.cluster.gpus_per_node(dev.name)))]
@@ -252,16 +299,18 @@ class Search:
                 p2p = scatter_gather_p2p(p2p, tp, dev, cm)
             kinds = ("all_reduce", "reduce_scatter", "all_gather")
             prices.append((p2p, *(affine(cm, kind, link) for kind in kinds)))
+        flat_sync = getattr(self.costs, "flat_sync", False)  # torch program: sync after the schedule
+        terms: dict[tuple, Any] = {}  # stage_parts' terms shared by the combos (per recompute / ZeRO stage)
         for z, r in combos:
             worst: Any = None
             ok: Any = None
             for (dev, _, _), tab, (p2p, allreduce, reduce_scatter, all_gather) in zip(devs, tabs, prices):
-                a = stage_arrays(
+                parts = self.stage_parts(
                     tab,
+                    terms,
                     dp=dp,
                     zero=z,
                     recompute=r,
-                    in_flight=in_flight,
                     allreduce=allreduce,
                     reduce_scatter=reduce_scatter,
                     all_gather=all_gather,
@@ -269,10 +318,10 @@ class Search:
                     p2p_mult=p2p_mult,
                     hbm_bandwidth=dev.hbm_bandwidth,
                     factors=self.factors,
-                    flat_sync=getattr(self.costs, "flat_sync", False),  # torch program: sync after the schedule
-                    num_micro_batches=num_micro_batches,
+                    flat_sync=flat_sync,
                     split_backward=split_backward,
                 )
+                a = parts.arrays(in_flight, num_micro_batches)
                 fit = a.memory <= dev.memory_bytes * self.factors.memory_usable
                 ok = fit if ok is None else ok & fit
                 worst = (
@@ -422,9 +471,9 @@ class Search:
             cap = math.inf
             lb = _tail_bound(fam)
             while True:
-                capped = [o.capped(cap) for o in fam]
+                # each option's best under the cap; its pick is read only at the stages chosen (Option.pick_at)
                 p = stage_problem(
-                    np.stack([c[0] for c in capped]),
+                    np.stack([o.capped_best(cap) for o in fam]),
                     [remap[o.segment] for o in fam],
                     [o.width for o in fam],
                     [caps[s] for s in segs],
@@ -437,7 +486,7 @@ class Search:
                     break
                 n = len(sol.stages)
                 picks = [
-                    StagePick(k, j, fam[o], int(capped[o][1][k, j, n - i])) for i, (k, j, o) in enumerate(sol.stages)
+                    StagePick(k, j, fam[o], fam[o].pick_at(k, j, n - i, cap)) for i, (k, j, o) in enumerate(sol.stages)
                 ]
                 cand = Candidate(dp, b, m, schedule, v, tuple(picks), self)
                 if best is None or cand.step_time < best.step_time:

@@ -135,7 +135,8 @@ class UnitTable:
         (``SolverCosts.shared_copies``), held once by a stage holding several of them."""
 
         def agg(f: str, red=sum) -> np.ndarray:  # noqa: ANN001
-            return np.array([red(getattr(costs[i], f) for i in range(a, b)) for a, b in units], dtype=np.float64)
+            vals = [getattr(c, f) for c in costs]  # (summed slice by slice: the same floats, in the same order)
+            return np.array([red(vals[a:b]) for a, b in units], dtype=np.float64)
 
         extra = _shared_excess(shared, units)
 
@@ -159,7 +160,7 @@ class UnitTable:
             agg("optimizer_fixed_s") if any(c.optimizer_fixed_s for c in costs) else None,
             max((c.optimizer_stream_scale for c in costs), default=1.0),
             min((c.comm_overlap for c in costs), default=1.0),
-            UnitTable.build([_autocast(c) for c in costs], units, shared)
+            UnitTable.build(_autocast_all(costs), units, shared)
             if any(c.activation_bytes_alt is not None for c in costs)
             else None,
             max((c.gather_ratio for c in costs), default=1.0),
@@ -214,6 +215,19 @@ def _shared_excess(
             readers[unit_of[li]] += 1
         extra = np.maximum(_range_sum(readers) - 1.0, 0.0)
         out += np.asarray(per_copy, dtype=np.float64)[:, None, None] * extra[None]
+    return out
+
+
+def _autocast_all(costs: Sequence[LayerCost]) -> list[LayerCost]:
+    """:func:`_autocast` of each cost, once per distinct object: the layers of one kind share their
+    ``LayerCost`` (``SolverCosts.layer``), 96 of the 98 of gpt3-175b."""
+    seen: dict[int, LayerCost] = {}
+    out = []
+    for c in costs:
+        got = seen.get(id(c))
+        if got is None:
+            got = seen[id(c)] = _autocast(c)
+        out.append(got)
     return out
 
 
@@ -316,13 +330,159 @@ def stage_arrays(
     more than its in-flight count: one micro-batch, GPipe), its gradients (freed by ``zero_grad``
     between steps) are not yet there at the activation peak: memory is then the larger of the two
     moments, activations without gradients or gradients (and the flat copy) without activations.
-    None: gradients always count (the stage-level callers that do not know ``m``)."""
+    None: gradients always count (the stage-level callers that do not know ``m``).
+
+    :func:`stage_parts` (what no in-flight count changes) then :func:`stage_memory` (the rest)."""
+    parts = stage_parts(
+        tab,
+        dp=dp,
+        zero=zero,
+        recompute=recompute,
+        allreduce=allreduce,
+        reduce_scatter=reduce_scatter,
+        all_gather=all_gather,
+        p2p=p2p,
+        p2p_mult=p2p_mult,
+        hbm_bandwidth=hbm_bandwidth,
+        factors=factors,
+        flat_sync=flat_sync,
+        split_backward=split_backward,
+    )
+    return parts.arrays(in_flight, num_micro_batches)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageParts:
+    """The terms of :func:`stage_arrays` that no in-flight count (nor ``m``) changes: the per
+    micro-batch time, the tail and the static memory of every range ``[k, j)``, and what the
+    activation memory is made of. A zero-bubble search prices one configuration's options once per
+    pipeline depth with other counts only (``search/zero_bubble.py``), so the planner keeps these
+    per configuration (``Search.sharing_stage_parts``). Arrays are ``[U, U + 1]``, read-only."""
+
+    time: np.ndarray  # period per micro-batch, p2p included; inf where k >= j
+    tail: np.ndarray
+    compute: np.ndarray
+    comm: np.ndarray
+    static: np.ndarray  # parameters + optimizer state; inf where k >= j
+    base: np.ndarray  # static + gradients; inf where k >= j
+    gradients: np.ndarray
+    grads: np.ndarray  # the range's gradient bytes (the flat copy)
+    saved: np.ndarray  # saved activation bytes per micro-batch in flight
+    transient: Any  # [U, U + 1] or 0.0
+    rs_held: np.ndarray | None  # reduce_scatter_in_flight where any, else None
+    recompute: str
+    flat_copy: bool  # the flat gradient copy (flat_sync at ZeRO-0, dp > 1)
+
+    def arrays(self, in_flight: np.ndarray, num_micro_batches: int | None) -> StageArrays:
+        return StageArrays(self.time, self.memory(in_flight, num_micro_batches), self.tail, self.compute, self.comm)
+
+    def memory(self, in_flight: np.ndarray, num_micro_batches: int | None) -> np.ndarray:
+        """``[U, U + 1, S + 1]`` bytes per device (:func:`stage_arrays`); inf where k >= j (``base``
+        and ``static`` are: every activation term is finite)."""
+        flight = in_flight if in_flight.ndim == 3 else in_flight[None, None, :]  # [U, U+1, S+1]: per range (issue 19)
+        last = flight >= num_micro_batches if num_micro_batches is not None and self.recompute == "none" else None
+        if last is not None and not last.any():
+            last = None
+        # the sums below run in place on one new array (a+b and b+a are the same float)
+        acts = self.saved[:, :, None] * flight
+        acts += np.asarray(self.transient)[..., None]
+        held = acts.copy() if last is not None else acts  # the activations without the gradients (read if last)
+        # a ZeRO-2/3 unit's gradients in flight to the reduce-scatter (reduce_scatter_in_flight), held with
+        # the activations where the backward runs beside them: other micro-batches' (more than one in
+        # flight) or the recomputed block's; a lone micro-batch without recompute peaks in its forward
+        if self.rs_held is not None:  # (all zero, as for ZeRO < 2, adds nothing: skipped)
+            acts += np.where((flight > 1.0) | (self.recompute != "none"), self.rs_held[..., None], 0.0)
+        if self.flat_copy:  # the flat gradient copy, made after the activations are freed
+            np.maximum(acts, self.grads[:, :, None], out=acts)
+        memory = np.add(acts, self.base[:, :, None], out=acts)
+        if last is not None:  # gradients only after the last forward
+            # (docstring); a recomputing backward re-runs blocks while earlier blocks' gradients exist
+            after = self.gradients * (2.0 if self.flat_copy else 1.0)
+            peak = np.maximum(held, after[:, :, None])
+            memory = np.where(last, self.static[:, :, None] + peak, memory)
+        return memory
+
+
+def stage_parts(
+    tab: UnitTable,
+    *,
+    dp: int,
+    zero: int,
+    recompute: str,
+    allreduce: tuple[float, float],
+    reduce_scatter: tuple[float, float],
+    all_gather: tuple[float, float],
+    p2p: tuple[float, float],
+    p2p_mult: int,
+    hbm_bandwidth: float,
+    factors: StageFactors,
+    flat_sync: bool = False,
+    split_backward: bool = False,
+    terms: dict[tuple, Any] | None = None,
+) -> StageParts:
+    """:class:`StageParts` of one stage option (:func:`stage_arrays` less its in-flight arguments).
+
+    Its terms depend on the recompute mode alone (:func:`_recompute_terms`), on the ZeRO stage and
+    the link prices alone (:func:`_zero_terms`), or on the p2p price alone; only the per micro-batch
+    time and communication join them. ``terms``: a dict the caller keeps across the ZeRO / recompute
+    combos of one option (``Search.arrays``), so that each is computed once, not once per combo
+    (issue 20: 12 combos, a third of the arithmetic); keyed by every argument it depends on."""
+    memo: dict[tuple, Any] = {} if terms is None else terms
     tab = tab.for_stage(dp, zero)
+    rkey = (id(tab), recompute)
+    rec = memo.get(rkey)
+    if rec is None or rec[0] is not tab:
+        rec = memo[rkey] = (tab, _recompute_terms(tab, recompute))
+    zkey = (id(tab), dp, zero, allreduce, reduce_scatter, all_gather, hbm_bandwidth, factors, flat_sync, split_backward)
+    zt = memo.get(zkey)
+    if zt is None or zt[0] is not tab:
+        zt = memo[zkey] = (
+            tab,
+            _zero_terms(
+                tab, dp, zero, allreduce, reduce_scatter, all_gather, hbm_bandwidth, factors, flat_sync, split_backward
+            ),
+        )
+    pkey = (id(tab), p2p, p2p_mult)
+    rv = memo.get(pkey)
+    if rv is None or rv[0] is not tab:
+        recv = np.zeros(len(tab.fwd))
+        recv[1:] = p2p_mult * 2 * (p2p[0] + p2p[1] * tab.boundary[:-1])  # activation in, its gradient out
+        rv = memo[pkey] = (tab, recv[:, None])
+    t, saved, transient, compute = rec[1]
+    z, recv = zt[1], rv[1]
+    r = tab.ranged
+    valid = r("num_layers") > 0
+    t_mb = np.maximum(t, z.sync_comm)
+    comm_total = r("comm") + np.maximum(0.0, z.sync_comm - t)
+    t_mb = t_mb + recv
+    comm_total = comm_total + recv
+    inf = np.inf
+    parts = StageParts(
+        time=np.where(valid, t_mb, inf),
+        tail=z.tail,
+        compute=compute,
+        comm=np.where(valid, comm_total, 0.0),
+        static=z.static,
+        base=z.base,
+        gradients=z.gradients,
+        grads=z.grads,
+        saved=saved,
+        transient=transient,
+        rs_held=z.rs_held,
+        recompute=recompute,
+        flat_copy=z.flat_copy,
+    )
+    parts.time.flags.writeable = False  # shared by the StageArrays of every pass that reuses the parts
+    parts.comm.flags.writeable = False
+    return parts
+
+
+def _recompute_terms(tab: UnitTable, recompute: str) -> tuple[np.ndarray, np.ndarray, Any, np.ndarray]:
+    """``(t, saved, transient, compute)`` of :func:`stage_parts`: compute time per micro-batch, saved
+    activations per micro-batch in flight, the transient held once, and the compute part of ``t``
+    (0 where k >= j). Read-only."""
     r = tab.ranged  # range sums / maxima, memoised per table across combos
     fwd, bwd, comm = r("fwd"), r("bwd"), r("comm")
-    params, grads, opt = r("params"), r("grads"), r("opt")
-    nlay = r("num_layers")
-    valid = nlay > 0
     transient: Any = 0.0
     if recompute == "none":
         t, saved = fwd + bwd, r("act")
@@ -332,19 +492,53 @@ def stage_arrays(
     else:
         t, saved, transient = 2 * fwd + bwd, r("inputs"), r("max_layer_act")
     compute = t - comm * (2 if recompute == "full" else 1)
-    sync_comm = np.zeros_like(t)
+    if tab.transient is not None:  # the loss's backward buffers (LayerCost.transient_bytes), once
+        transient = np.maximum(transient, r("transient"))
+    compute = np.where(r("num_layers") > 0, compute, 0.0)
+    for x in (t, compute, transient):
+        if isinstance(x, np.ndarray):
+            x.flags.writeable = False
+    return t, saved, transient, compute
+
+
+@dataclasses.dataclass(frozen=True)
+class _ZeroTerms:
+    """The terms of :func:`stage_parts` that the ZeRO stage and the link prices decide (read-only)."""
+
+    sync_comm: np.ndarray  # ZeRO-2/3 gradient / parameter traffic overlapping each micro-batch
+    tail: np.ndarray  # 0 where k >= j
+    static: np.ndarray  # inf where k >= j
+    base: np.ndarray  # inf where k >= j
+    gradients: np.ndarray
+    grads: np.ndarray
+    rs_held: np.ndarray | None
+    flat_copy: bool
+
+
+def _zero_terms(
+    tab: UnitTable,
+    dp: int,
+    zero: int,
+    allreduce: tuple[float, float],
+    reduce_scatter: tuple[float, float],
+    all_gather: tuple[float, float],
+    hbm_bandwidth: float,
+    factors: StageFactors,
+    flat_sync: bool,
+    split_backward: bool,
+) -> _ZeroTerms:
+    r = tab.ranged
+    bwd = r("bwd")
+    params, grads, opt = r("params"), r("grads"), r("opt")
+    nlay = r("num_layers")
+    valid = nlay > 0
+    sync_comm = np.zeros_like(bwd)
     rs = reduce_scatter[0] + reduce_scatter[1] * grads if dp > 1 else 0.0 * grads
     ag = all_gather[0] + all_gather[1] * params * tab.gather_ratio if dp > 1 else 0.0 * params  # in param_dtype
     if zero == 2:
         sync_comm = rs
     elif zero == 3:
         sync_comm = 2 * ag + rs
-    t_mb = np.maximum(t, sync_comm)
-    comm_total = comm + np.maximum(0.0, sync_comm - t)
-    recv = np.zeros(len(tab.fwd))
-    recv[1:] = p2p_mult * 2 * (p2p[0] + p2p[1] * tab.boundary[:-1])  # activation in, its gradient out
-    t_mb = t_mb + recv[:, None]
-    comm_total = comm_total + recv[:, None]
 
     shard = float(dp)
     max_params = r("max_layer_params")
@@ -352,25 +546,7 @@ def stage_arrays(
     copies = copies_deferred_gradients(split_backward, np.arange(len(tab.fwd))[:, None])
     cats = static_memory(params, grads, opt, max_params, dp, zero, tab.gather_ratio, tab.fsdp_copies, copies)
     mem_static = cats["parameters"] + cats["optimizer"]
-    flight = in_flight if in_flight.ndim == 3 else in_flight[None, None, :]  # [U, U+1, S+1]: per range (issue 19)
-    if tab.transient is not None:  # the loss's backward buffers (LayerCost.transient_bytes), once
-        transient = np.maximum(transient, r("transient"))
-    acts = held = saved[:, :, None] * flight + np.asarray(transient)[..., None]
-    # a ZeRO-2/3 unit's gradients in flight to the reduce-scatter (reduce_scatter_in_flight), held with
-    # the activations where the backward runs beside them: other micro-batches' (more than one in
-    # flight) or the recomputed block's; a lone micro-batch without recompute peaks in its forward
     rs_held = reduce_scatter_in_flight(max_params, dp, zero, tab.gather_ratio, tab.fsdp_copies)
-    if np.any(rs_held):  # (all zero, as for ZeRO < 2, adds nothing: skipped, a fifth of this function's time)
-        acts = acts + np.where((flight > 1.0) | (recompute != "none"), np.asarray(rs_held)[..., None], 0.0)
-    if flat_sync and dp > 1 and zero == 0:  # the flat gradient copy, made after the activations are freed
-        acts = np.maximum(acts, grads[:, :, None])
-    memory = mem_static[:, :, None] + cats["gradients"][:, :, None] + acts
-    last = flight >= num_micro_batches if num_micro_batches is not None and recompute == "none" else None
-    if last is not None and last.any():  # gradients only after the last forward
-        # (docstring); a recomputing backward re-runs blocks while earlier blocks' gradients exist
-        after = cats["gradients"] * (2.0 if flat_sync and dp > 1 and zero == 0 else 1.0)
-        peak = np.maximum(held, after[:, :, None])  # held: the activations without the gradients
-        memory = np.where(last, mem_static[:, :, None] + peak, memory)
     if dp > 1:
         sync = allreduce[0] + allreduce[1] * grads if zero == 0 else rs
     else:
@@ -387,13 +563,19 @@ def stage_arrays(
     if tab.opt_fixed is not None:
         tail = tail + r("opt_fixed")
     inf = np.inf
-    return StageArrays(
-        np.where(valid, t_mb, inf),
-        np.where(valid[:, :, None], memory, inf),
-        np.where(valid, tail, 0.0),
-        np.where(valid, compute, 0.0),
-        np.where(valid, comm_total, 0.0),
+    terms = _ZeroTerms(
+        sync_comm=sync_comm,
+        tail=np.where(valid, tail, 0.0),
+        static=np.where(valid, mem_static, inf),
+        base=np.where(valid, mem_static + cats["gradients"], inf),
+        gradients=cats["gradients"],
+        grads=grads,
+        rs_held=np.asarray(rs_held) if np.any(rs_held) else None,
+        flat_copy=flat_sync and dp > 1 and zero == 0,
     )
+    for x in (terms.sync_comm, terms.tail, terms.static, terms.base, terms.gradients):
+        x.flags.writeable = False  # shared by every combo and pass that reuses them
+    return terms
 
 
 GATHERED_UNITS = 2  # ZeRO-3: FSDP2 holds the running block's gathered parameters and prefetches the next

@@ -187,9 +187,14 @@ def group_memory(c: VCandidate, r: int) -> dict[str, float]:
 
     fwd = dict.fromkeys(mine, 0)
     dfr = dict.fromkeys(mine, 0)
+
+    def acts_now() -> float:
+        return sum(saved[i] * (fwd[i] + held[i] * dfr[i]) + out[i] * fwd[i] for i in mine)
+
     peak, peak_acts, peak_grads, at = -1.0, 0.0, 0.0, dict.fromkeys(mine, 0.0)
+    after = acts_now()  # before an action: the moment after the previous one (the same sum of the same state)
     for a in sched.pipeline_actions("zbv", p, c.m, 2)[r]:
-        here = sum(saved[i] * (fwd[i] + held[i] * dfr[i]) + out[i] * fwd[i] for i in mine)
+        here = after
         writing = 0.0  # a W writes its chunk's gradients while the micro-batch's held part is still there
         if a.kind == "F":
             fwd[a.stage] += 1
@@ -208,9 +213,10 @@ def group_memory(c: VCandidate, r: int) -> dict[str, float]:
             else:
                 writing = copy_ratio * share * grads[a.stage]
                 copied.add(a.stage)
-        after = sum(saved[i] * (fwd[i] + held[i] * dfr[i]) + out[i] * fwd[i] for i in mine)
+        after = acts_now()
+        now = grads_now()  # (once per action: both moments below read the gradients after it)
         # the moment after the action; and a W's own: its held part still there beside the new gradients
-        for acts_m, grads_m in ((after, grads_now()),) + (((here, grads_now()),) if writing else ()):
+        for acts_m, grads_m in ((after, now),) + (((here, now),) if writing else ()):
             if acts_m + grads_m > peak:
                 peak, peak_acts, peak_grads = acts_m + grads_m, acts_m, grads_m
                 at = {i: fwd[i] + held[i] * dfr[i] for i in mine}

@@ -197,21 +197,22 @@ def solve_zero_bubble(search: Any, dp: int, b: int, schedule: str) -> list[Any]:
     search.options_for = first_options
     found: list[Any] = []
     try:
-        with search.pricing_in_flight(lambda max_stages: _first_pass_table(held, schedule, m, v, max_stages)):
-            first = search.solve_config(dp, b, schedule, v)  # counts by stages left: later stages under-priced
-        search.__dict__.pop("options_for", None)
-        if built and built[0][0]:
-            max_stages = built[0][0][0].stack.shape[3] - 1
-            depths = {2**k for k in range(num_units.bit_length()) if 2**k <= num_units}
-            for c in first:
-                depths |= {len(c.stages), max(1, len(c.stages) - 1)}
-            for depth in sorted(d for d in depths if d <= max_stages):
-                # every position at its own count in a pipeline of exactly `depth` stages; the table's
-                # `depth + 1` columns bound the DP's stages (inter_op: times.shape[3] - 1), so deeper
-                # pipelines are not priced at all (and the arrays are as narrow as the depth)
-                table = in_flight_table(held, schedule, m, v, depth)
-                with search.pricing_in_flight(lambda _n, t=table: t):
-                    found += [c for c in search.solve_config(dp, b, schedule, v) if len(c.stages) == depth]
+        with search.sharing_stage_parts():  # each depth re-prices the same options (Search.stage_parts)
+            with search.pricing_in_flight(lambda max_stages: _first_pass_table(held, schedule, m, v, max_stages)):
+                first = search.solve_config(dp, b, schedule, v)  # counts by stages left: later stages under-priced
+            search.__dict__.pop("options_for", None)
+            if built and built[0][0]:
+                max_stages = built[0][0][0].stack.shape[3] - 1
+                depths = {2**k for k in range(num_units.bit_length()) if 2**k <= num_units}
+                for c in first:
+                    depths |= {len(c.stages), max(1, len(c.stages) - 1)}
+                for depth in sorted(d for d in depths if d <= max_stages):
+                    # every position at its own count in a pipeline of exactly `depth` stages; the table's
+                    # `depth + 1` columns bound the DP's stages (inter_op: times.shape[3] - 1), so deeper
+                    # pipelines are not priced at all (and the arrays are as narrow as the depth)
+                    table = in_flight_table(held, schedule, m, v, depth)
+                    with search.pricing_in_flight(lambda _n, t=table: t):
+                        found += [c for c in search.solve_config(dp, b, schedule, v) if len(c.stages) == depth]
     finally:
         search.options = opts
         search.__dict__.pop("options_for", None)

@@ -4,6 +4,7 @@ on random inputs with ties and infinities (in-process, well under a second)."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 import pytest
@@ -45,6 +46,9 @@ def test_capped_equals_masking_every_combo(seed: int) -> None:
         want_best, want_pick = _masked_capped(opt, cap)
         assert np.array_equal(best, want_best)
         assert np.array_equal(pick[np.isfinite(want_best)], want_pick[np.isfinite(want_best)])
+        assert np.array_equal(opt.capped_best(cap), want_best)  # the DP's path: best, then picks read one by one
+        for k, j, s in zip(*np.nonzero(np.isfinite(want_best))):
+            assert opt.pick_at(k, j, s, cap) == want_pick[k, j, s]
 
 
 def test_graph_node_index_follows_changes(graph: Graph) -> None:
@@ -179,3 +183,152 @@ def test_premasked_tables_give_the_same_dp(seed: int, monkeypatch: pytest.Monkey
         monkeypatch.setattr(inter_op, "PREMASK_MAX", 0)
         sliced = inter_op._run(p, float(t))
         assert all(np.array_equal(a, b) for a, b in zip(whole, sliced, strict=True))
+
+
+# ---- stage parts shared between pricings (Search.sharing_stage_parts) --------------------------------
+def _plan_json(graph: Graph, cluster: str, batch: int) -> str:
+    return plan_graph(graph, parse_cluster(cluster), TrainingConfig(global_batch=batch, seq_len=32)).to_json()
+
+
+@pytest.mark.parametrize(("cluster", "batch"), [("4xA100-80G+4xV100-32G", 64)])
+def test_shared_stage_parts_give_the_same_plan(
+    graph: Graph, cluster: str, batch: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plan file, search statistics included, is the same with the zero-bubble passes' parts
+    shared (the default), with nothing shared, and with everything shared over the whole search (one
+    table's parts reused across every dp, combo, schedule and micro-batch count: 1,268 of 1,784
+    pricings here would be handed another combo's arrays with ``recompute`` left out of the key, yet
+    this plan happens not to change then; a missing ``zero`` changes it.
+    ``test_stage_parts_key_holds_every_input`` checks each input of the key alone)."""
+    import contextlib
+
+    shared = _plan_json(graph, cluster, batch)
+    monkeypatch.setattr(Search, "sharing_stage_parts", lambda self: contextlib.nullcontext())
+    unshared = _plan_json(graph, cluster, batch)
+    init = Search.__init__
+
+    def everywhere(self: Search, *a: object, **k: object) -> None:
+        init(self, *a, **k)  # type: ignore[arg-type]
+        self._parts = {}
+
+    monkeypatch.setattr(Search, "__init__", everywhere)
+    whole = _plan_json(graph, cluster, batch)
+    assert json.loads(shared)["search"]["dp_runs"] > 0
+    assert shared == unshared == whole
+
+
+def test_stage_parts_key_holds_every_input(graph: Graph) -> None:
+    """Each argument of ``stage_parts`` changed alone, after a pricing with the first values: the
+    shared parts, and the parts built from shared terms (``stage_parts(terms=...)``, the memo one
+    option's ZeRO / recompute combos share), are the fresh ones (and differ from the first, so the
+    check can fail)."""
+    import dataclasses
+
+    from partita.search.stage_cost import StageFactors, stage_parts
+
+    cl = parse_cluster("8xA100-80G")
+    search = Search(graph, cl, TrainingConfig(global_batch=64, seq_len=32), SearchOptions())
+    tab, other = search.table(search.types[0], 1, 1), search.table(search.types[0], 1, 2)
+    assert tab is not None and other is not None
+    base: dict[str, Any] = dict(
+        dp=2,
+        zero=1,
+        recompute="none",
+        allreduce=(1e-5, 1e-10),
+        reduce_scatter=(2e-5, 2e-10),
+        all_gather=(3e-5, 3e-10),
+        p2p=(1e-5, 1e-9),
+        p2p_mult=1,
+        hbm_bandwidth=2e12,
+        factors=StageFactors(),
+        flat_sync=True,
+        split_backward=False,
+    )
+    changes: dict[str, Any] = dict(
+        dp=4,
+        zero=3,
+        recompute="selective",
+        allreduce=(1e-5, 5e-10),
+        reduce_scatter=(2e-5, 5e-10),
+        all_gather=(3e-5, 5e-10),
+        p2p=(1e-5, 5e-9),
+        p2p_mult=2,
+        hbm_bandwidth=1e12,
+        factors=StageFactors(optimizer_passes=3.0),
+        split_backward=True,
+    )
+
+    def fields(p: Any) -> list[np.ndarray]:
+        return [np.asarray(getattr(p, f.name)) for f in dataclasses.fields(p) if f.name not in ("recompute",)]
+
+    def same(a: Any, b: Any) -> bool:
+        return all(x.shape == y.shape and np.array_equal(x, y) for x, y in zip(fields(a), fields(b), strict=True))
+
+    terms: dict[tuple, Any] = {}
+    with search.sharing_stage_parts():
+        first = search.stage_parts(tab, **base)
+        assert search.stage_parts(tab, **base) is first  # shared within the scope
+        for name, value in [*changes.items(), ("flat_sync", False)]:
+            at: dict[str, Any] = {
+                **base,
+                **({"zero": 0} if name in ("allreduce", "flat_sync") else {}),
+            }  # ZeRO-0's sync
+            kw = {**at, name: value}
+            got, fresh = search.stage_parts(tab, **kw), stage_parts(tab, **kw)
+            assert same(got, fresh), name
+            # the terms one option's combos share (stage_parts' own memo), kept across every change too
+            assert same(stage_parts(tab, terms=terms, **at), stage_parts(tab, **at)), name
+            assert same(stage_parts(tab, terms=terms, **kw), fresh), name
+            assert not same(got, stage_parts(tab, **at)), f"{name} changes nothing here"
+        assert same(search.stage_parts(other, **base), stage_parts(other, **base))  # another table
+    assert search._parts is None  # dropped with its scope
+
+
+# ---- strategies and saved-activation plans shared between layer problems (intra_op._SHARED) ----------
+def test_shared_layer_pieces_give_the_same_solutions(graph: Graph, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layers solved on a run of meshes, batches, styles and devices that each differ from the one
+    before in one input of the shared strategies' key (tp width, label sizes, style, axis names,
+    device): the solutions equal those of solving with nothing shared, so a key that missed an
+    input would hand a problem another's strategies and fail here (each part of the key was
+    dropped once to see it fail). A GPT block large enough that tensor parallelism pays, and the
+    traced model (torch style, saved-activation plans in two precision modes)."""
+    import dataclasses
+
+    from partita.cluster import DEVICE_PRESETS
+    from partita.search import intra_op
+    from partita.search.cost_model import CostModel
+    from partita.search.mesh import LogicalMesh
+    from tests.search import builders
+
+    a100, v100 = DEVICE_PRESETS["A100-80G"], DEVICE_PRESETS["V100-32G"]
+    block = builders.gpt(1, 1024, 16)
+    runs = [
+        (block, a100, (1, 2), ("dp", "tp"), 1, "auto"),
+        (block, a100, (1, 4), ("dp", "tp"), 1, "auto"),  # tp width
+        (block, a100, (1, 4), ("dp", "tp"), 8, "auto"),  # label sizes (B)
+        (block, a100, (1, 4), ("dp", "tp"), 8, "megatron"),  # style
+        (block, a100, (1, 4), ("tp", "dp"), 8, "megatron"),  # axis names
+        (block, v100, (1, 4), ("tp", "dp"), 8, "megatron"),  # device (not in the key: the same strategies)
+        (graph, a100, (1, 2), ("dp", "tp"), 1, "torch"),
+        (graph, v100, (1, 2), ("dp", "tp"), 2, "torch"),
+    ]
+
+    def solve_all() -> list[Any]:
+        intra_op._SHARED.clear()
+        out = []
+        for g, dev, shape, names, b, style in runs:
+            mesh = LogicalMesh(shape, names, dev, 8)
+            cm = CostModel.for_device(dev)
+            for lay in g.layers:
+                env = {"B": b, "S": 512}
+                sol = intra_op.solve_layer(g, lay, mesh, env=env, dtype="bf16", cost_model=cm, tp_style=style)
+                out.append(dataclasses.replace(sol, stats=dataclasses.replace(sol.stats, solve_time_s=0.0)))
+        return out
+
+    shared = solve_all()
+    assert len(intra_op._SHARED) == 2  # both graphs shared pieces
+    monkeypatch.setattr(intra_op, "_node_strategies", lambda g, n, *a: intra_op.node_strategies(g, n, *a))
+    monkeypatch.setattr(intra_op, "_saved_plan", intra_op.saved_plan)
+    apart = solve_all()
+    assert not intra_op._SHARED  # nothing shared this time
+    assert shared == apart

@@ -22,3 +22,5 @@ def test_pick_and_best_equal_argmin(seed: int, combos: int) -> None:
     want = stack.argmin(axis=0)
     assert np.array_equal(opt.pick, want)
     assert np.array_equal(opt.best, np.take_along_axis(stack, want[None], axis=0)[0], equal_nan=True)
+    every = [opt.pick_at(k, j, s) for k in range(5) for j in range(6) for s in range(4)]
+    assert every == want.ravel().tolist()  # one entry at a time, as the uncapped DP reads them
