@@ -4,9 +4,12 @@
 nothing is communicated: every rank role is played in its own process (one
 ``python -m partita.backends.torch.rehearse DIR RANK...`` imports once and forks a child per role,
 as many at once as there are CPUs or ``PARTITA_REHEARSE_JOBS``: :func:`run_roles`) on a fake
-process group (``dist.init_process_group("fake")``, world size = the plan's) with fake tensors. A *role* is a rank whose step can differ from its stage's first rank: the first replica of
-each distinct batch share, and, in a pipeline of stages of different shapes (``P2PPipeline``, where
-only tp rank 0 sends), also tp rank 1.
+process group (``dist.init_process_group("fake")``, world size = the plan's) with fake tensors. A *role* is a rank whose step can differ from its stage's first rank: tp rank 0 of the first replica
+of each distinct batch share. The other tp ranks of a replica run the same SPMD step on shards no
+larger (torch's chunking gives rank 0 the largest) and, in a pipeline of stages of different shapes
+(``P2PPipeline``), receive as tp rank 0 does but send nothing: a subset of its collectives, no more
+memory, the same FLOPs. The mixtral-8x7b plan's tp rank 1 rehearsed exactly tp rank 0's peak, categories
+and collectives but the sends (stages 0 and 16), and rehearsing it doubled the roles (34, 460 s of CPU).
 
 Each role runs the program's own code: ``DIR/program_torch.py``'s ``PROGRAM``, ``SETUP_STAGE`` and
 ``make_runner``, with the calls ``backends/torch/train._train`` makes, in its order (meshes of every
@@ -345,12 +348,11 @@ def roles(program: Mapping[str, Any]) -> dict[int, list[int]]:
     for s in program["stages"]:
         picks: list[int] = []
         seen: set[int] = set()
-        tps = [0, 1] if program["runner"] == "p2p" and s["tp"] > 1 else [0]
         for i, share in enumerate(s["shares"]):
             if share in seen:
                 continue
             seen.add(share)
-            picks += [s["ranks"][i * s["tp"] + j] for j in tps]
+            picks.append(s["ranks"][i * s["tp"]])
         out[int(s["index"])] = picks
     return out
 
