@@ -144,7 +144,7 @@ class StepRecorder(torch_shim.TorchDispatchMode):
 # ---- one rank ----------------------------------------------------------------------------------------
 def rehearse_rank(program: Any, rank: int) -> RankResult:
     """Play ``rank`` of the program for one warm-up and one measured step (module docstring)."""
-    with _unpacked_sequences():  # HF mask builders read position ids' values (_unpacked_sequences)
+    with _unpacked_sequences(), _layer_norm_as_on_cuda():  # (each context's docstring)
         return _rehearse_rank(program, rank)
 
 
@@ -249,6 +249,30 @@ def _shape_only_experts(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for m in patched:
             del m.forward
+
+
+@contextlib.contextmanager
+def _layer_norm_as_on_cuda() -> Iterator[None]:
+    """``layer_norm`` under CPU autocast as CUDA autocast runs it: in f32 (CUDA's autocast lists it among
+    the ops it runs in f32; CPU's lists it nowhere, so it ran in its input's dtype). The program is
+    written for GPUs: a bf16 stage input (boundaries travel in the plan's dtype) made a GPT-2 layer
+    norm return bf16 here where a GPU returns f32, and its output gradient, which a zero-bubble W
+    holds from B on, half the size (GPT-2 ZB-H1: 176 KiB a block and micro-batch held, 208 on a GPU)."""
+    fn = torch.nn.functional
+    original = fn.layer_norm
+
+    def layer_norm(x: torch.Tensor, shape: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) -> Any:
+        if x.device.type != "cpu" or not torch.is_autocast_enabled("cpu") or x.dtype == torch.float32:
+            return original(x, shape, weight, bias, eps)
+        with torch.autocast("cpu", enabled=False):
+            f32 = [t if t is None else t.float() for t in (weight, bias)]
+            return original(x.float(), shape, f32[0], f32[1], eps)
+
+    fn.layer_norm = layer_norm  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        fn.layer_norm = original  # type: ignore[assignment]
 
 
 @contextlib.contextmanager
