@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import numpy as np
 
@@ -27,7 +28,7 @@ from partita.search.evaluate import Evaluation, evaluate_config
 from partita.search.plan_build import Candidate, StagePick
 from partita.search.planner import DEFAULT_OPTIONS, Option, Search, plan_graph, powers_of_two
 from partita.search.stage_cost import SolverCosts
-from partita.search.zero_bubble import in_flight_table, range_held
+from partita.search.zero_bubble import HeldCounts, in_flight_table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,8 +122,8 @@ def heterogeneity_unaware(
     index = {name: i for i, name in enumerate(lay.name for lay in graph.layers)}
     p_num = len(plan.stages)
     if sched.splits_backward(plan.schedule):  # issue 19: each stage weighs its own deferred W (search/zero_bubble.py)
-        held = range_held(graph, training.seq_len, real.units)
-        in_flight = in_flight_table(held, plan.schedule, m, sched.virtual_stages(plan.schedule, v), p_num)
+        vv = sched.virtual_stages(plan.schedule, v)
+        in_flight: Any = HeldCounts(lambda held: in_flight_table(held, plan.schedule, m, vv, p_num))
     else:
         in_flight = np.array(sched.in_flight_by_stages_left(plan.schedule, p_num, m, v))
     for st in plan.stages:

@@ -43,10 +43,11 @@ from partita.search.stage_cost import (
     SolverCosts,
     StageFactors,
     copies_deferred_gradients,
+    grad_transient,
     reduce_scatter_in_flight,
     static_memory,
 )
-from partita.search.zero_bubble import RUNNABLE_ZERO, in_flight_table, range_held, stage_in_flight
+from partita.search.zero_bubble import RUNNABLE_ZERO, HeldCounts, counts, held_weight, in_flight_table
 
 MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
 
@@ -293,9 +294,8 @@ def memory_by_category(cand: Candidate, i: int) -> dict[str, float]:
     k, j = p.k, p.j
     sl = slice(k, j)
     if sched.splits_backward(cand.schedule):  # issue 19: a deferred W weighs the stage's own output gradients
-        first, last = search.units[k][0], search.units[j - 1][1]
-        seq = search.training.seq_len
-        in_flight = stage_in_flight(search.graph, seq, cand.schedule, len(cand.stages), cand.m, cand.v, first, last, i)
+        held = held_weight(float(tab.ranged("held")[k, j]), float(tab.ranged("act")[k, j]), search.units[k][0] == 0)
+        in_flight = float(counts(cand.schedule, len(cand.stages), cand.m, cand.v, np.array([held]), i)[0])
     else:
         in_flight = sched.in_flight(cand.schedule, i, len(cand.stages), cand.m, cand.v)
     max_params = float(tab.max_layer_params[sl].max())
@@ -322,6 +322,8 @@ def memory_by_category(cand: Candidate, i: int) -> dict[str, float]:
         act, transient = float(tab.inputs[sl].sum()) * in_flight, float(tab.max_layer_act[sl].max())
     if tab.transient is not None:
         transient = max(transient, float(tab.transient[sl].max()))
+    if tab.grad_transient is not None:  # parameter gradients beside .grad (stage_cost.grad_transient)
+        transient = max(transient, float(grad_transient(tab, sched.splits_backward(cand.schedule))[k, j]))
     act += transient
     if in_flight > 1.0 or r != "none":
         act += float(reduce_scatter_in_flight(max_params, cand.dp, z, tab.gather_ratio, tab.fsdp_copies))
@@ -416,7 +418,7 @@ def evaluate_config(
     m = training.global_batch // (micro_batch * dp)
     v = num_virtual if schedule == "interleaved_1f1b" else 1
     if sched.splits_backward(schedule):  # issue 19: per stage, its own deferred-W weight (search/zero_bubble.py)
-        in_flight = in_flight_table(range_held(graph, training.seq_len, search.units), schedule, m, v, pp)
+        in_flight: Any = HeldCounts(lambda held: in_flight_table(held, schedule, m, v, pp))
     else:
         in_flight = np.array(sched.in_flight_by_stages_left(schedule, pp, m, v))
     split = sched.splits_backward(schedule)  # W's gradient copy (stage_cost.static_memory)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -30,7 +31,7 @@ from partita.search.planner import Option, Search
 from partita.search.sequence_parallel import apply as sequence_parallel_apply
 from partita.search.sequence_parallel import check as sequence_parallel_check
 from partita.search.stage_cost import SolverCosts
-from partita.search.zero_bubble import in_flight_table, range_held
+from partita.search.zero_bubble import HeldCounts, in_flight_table
 
 
 def hand_plan(
@@ -87,8 +88,8 @@ def hand_plan(
     dev = cluster.device_types()[0]
     m = training.global_batch // (micro_batch * dp)
     if sched.splits_backward(schedule):  # issue 19: each stage weighs its own deferred W (search/zero_bubble.py)
-        held = range_held(graph, training.seq_len, search.units)
-        in_flight = in_flight_table(held, schedule, m, sched.virtual_stages(schedule, v), pp)
+        vv = sched.virtual_stages(schedule, v)
+        in_flight: Any = HeldCounts(lambda held: in_flight_table(held, schedule, m, vv, pp))
     else:
         in_flight = np.array(sched.in_flight_by_stages_left(schedule, pp, m, v))
     mb = None if sched.splits_backward(schedule) else m  # stage_cost.stage_arrays: gradients at the peak

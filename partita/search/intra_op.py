@@ -101,6 +101,14 @@ class LayerSolution:
     activation_bytes_alt: float | None = None
     selective_keep_bytes_alt: float | None = None
     transient_bytes: float = 0.0  # allocated during the backward on top of the saved bytes (the loss)
+    # a split backward (zero bubble): the output gradients B captures and W reads, per micro-batch, in the
+    # program's dtype and this solution's layouts (_LayerProblem.held_bytes); _alt: the other precision mode
+    w_held_bytes: float = 0.0
+    w_held_bytes_alt: float | None = None
+    # parameter gradients a backward materializes beside .grad (_LayerProblem.grad_transient): in one
+    # backward pass, and in a deferred W of one split node (zero bubble); not scaled by the micro-batch
+    grad_transient_bytes: float = 0.0
+    w_grad_transient_bytes: float = 0.0
 
     @property
     def memory_bytes(self) -> float:
@@ -133,6 +141,10 @@ class _Costs:
     sel_fwd: float = 0.0
     act_alt: float = 0.0  # act_bytes / sel_keep in the second precision mode (not in the ILP's memory)
     transient: float = 0.0  # bytes a backward allocates on top of the saved ones (the loss, below)
+    held: float = 0.0  # output gradient bytes a deferred W reads (_LayerProblem.held_bytes)
+    held_alt: float = 0.0
+    grad_transient: float = 0.0  # _LayerProblem.grad_transient: summed over a layer's nodes
+    w_grad_transient: float = 0.0  # ... the largest node's (one split node's W at a time)
     sel_keep_alt: float = 0.0
     colls: list[tuple[str, int, float, str, str]] = dataclasses.field(default_factory=list)
 
@@ -333,6 +345,8 @@ class _LayerProblem:
                 c.forbidden += self.tp_forbidden(lay, dst)
                 if t in self.needs_grad:
                     self._add_reshard(c, dst, grad_requirement(lay), t, "backward", f"grad of layer output {t}")
+        c.held, c.held_alt = self.held_bytes(n, s)
+        c.grad_transient, c.w_grad_transient = self.grad_transient(n, s, c.grad_bytes)
         if self.saved:
             c.act_bytes, c.act_alt = (self._saved_bytes(sp, n, s) for sp in (self.saved[0], self.saved[-1]))
             if n.prim is Prim.CROSS_ENTROPY and n.inputs:
@@ -369,6 +383,50 @@ class _LayerProblem:
         for i in sp.weights.get(n.name, ()):
             total += self.numel(n.inputs[i]) / shard_factor(s.in_layouts[i], mesh) * sp.low
         return total
+
+    def held_bytes(self, n: Node, s: Strategy) -> tuple[float, float]:
+        """Bytes per device of the output gradients a split backward keeps for ``n`` from B to W (both
+        precision modes): W of a node reading a parameter and an activation (a matmul, a norm's scale,
+        an expert GEMM) needs the gradient of its output, which ``backends/torch/wsplit.py`` captures at
+        B. In the dtype the program makes that output in (``search/saved.py``: under autocast a matmul's
+        low, a norm's f32) and in ``s``'s output layout (a column-parallel output sharded, a row-parallel
+        partial one whole). The traced graph's f32 unsharded outputs weighed mixtral-8x7b's B-to-W
+        micro-batch 0.30 of its saved activations; ``partita rehearse`` measured 0.16 at tp = 2 and 4."""
+        roles = {self.g.tensors[self._base(t)].role for t in n.inputs}
+        if n.prim in VIEW_PRIMS or Role.PARAMETER not in roles or Role.ACTIVATION not in roles:
+            return 0.0, 0.0
+        out = []
+        for sp in (self.saved[0], self.saved[-1]) if self.saved else (None,):
+            total = 0.0
+            for t, lay in zip(n.outputs, s.out_layouts):
+                item = sp.item[t] if sp is not None else float(self.g.tensors[t].itemsize)
+                total += self.numel(t) / shard_factor(lay, self.mesh) * item
+            out.append(total)
+        return out[0], out[-1]
+
+    def grad_transient(self, n: Node, s: Strategy, grad_bytes: float) -> tuple[float, float]:
+        """``(one backward, one split W)``: bytes of parameter gradients a backward holds beside the
+        accumulated ``.grad`` while it makes those of ``n``'s parameters. Priced where they are large:
+        the stacked weight of expert-parallel experts (``backends/torch/moe.py``), which the program
+        reads one local expert at a time (``w[j]``); each read's backward makes a zero-filled f32
+        gradient of the whole local stack. One backward pass sums them in autograd's input buffer,
+        which holds the running sum and the next expert's copy: two stacks of each expert weight of
+        the layer. A deferred W (``backends/torch/wsplit.py``) runs one expert's matmul at a time: one
+        stack and that expert's own gradient cast to f32 (``1 / experts`` of it). ``partita rehearse``
+        of mixtral-8x7b (tp 2, 4 experts a rank: 2.63 GiB of expert gradients): its first stage's W,
+        one backward pass, peaked 5.40 GiB over what it held before (priced 5.25); tp 4 (2 experts),
+        a deferred W: 1.31 GiB over the gradients (priced 1.31)."""
+        moe = n.attrs.get("moe")
+        if not moe or moe.get("role") != "weight" or s.tp_role != "expert" or not grad_bytes:
+            return 0.0, 0.0
+        local = max(1.0, float(moe["num_experts"]) / shard_factor(s.in_layouts[0], self.mesh))
+        return 2.0 * grad_bytes, grad_bytes * (1.0 + 1.0 / local)
+
+    def _base(self, t: str) -> str:
+        """``t`` through the views that made it (a permuted expert weight is its parameter)."""
+        while (u := self.producer.get(t)) is not None and u.prim in VIEW_PRIMS and u.inputs:
+            t = u.inputs[0]
+        return t
 
     def _saves(self, n: Node) -> bool:
         """Does ``n``'s backward read its activation inputs? (views and binary elementwise do not)"""
@@ -725,7 +783,9 @@ def solve_layer(
     for n in lp.nodes:
         c = lp.costs[n.name][chosen[n.name]]
         for f in dataclasses.fields(_Costs):
-            if f.name != "colls":
+            if f.name == "w_grad_transient":
+                tot.w_grad_transient = max(tot.w_grad_transient, c.w_grad_transient)
+            elif f.name != "colls":
                 setattr(tot, f.name, getattr(tot, f.name) + getattr(c, f.name))
         raw.extend(c.colls)
         for t in n.inputs:
@@ -781,6 +841,10 @@ def solve_layer(
         activation_bytes_alt=tot.act_alt,
         selective_keep_bytes_alt=tot.sel_keep_alt,
         transient_bytes=tot.transient,
+        w_held_bytes=tot.held,
+        w_held_bytes_alt=tot.held_alt,
+        grad_transient_bytes=tot.grad_transient,
+        w_grad_transient_bytes=tot.w_grad_transient,
         tp_plan=_tp_plan(lp, chosen),
     )
 

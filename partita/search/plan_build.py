@@ -23,7 +23,7 @@ from partita.search import records, schedule_cost
 from partita.search import schedule as sched
 from partita.search.jax_records import jax_records
 from partita.search.stage_cost import copies_deferred_gradients, static_memory_of
-from partita.search.zero_bubble import stage_held
+from partita.search.zero_bubble import held_weight
 from partita.version import __version__
 
 
@@ -235,6 +235,15 @@ def _sanity(search: Any, used_devs: list[str], flops: float, step: float) -> dic
     }
 
 
+def option_held(search: Any, cand: Candidate, p: Any) -> float:
+    """``zero_bubble.held_weight`` of stage pick ``p`` as its option priced it (``HeldCounts``): its own
+    held gradients over its saved activations, in its precision mode and tp layout."""
+    (dev, _, b), (z, _) = p.option.devices[0], p.option.combos[p.combo]
+    tab = search.table(dev, p.option.tp, b).for_stage(cand.dp, z)
+    first = search.units[p.k][0] == 0
+    return held_weight(float(tab.ranged("held")[p.k, p.j]), float(tab.ranged("act")[p.k, p.j]), first)
+
+
 def build_plan(search: Any, cands: list[Candidate], elapsed_s: float) -> Plan:
     order = sorted(cands, key=lambda c: (round(c.step_time, 12), c.summary()))
     best = order[0]
@@ -294,7 +303,7 @@ def build_plan(search: Any, cands: list[Candidate], elapsed_s: float) -> Plan:
                     "memory_bytes": best.memory(i),
                     # a deferred W's micro-batch weighs the stage's own output gradients (issue 19)
                     "in_flight": sched.in_flight(
-                        best.schedule, i, len(best.stages), best.m, best.v, w_held=stage_held(g, tr.seq_len, a0, b0)
+                        best.schedule, i, len(best.stages), best.m, best.v, w_held=option_held(search, best, p)
                     ),
                     **{f"{k}_action_s": x[i] for k, x in zip("fbw", fbw)},  # the simulated F, B, W (issue 19)
                     **_stage_records(search, best, i, p, a0, b0, z, r, strategies),

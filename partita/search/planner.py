@@ -222,7 +222,7 @@ class Search:
         return np.array(got[: max_stages + 1])
 
     @contextlib.contextmanager
-    def pricing_in_flight(self, table: Callable[[int], np.ndarray]) -> Iterator[None]:
+    def pricing_in_flight(self, table: Callable[[int], Any]) -> Iterator[None]:
         """Within it, stage options are priced with ``table(max_stages)`` in place of :meth:`in_flight`
         (the first stage of an ``s``-stage pipeline, per ``s``): the counts of a pipeline of one depth,
         each position its own, where they depend on the depth too (``zero_bubble.solve_zero_bubble``
@@ -269,7 +269,7 @@ class Search:
         devs: tuple[tuple[DeviceType, int, int], ...],
         dp: int,
         tp: int,
-        in_flight: np.ndarray,
+        in_flight: np.ndarray | Callable[[Any], np.ndarray],  # or per unit table (zero_bubble.HeldCounts)
         p2p_mult: int,
         num_micro_batches: int | None = None,  # stage_arrays: gradients live at the activation peak or not
         split_backward: bool = False,  # a zero-bubble schedule: W's gradient copy (stage_cost.static_memory)

@@ -133,11 +133,14 @@ def saved_plan(g: Graph, layer: Layer, mode: str, low: int, grad: frozenset[str]
 
     def keep(t: str, n: Node) -> None:
         r = root.get(t, t)
+        if g.tensors[r].role is Role.PARAMETER:
+            return  # a parameter or a view of it (an expert GEMM's permuted weight): its own storage, no copy
         saved.add(r)
         if r not in owner and r not in produced:
             owner[r] = n.name
 
     produced = {o for name in layer.nodes for o in g.node(name).outputs}
+    into_weights = _into_weights(g, layer)
     for name in layer.nodes:
         n = g.node(name)
         ins = [it(t) for t in n.inputs]
@@ -160,6 +163,8 @@ def saved_plan(g: Graph, layer: Layer, mode: str, low: int, grad: frozenset[str]
                     src = it(first)
                     if ten.dtype != "f32" or g.tensors[first].dtype not in FLOAT_DTYPES:
                         out = float(ten.itemsize)
+                    elif mode == "low" and o in into_weights:
+                        out = float(low)  # a matmul's operands share a dtype: the low parameter's (HF's .to(w.dtype))
                     elif src < 4:
                         out = 4.0
                         up.add(o)
@@ -181,7 +186,7 @@ def saved_plan(g: Graph, layer: Layer, mode: str, low: int, grad: frozenset[str]
             ):
                 alias = first
             if prim in _VIEWS or (prim is Prim.ELEMENTWISE and op in _ALIAS_OPS):
-                alias = first
+                alias = first if first is not None else n.inputs[0]  # a view of a parameter: the parameter
             if prim is Prim.DROPOUT and (float(n.attrs.get("p", 0.0)) == 0.0 or not n.attrs.get("train", True)):
                 alias = first
             item[o] = out
@@ -210,6 +215,28 @@ def saved_plan(g: Graph, layer: Layer, mode: str, low: int, grad: frozenset[str]
             for o in n.outputs[:1]:
                 keep(o, n)
     return SavedPlan(item, root, frozenset(saved), owner, copies, weights, low)
+
+
+def _into_weights(g: Graph, layer: Layer) -> frozenset[str]:
+    """The activation operands of the layer's matmuls and convolutions with a parameter operand (directly
+    or through views: a permuted expert weight). Torch multiplies equal dtypes only, so under FSDP2's low
+    ``param_dtype`` a cast the trace made to f32 in front of such a weight is a cast to the low dtype in
+    the program (transformers' experts: ``x.to(weight.dtype)``; the f32 trace cannot tell the two
+    apart). mixtral-8x7b's grouped experts counted two f32 casts of their inputs, 0.28 GiB a layer and
+    micro-batch at tp = 1, which ``partita rehearse`` of the FSDP2 program never held."""
+    producers = {o: g.node(name) for name in layer.nodes for o in g.node(name).outputs}
+
+    def param(t: str) -> bool:
+        while (u := producers.get(t)) is not None and u.prim in _VIEWS and u.inputs:
+            t = u.inputs[0]
+        return g.tensors[t].role is Role.PARAMETER
+
+    out: set[str] = set()
+    for name in layer.nodes:
+        n = g.node(name)
+        if n.prim in (Prim.MATMUL, Prim.CONV) and any(param(t) for t in n.inputs):
+            out.update(t for t in n.inputs if not param(t))
+    return frozenset(out)
 
 
 def _is_weight(n: Node, i: int, g: Graph) -> bool:

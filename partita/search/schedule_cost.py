@@ -58,7 +58,7 @@ def w_held(graph: Graph, seq_len: int) -> float:
     """What a micro-batch weighs between its B and its W, in units of its saved activations:
     ``1 + max over layers of (output-gradient bytes W needs / saved activation bytes)``
     (:func:`layer_held_bytes`). The largest layer ratio prices every stage (a bound; the planner's
-    zero-bubble pass prices each stage by its own layers, ``zero_bubble.stage_held``)."""
+    zero-bubble pass prices each stage by its own layers, ``zero_bubble.HeldCounts``)."""
     dy, act = layer_held_bytes(graph, seq_len)
     ratios = [d / a for d, a in zip(dy.tolist(), act.tolist()) if a > 0]
     return 1.0 + max(ratios, default=0.0)

@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -91,6 +91,14 @@ class LayerCost:
     gather_ratio: float = 1.0  # bytes of a parameter as FSDP2 gathers it (param_dtype) over its stored bytes
     fsdp_copies: bool = False  # priced as the torch program holds parameters (static_memory); else ZeRO's
     transient_bytes: float = 0.0  # allocated by the backward beside the saved activations, once (the loss)
+    # a split backward's output gradients from B to W, per micro-batch (LayerSolution.w_held_bytes), in the
+    # default precision mode; _alt: the autocast program's (as activation_bytes_alt)
+    held_bytes: float = 0.0
+    held_bytes_alt: float | None = None
+    # parameter gradients made beside .grad (LayerSolution.grad_transient_bytes): by one backward pass,
+    # by one deferred W (zero bubble); parameter-sized, so never scaled with the micro-batch
+    grad_transient_bytes: float = 0.0
+    w_grad_transient_bytes: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +131,9 @@ class UnitTable:
     # [3, U, U + 1]: (parameter, gradient, optimizer) bytes a range's layer sums count more than once,
     # a parameter read by several of its layers (a tied embedding and LM head: SolverCosts.shared_copies)
     shared: np.ndarray | None = None
+    held: np.ndarray | None = None  # per unit, LayerCost.held_bytes summed (zero_bubble.range_held_of)
+    grad_transient: np.ndarray | None = None  # per unit, the largest LayerCost.grad_transient_bytes
+    w_grad_transient: np.ndarray | None = None  # ... and w_grad_transient_bytes
 
     @staticmethod
     def build(
@@ -167,6 +178,9 @@ class UnitTable:
             any(c.fsdp_copies for c in costs),
             agg("transient_bytes", max) if any(c.transient_bytes for c in costs) else None,
             extra,
+            agg("held_bytes"),
+            agg("grad_transient_bytes", max) if any(c.grad_transient_bytes for c in costs) else None,
+            agg("w_grad_transient_bytes", max) if any(c.w_grad_transient_bytes for c in costs) else None,
         )
 
     def for_stage(self, dp: int, zero: int) -> UnitTable:
@@ -186,7 +200,7 @@ class UnitTable:
         if got is None:
             if name == "act-sel":
                 got = _range_sum(self.act - self.sel_bytes)
-            elif name.startswith("max_") or name == "transient":
+            elif name.startswith("max_") or name.endswith("transient"):
                 got = _range_max(getattr(self, name))
             else:
                 got = _range_sum(getattr(self, name))
@@ -238,9 +252,11 @@ def _autocast(c: LayerCost) -> LayerCost:
         activation_bytes=c.activation_bytes if c.activation_bytes_alt is None else c.activation_bytes_alt,
         input_bytes=c.input_bytes if c.input_bytes_alt is None else c.input_bytes_alt,
         selective_bytes=c.selective_bytes if c.selective_bytes_alt is None else c.selective_bytes_alt,
+        held_bytes=c.held_bytes if c.held_bytes_alt is None else c.held_bytes_alt,
         activation_bytes_alt=None,
         input_bytes_alt=None,
         selective_bytes_alt=None,
+        held_bytes_alt=None,
     )
 
 
@@ -297,6 +313,11 @@ def scatter_gather_p2p(p2p: tuple[float, float], tp: int, device: DeviceType, cm
     return p2p[0] + (tp - 1) * device.intra_node_latency, p2p[1] / tp + gather
 
 
+# a stage option's in-flight counts: one table for every option, or per option's unit table
+# (zero_bubble.HeldCounts: a deferred W's held output gradients in the option's precision and layout)
+InFlight = np.ndarray | Callable[[UnitTable], np.ndarray]
+
+
 @dataclasses.dataclass(frozen=True)
 class StageArrays:
     time: np.ndarray  # [U, U + 1] period per micro-batch, p2p included
@@ -312,7 +333,7 @@ def stage_arrays(
     dp: int,
     zero: int,
     recompute: str,
-    in_flight: np.ndarray,
+    in_flight: InFlight,
     allreduce: tuple[float, float],
     reduce_scatter: tuple[float, float],
     all_gather: tuple[float, float],
@@ -372,13 +393,18 @@ class StageParts:
     rs_held: np.ndarray | None  # reduce_scatter_in_flight where any, else None
     recompute: str
     flat_copy: bool  # the flat gradient copy (flat_sync at ZeRO-0, dp > 1)
+    table: UnitTable  # the option's table at its dp and ZeRO stage (what a zero_bubble.HeldCounts reads)
 
-    def arrays(self, in_flight: np.ndarray, num_micro_batches: int | None) -> StageArrays:
+    def arrays(self, in_flight: InFlight, num_micro_batches: int | None) -> StageArrays:
         return StageArrays(self.time, self.memory(in_flight, num_micro_batches), self.tail, self.compute, self.comm)
 
-    def memory(self, in_flight: np.ndarray, num_micro_batches: int | None) -> np.ndarray:
+    def memory(self, in_flight: InFlight, num_micro_batches: int | None) -> np.ndarray:
         """``[U, U + 1, S + 1]`` bytes per device (:func:`stage_arrays`); inf where k >= j (``base``
         and ``static`` are: every activation term is finite)."""
+        if callable(in_flight):  # a zero-bubble count per range weighed by the stage's own held gradients
+            in_flight = in_flight(
+                self.table
+            )  # (zero_bubble.HeldCounts: the table of this option's precision and layout)
         flight = in_flight if in_flight.ndim == 3 else in_flight[None, None, :]  # [U, U+1, S+1]: per range (issue 19)
         last = flight >= num_micro_batches if num_micro_batches is not None and self.recompute == "none" else None
         if last is not None and not last.any():
@@ -449,6 +475,12 @@ def stage_parts(
         recv[1:] = p2p_mult * 2 * (p2p[0] + p2p[1] * tab.boundary[:-1])  # activation in, its gradient out
         rv = memo[pkey] = (tab, recv[:, None])
     t, saved, transient, compute = rec[1]
+    if tab.grad_transient is not None:  # parameter gradients beside .grad (LayerCost.grad_transient_bytes)
+        gkey = (id(tab), "grad_transient", split_backward)
+        gt = memo.get(gkey)
+        if gt is None or gt[0] is not tab:
+            gt = memo[gkey] = (tab, np.maximum(transient, grad_transient(tab, split_backward)))
+        transient = gt[1]
     z, recv = zt[1], rv[1]
     r = tab.ranged
     valid = r("num_layers") > 0
@@ -471,6 +503,7 @@ def stage_parts(
         rs_held=z.rs_held,
         recompute=recompute,
         flat_copy=z.flat_copy,
+        table=tab,
     )
     parts.time.flags.writeable = False  # shared by the StageArrays of every pass that reuses the parts
     parts.comm.flags.writeable = False
@@ -576,6 +609,22 @@ def _zero_terms(
     for x in (terms.sync_comm, terms.tail, terms.static, terms.base, terms.gradients):
         x.flags.writeable = False  # shared by every combo and pass that reuses them
     return terms
+
+
+def grad_transient(tab: UnitTable, split_backward: bool) -> np.ndarray:
+    """``[U, U + 1]``: the parameter gradients a range's backward makes beside ``.grad`` at once
+    (``LayerCost.grad_transient_bytes``): one backward pass's, or under a split backward one deferred
+    W's (``w_grad_transient_bytes``), except on the stage holding the model's first layer, whose W is
+    the whole backward (:func:`copies_deferred_gradients`)."""
+    whole = tab.ranged("grad_transient")
+    if not split_backward or tab.w_grad_transient is None:
+        return whole if not split_backward else np.where(_first_rows(len(tab.fwd)), whole, 0.0)
+    return np.where(_first_rows(len(tab.fwd)), whole, tab.ranged("w_grad_transient"))
+
+
+def _first_rows(n: int) -> np.ndarray:
+    """``[U, 1]``: True on the ranges that start at unit 0 (the model's first layer)."""
+    return (np.arange(n) == 0)[:, None]
 
 
 GATHERED_UNITS = 2  # ZeRO-3: FSDP2 holds the running block's gathered parameters and prefetches the next
@@ -827,11 +876,12 @@ class SolverCosts:
                 selective_bytes=cost.selective_bytes * scale,
                 **{
                     f: getattr(cost, f) * scale
-                    for f in ("activation_bytes_alt", "input_bytes_alt", "selective_bytes_alt")
+                    for f in ("activation_bytes_alt", "input_bytes_alt", "selective_bytes_alt", "held_bytes_alt")
                     if getattr(cost, f) is not None
                 },
                 selective_s=cost.selective_s * scale,
                 transient_bytes=cost.transient_bytes * scale,
+                held_bytes=cost.held_bytes * scale,
             )
         carry = boundaries.cut_scale(self.graph, index, self.training.seq_len)  # every live tensor at the cut (T5)
         if carry != 1.0:
@@ -891,6 +941,7 @@ class SolverCosts:
             low = self._cache_prev_boundary(index, sol, float(DTYPE_BYTES[self.training.dtype]))
             sel_alt, _ = self._selective(sol, index, prev, alt=True)
             alt = dict(activation_bytes_alt=sol.activation_bytes_alt, input_bytes_alt=prev, selective_bytes_alt=sel_alt)
+            alt["held_bytes_alt"] = getattr(sol, "w_held_bytes_alt", None)
             alt["gather_ratio"] = DTYPE_BYTES[self.training.dtype] / 4
             prev = low
         if modes:  # a torch program (search/saved.py): f32 parameters and FSDP2's gathered copies
@@ -915,6 +966,9 @@ class SolverCosts:
             selective_bytes=sel_bytes,
             selective_s=sel_s,
             transient_bytes=getattr(sol, "transient_bytes", 0.0),
+            held_bytes=getattr(sol, "w_held_bytes", 0.0),
+            grad_transient_bytes=getattr(sol, "grad_transient_bytes", 0.0),
+            w_grad_transient_bytes=getattr(sol, "w_grad_transient_bytes", 0.0),
         )
 
     def _selective(self, sol, index: int, inputs: float, alt: bool = False) -> tuple[float, float]:  # noqa: ANN001

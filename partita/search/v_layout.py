@@ -24,7 +24,7 @@ The price of a layout, from the group's stage arrays at each chunk's own unit ra
 * per rank group, the memory on each device: parameters and optimizer state of both chunks
   (``stage_cost.static_memory``), plus the peak over the group's own action list of ``sum over its
   chunks of saved bytes x (micro-batches held whole + w_held x micro-batches between B and W)``
-  (``zero_bubble.stage_held`` of the chunk's layers; 1 for the first chunk, whose B computes nothing)
+  (``zero_bubble.held_weight`` of the chunk's layers; 1 for the first chunk, whose B computes nothing)
   and the gradients held at that moment, plus the largest transient. The moments are after each
   action and, for a W, while it writes its chunk's gradients beside the held part it is about to
   free (the group's peak when the W follows the head's B: the logits gradient is large). Gradients
@@ -62,7 +62,7 @@ from partita.search.chunk_layout import _chunk
 from partita.search.pipeline_sim import step_time
 from partita.search.plan_build import Candidate, StagePick, _stage_records
 from partita.search.stage_cost import static_memory_of
-from partita.search.zero_bubble import stage_held
+from partita.search.zero_bubble import costs_held
 
 MAX_PASSES = 8  # rounds of one-unit boundary moves per candidate
 
@@ -166,7 +166,7 @@ def group_memory(c: VCandidate, r: int) -> dict[str, float]:
         saved[i] = sum(
             (x.activation_bytes_alt if alt and x.activation_bytes_alt is not None else x.activation_bytes) for x in lc
         )
-        held[i] = stage_held(s.graph, s.training.seq_len, a0, b0)
+        held[i] = costs_held(lc, a0 == 0, alt)  # as the option's HeldCounts weighs it
         # the chunk's output, which the runtime keeps from F to B to run the backward from it
         # (backends/torch/schedule.P2PPipeline: nothing inside the chunk saves it); the last chunk's is the loss
         out[i] = lc[-1].boundary_bytes if i < 2 * p - 1 else 0.0
@@ -220,7 +220,16 @@ def group_memory(c: VCandidate, r: int) -> dict[str, float]:
             if acts_m + grads_m > peak:
                 peak, peak_acts, peak_grads = acts_m + grads_m, acts_m, grads_m
                 at = {i: fwd[i] + held[i] * dfr[i] for i in mine}
-    transient = max((x.transient_bytes for x in costs), default=0.0)
+    # the loss's backward buffers, and the parameter gradients a W makes beside .grad: the whole backward's
+    # on the chunk holding the model's first layer, one deferred W's elsewhere (stage_cost.grad_transient)
+    whole = set(range(s.units[c.chunks[0].j - 1][1])) if 0 in mine else set()
+    transient = max(
+        (
+            max(x.transient_bytes, x.grad_transient_bytes if li in whole else x.w_grad_transient_bytes)
+            for li, x in zip(layers, costs)
+        ),
+        default=0.0,
+    )
     acts, held_grads = peak_acts + transient, peak_grads
     # the step's end: every gradient and no activation; with the torch program's ZeRO-0 sync over dp > 1
     # also its flat copy of them, made once the activations are gone (stage_cost.stage_arrays)

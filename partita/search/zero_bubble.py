@@ -13,9 +13,10 @@ What differs from 1F1B:
   them; and recompute, because W unpacks the checkpointed tensors in a second backward pass and so
   recomputes each block's forward a second time (more FLOPs than priced);
 * the memory: a micro-batch between its B and its W keeps, besides its activations, the output
-  gradients W needs. Each stage weighs that with its own layers (:func:`stage_held`: ``1 +`` the
-  bytes of the outputs of its parameter ops over its saved activation bytes), so a head stage whose
-  logits gradient is large does not price the blocks' stages. Under ZB-H1 the stage at position
+  gradients W needs. Each stage weighs that with its own layers (:func:`held_weight`: ``1 +`` the
+  bytes of the outputs of its parameter ops over its saved activation bytes, both in the program's
+  dtype and each stage option's own tp layout: :class:`HeldCounts`), so a head stage whose logits
+  gradient is large does not price the blocks' stages. Under ZB-H1 the stage at position
   ``i`` runs rank ``i``'s action list, which holds ``p - i`` forwards and defers ``i`` W's: each
   position is priced at that list's own count (:func:`counts` with ``position``: the upper envelope
   of its ``(forward-held, deferred)`` pairs, ``schedule.peak_in_flight`` evaluated at the stage's own
@@ -45,41 +46,66 @@ from typing import Any
 
 import numpy as np
 
-from partita.ir import Graph
 from partita.search import schedule as sched
-from partita.search.schedule_cost import layer_held_bytes
 
 RUNNABLE_ZERO = (0, 1)  # ZeRO stages the torch runtime runs with a split backward (docstring)
 
 
-def stage_held(graph: Graph, seq_len: int, first: int, last: int) -> float:
-    """What a micro-batch of the stage of layers ``[first, last)`` weighs between its B and its W,
-    in units of its saved activations: ``1 + output-gradient bytes / saved activation bytes``.
+def held_weight(held_bytes: float, saved_bytes: float, first: bool) -> float:
+    """What a micro-batch of a stage weighs between its B and its W, in units of its saved activations:
+    ``1 + held_bytes / saved_bytes``, the stage's output gradients W reads (``LayerCost.held_bytes``)
+    over its saved activations, both as its option prices them (precision mode, tp layout).
 
-    1 for the stage (or ZB-V chunk) holding the model's first layer: its input needs no gradient, so
-    its B computes nothing (``backends/torch/wsplit.backward_input`` defers the whole backward) and
-    its W is the whole backward, which makes and frees the output gradients as any backward does;
-    between its B and its W a micro-batch holds its activations only (``partita rehearse`` of
-    gpt3-6.7b's ZB-H1 plan: the A100 stage held 2 micro-batches' activations, priced 2.22 before)."""
-    if first == 0:
-        return 1.0
-    dy, act = layer_held_bytes(graph, seq_len)
-    a = float(act[first:last].sum())
-    return 1.0 + float(dy[first:last].sum()) / a if a > 0 else 1.0
+    1 for the stage (or ZB-V chunk) holding the model's first layer (``first``): its input needs no
+    gradient, so its B computes nothing (``backends/torch/wsplit.backward_input`` defers the whole
+    backward) and its W is the whole backward, which makes and frees the output gradients as any
+    backward does; between its B and its W a micro-batch holds its activations only (``partita
+    rehearse`` of gpt3-6.7b's ZB-H1 plan: the A100 stage held 2 micro-batches' activations, priced 2.22
+    before)."""
+    return 1.0 if first or saved_bytes <= 0 else 1.0 + held_bytes / saved_bytes
 
 
-def range_held(graph: Graph, seq_len: int, units: Sequence[tuple[int, int]]) -> np.ndarray:
-    """``H[k, j]``: :func:`stage_held` of the stage of layer units ``[k, j)`` (1 where ``j <= k``)."""
-    dy, act = layer_held_bytes(graph, seq_len)
-    bounds = np.array([a for a, _ in units] + [units[-1][1]])
-    cdy = np.concatenate([[0.0], np.cumsum(dy)])[bounds]
-    cact = np.concatenate([[0.0], np.cumsum(act)])[bounds]
-    sdy = cdy[None, :] - cdy[:-1, None]
-    sact = cact[None, :] - cact[:-1, None]
+def costs_held(costs: Sequence[Any], first: bool, autocast: bool) -> float:
+    """:func:`held_weight` of a stage made of ``costs`` (its layers' ``stage_cost.LayerCost``), in the
+    torch.autocast program's fields where ``autocast`` (``UnitTable.for_stage``), else the default ones."""
+
+    def pick(x: Any, name: str) -> float:
+        alt = getattr(x, f"{name}_alt")
+        return float(alt if autocast and alt is not None else getattr(x, name))
+
+    saved = sum(pick(x, "activation_bytes") for x in costs)
+    return held_weight(sum(pick(x, "held_bytes") for x in costs), saved, first)
+
+
+def range_held_of(tab: Any) -> np.ndarray:
+    """``H[k, j]`` of :func:`range_held` from a unit table of one option (``stage_cost.UnitTable``,
+    already in its stage's precision mode): ``1 + held / saved`` of each range in the program's dtype
+    and layout; unit 0 holds the model's first layer (1, :func:`held_weight`)."""
+    act = tab.ranged("act")
+    held = tab.ranged("held") if tab.held is not None else np.zeros_like(act)
     with np.errstate(divide="ignore", invalid="ignore"):
-        out = np.where(sact > 0, 1.0 + sdy / np.where(sact > 0, sact, 1.0), 1.0)
-    out[bounds[:-1] == 0] = 1.0  # the first stage (stage_held)
+        out = np.where(act > 0, 1.0 + held / np.where(act > 0, act, 1.0), 1.0)
+    out[0] = 1.0
     return out
+
+
+class HeldCounts:
+    """A stage option's in-flight table ``[U, U + 1, S + 1]``, made from its own held weights
+    (:func:`range_held_of`) by ``table`` (``held -> counts``: :func:`in_flight_table` or
+    :func:`_first_pass_table` with the pass's schedule and depth). ``stage_cost.stage_arrays`` calls it
+    with the option's unit table: the output gradients a deferred W reads depend on the option's tp
+    layout and precision mode, which one table for every option (the traced graph unsharded in f32, as
+    before) could not say: it weighed mixtral-8x7b's blocks 1.30, the program 1.16. Memoised per unit table (every ZeRO / recompute combo of a table)."""
+
+    def __init__(self, table: Any) -> None:
+        self.table = table
+        self._got: dict[int, tuple[Any, np.ndarray]] = {}
+
+    def __call__(self, tab: Any) -> np.ndarray:
+        hit = self._got.get(id(tab))
+        if hit is None or hit[0] is not tab:
+            hit = self._got[id(tab)] = (tab, self.table(range_held_of(tab)))
+        return hit[1]
 
 
 @functools.lru_cache(maxsize=2048)
@@ -148,14 +174,6 @@ def counts(schedule: str, p: int, m: int, v: int, held: np.ndarray, position: in
     return np.max(f[:, None] + d[:, None] * h.reshape(1, -1), axis=0).reshape(h.shape)
 
 
-def stage_in_flight(
-    graph: Graph, seq_len: int, schedule: str, p: int, m: int, v: int, first: int, last: int, position: int
-) -> float:
-    """The count a ZB stage of layers ``[first, last)`` at ``position`` of a ``p``-stage pipeline is priced at."""
-    held = np.array([stage_held(graph, seq_len, first, last)])
-    return float(counts(schedule, p, m, v, held, position)[0])
-
-
 def in_flight_table(held: np.ndarray, schedule: str, m: int, v: int, num_stages: int) -> np.ndarray:
     """``[U, U + 1, num_stages + 1]`` for a pipeline of exactly ``num_stages`` stages: per layer range
     and number of stages left ``s`` (the stage at position ``num_stages - s``, as the stage DP and
@@ -183,7 +201,6 @@ def solve_zero_bubble(search: Any, dp: int, b: int, schedule: str) -> list[Any]:
         return []
     v = sched.virtual_stages(schedule)
     m = search.training.global_batch // (b * dp)
-    held = range_held(search.graph, search.training.seq_len, search.units)
     num_units = len(search.units)
     built: list[Any] = []
     options_for = search.options_for
@@ -198,7 +215,10 @@ def solve_zero_bubble(search: Any, dp: int, b: int, schedule: str) -> list[Any]:
     found: list[Any] = []
     try:
         with search.sharing_stage_parts():  # each depth re-prices the same options (Search.stage_parts)
-            with search.pricing_in_flight(lambda max_stages: _first_pass_table(held, schedule, m, v, max_stages)):
+            first_pass = functools.lru_cache(maxsize=None)(
+                lambda max_stages: HeldCounts(lambda held: _first_pass_table(held, schedule, m, v, max_stages))
+            )
+            with search.pricing_in_flight(first_pass):
                 first = search.solve_config(dp, b, schedule, v)  # counts by stages left: later stages under-priced
             search.__dict__.pop("options_for", None)
             if built and built[0][0]:
@@ -210,7 +230,7 @@ def solve_zero_bubble(search: Any, dp: int, b: int, schedule: str) -> list[Any]:
                     # every position at its own count in a pipeline of exactly `depth` stages; the table's
                     # `depth + 1` columns bound the DP's stages (inter_op: times.shape[3] - 1), so deeper
                     # pipelines are not priced at all (and the arrays are as narrow as the depth)
-                    table = in_flight_table(held, schedule, m, v, depth)
+                    table = HeldCounts(lambda held, d=depth: in_flight_table(held, schedule, m, v, d))
                     with search.pricing_in_flight(lambda _n, t=table: t):
                         found += [c for c in search.solve_config(dp, b, schedule, v) if len(c.stages) == depth]
     finally:

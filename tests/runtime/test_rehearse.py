@@ -107,8 +107,18 @@ def test_rehearsed_counts_follow_the_layout(work: Path, model: str, name: str) -
     # hand plans carry no memory or FLOPs records: the rehearsal must say so
     assert res["match"] is False
     assert any("records no memory_bytes" in m for s in res["stages"] for m in s["mismatches"])
-    if name == "hetero":  # stage 0 (tp=2) feeds stage 1 from tp rank 0 only: both tp ranks rehearsed
-        assert res["stages"][0]["ranks_rehearsed"] == [0, 1]
+    if name == "hetero":  # stage 0 (tp=2) feeds stage 1 from tp rank 0 only: tp rank 1 is no role, since
+        # it runs rank 0's step but the sends (rehearse.roles): played here, it peaks, counts and computes
+        # no more than rank 0
+        assert res["stages"][0]["ranks_rehearsed"] == [0]
+        got = rehearse.run_roles(work / f"{model}_{name}", [0, 1])
+        r0, r1 = got[0], got[1]
+        assert isinstance(r0, rehearse.RankResult) and isinstance(r1, rehearse.RankResult), got
+        assert r1.peak_memory_bytes <= r0.peak_memory_bytes and r1.flops == r0.flops
+        assert r1.memory_by_category == r0.memory_by_category
+        others = {k: v for k, v in r0.collectives.items() if not k.startswith("p2p")}
+        assert {k: v for k, v in r1.collectives.items() if not k.startswith("p2p")} == others
+        assert r1.collectives["p2p@pp"]["count"] < r0.collectives["p2p@pp"]["count"]  # receives only
 
 
 def test_tp_bytes_and_memory_follow_closed_forms(work: Path) -> None:

@@ -74,6 +74,45 @@ def test_zero3_middle_stage_records_the_first_backward_prefetch(
     assert res["stages"][1]["collectives"]["all_gather@dp"]["count"] == 2 * m * blocks[1] + 1
 
 
+def test_zb_h1_expert_parallel_stages_price_their_w_in_the_program_dtype_and_layout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Mixtral-shaped model, tp 2 (expert parallel, ``backends/torch/moe.py``) x pp 2, ZB-H1 in bf16.
+    The first stage's W is its whole backward, in which autograd sums each local expert's zero-filled
+    whole-stack gradient (``intra_op._LayerProblem.grad_transient``): the old plan left that out (first
+    stage +14.6% rehearsed over it). The last stage's deferred W weighs its output gradients in the
+    program's dtype and tp layout (``LayerCost.held_bytes``), not the traced graph's f32 unsharded ones.
+    Each rank's tp peer is not rehearsed (``rehearse.roles``: it runs rank 0's step but its sends)."""
+    monkeypatch.setenv("PARTITA_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = tmp_path / "config.json"
+    cfg.write_text(
+        json.dumps(
+            {
+                "model_type": "mixtral",
+                "hidden_size": 128,
+                "intermediate_size": 256,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "num_local_experts": 4,
+                "num_experts_per_tok": 2,
+                "vocab_size": 256,
+                "max_position_embeddings": 512,
+            }  # fmt: skip
+        )
+    )
+    out = tmp_path / "plan"
+    args = ["compile", str(cfg), "--cluster", "4xCPU", "--seq", "256", "--global-batch", "16", "--tp", "2"]
+    layout = ["--pp", "2", "--dp", "1", "--micro-batch", "1", "--schedule", "zb_h1", "--zero", "0"]
+    assert cli_main([*args, *layout, "--precision", "bf16", "--out", str(out)]) == 0
+    plan = Plan.from_json((out / "plan.json").read_text())
+    assert plan.schedule == "zb_h1" and all(s.tp_plan.get(f"model.layers.{i}.mlp.experts") == "expert"
+                                            for i, s in enumerate(plan.stages))  # fmt: skip
+    res = rehearse.rehearse_dir(out)
+    assert [s["ranks_rehearsed"] for s in res["stages"]] == [[0], [2]]
+    assert res["match"], [s["mismatches"] for s in res["stages"]]
+
+
 def test_roles_run_up_to_num_jobs_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """``PARTITA_REHEARSE_JOBS`` bounds the roles played at once (the tests above ran them through the
     pool); unset or not a positive integer: the CPUs this process may use; never more than the roles."""

@@ -124,7 +124,8 @@ def test_zb_h1_prices_each_stage_with_its_own_deferred_weight_gradients() -> Non
     from partita.frontends.trace import trace_handle
     from partita.models import resolve_model
     from partita.search import schedule as sched
-    from partita.search.zero_bubble import stage_held
+    from partita.search.stage_cost import SolverCosts
+    from partita.search.zero_bubble import costs_held
 
     g = trace_handle(resolve_model("gpt2-tiny"), batch=1, seq=32)
     tr = TrainingConfig(global_batch=16, seq_len=32)
@@ -136,7 +137,14 @@ def test_zb_h1_prices_each_stage_with_its_own_deferred_weight_gradients() -> Non
     helds = []
     for i, (a, b, c) in enumerate(zip(one.memory_by_category, zb.memory_by_category, gp.memory_by_category)):
         layers = [n for n in names if n in _stage_layers(g, 2, i)]
-        held = stage_held(g, 32, names.index(layers[0]), names.index(layers[-1]) + 1)
+        # the stage's own output gradients over its saved activations, as its option prices them (ZeRO-0:
+        # the torch.autocast program; evaluate_config's tp_style megatron)
+        costs = SolverCosts(g, cl, tr, tp_style="megatron")
+        lcs = [
+            costs.layer(li, cl.device_types()[0], 1, 1)[0]
+            for li in range(names.index(layers[0]), names.index(layers[-1]) + 1)
+        ]
+        held = costs_held(lcs, names.index(layers[0]) == 0, True)
         helds.append(held)
         count = sched.peak_in_flight("zb_h1", 2, m, 1, held)[i]  # position i: rank i's action list
         # activations = saved x count + a transient (the last stage's loss buffers): GPipe (m in flight)

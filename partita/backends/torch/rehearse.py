@@ -4,9 +4,12 @@
 nothing is communicated: every rank role is played in its own process (one
 ``python -m partita.backends.torch.rehearse DIR RANK...`` imports once and forks a child per role,
 as many at once as there are CPUs or ``PARTITA_REHEARSE_JOBS``: :func:`run_roles`) on a fake
-process group (``dist.init_process_group("fake")``, world size = the plan's) with fake tensors. A *role* is a rank whose step can differ from its stage's first rank: the first replica of
-each distinct batch share, and, in a pipeline of stages of different shapes (``P2PPipeline``, where
-only tp rank 0 sends), also tp rank 1.
+process group (``dist.init_process_group("fake")``, world size = the plan's) with fake tensors. A *role* is a rank whose step can differ from its stage's first rank: tp rank 0 of the first replica
+of each distinct batch share. The other tp ranks of a replica run the same SPMD step on shards no
+larger (torch's chunking gives rank 0 the largest) and, in a pipeline of stages of different shapes
+(``P2PPipeline``), receive as tp rank 0 does but send nothing: a subset of its collectives, no more
+memory, the same FLOPs. The mixtral-8x7b plan's tp rank 1 rehearsed exactly tp rank 0's peak, categories
+and collectives but the sends (stages 0 and 16), and rehearsing it doubled the roles (34, 460 s of CPU).
 
 Each role runs the program's own code: ``DIR/program_torch.py``'s ``PROGRAM``, ``SETUP_STAGE`` and
 ``make_runner``, with the calls ``backends/torch/train._train`` makes, in its order (meshes of every
@@ -141,7 +144,7 @@ class StepRecorder(torch_shim.TorchDispatchMode):
 # ---- one rank ----------------------------------------------------------------------------------------
 def rehearse_rank(program: Any, rank: int) -> RankResult:
     """Play ``rank`` of the program for one warm-up and one measured step (module docstring)."""
-    with _unpacked_sequences():  # HF mask builders read position ids' values (_unpacked_sequences)
+    with _unpacked_sequences(), _layer_norm_as_on_cuda():  # (each context's docstring)
         return _rehearse_rank(program, rank)
 
 
@@ -249,6 +252,30 @@ def _shape_only_experts(model: torch.nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _layer_norm_as_on_cuda() -> Iterator[None]:
+    """``layer_norm`` under CPU autocast as CUDA autocast runs it: in f32 (CUDA's autocast lists it among
+    the ops it runs in f32; CPU's lists it nowhere, so it ran in its input's dtype). The program is
+    written for GPUs: a bf16 stage input (boundaries travel in the plan's dtype) made a GPT-2 layer
+    norm return bf16 here where a GPU returns f32, and its output gradient, which a zero-bubble W
+    holds from B on, half the size (GPT-2 ZB-H1: 176 KiB a block and micro-batch held, 208 on a GPU)."""
+    fn = torch.nn.functional
+    original = fn.layer_norm
+
+    def layer_norm(x: torch.Tensor, shape: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) -> Any:
+        if x.device.type != "cpu" or not torch.is_autocast_enabled("cpu") or x.dtype == torch.float32:
+            return original(x, shape, weight, bias, eps)
+        with torch.autocast("cpu", enabled=False):
+            f32 = [t if t is None else t.float() for t in (weight, bias)]
+            return original(x.float(), shape, f32[0], f32[1], eps)
+
+    fn.layer_norm = layer_norm  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        fn.layer_norm = original  # type: ignore[assignment]
+
+
+@contextlib.contextmanager
 def _unpacked_sequences() -> Iterator[None]:
     """Hugging Face's causal-mask builder reads the position ids' values to detect packed sequences
     (``masking_utils.find_packed_sequence_indices``: a ``.all()`` on the ids), which meta and fake
@@ -345,12 +372,11 @@ def roles(program: Mapping[str, Any]) -> dict[int, list[int]]:
     for s in program["stages"]:
         picks: list[int] = []
         seen: set[int] = set()
-        tps = [0, 1] if program["runner"] == "p2p" and s["tp"] > 1 else [0]
         for i, share in enumerate(s["shares"]):
             if share in seen:
                 continue
             seen.add(share)
-            picks += [s["ranks"][i * s["tp"] + j] for j in tps]
+            picks.append(s["ranks"][i * s["tp"]])
         out[int(s["index"])] = picks
     return out
 
