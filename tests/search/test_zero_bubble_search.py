@@ -198,3 +198,33 @@ def test_in_flight_envelope_equals_the_action_lists(schedule: str) -> None:
             got = counts(schedule, p, m, v, np.array([1.0, 1.37, 2.9]))
             want = [max(sched.peak_in_flight(schedule, p, m, v, h)) for h in (1.0, 1.37, 2.9)]
             assert got == pytest.approx(want, rel=1e-12, abs=1e-12), (p, m)
+
+
+class _Table:
+    """The two ranged fields ``zero_bubble.range_held_of`` reads off a unit table."""
+
+    def __init__(self, act: Any, held: Any) -> None:
+        import numpy as np
+
+        self.held = np.asarray(held, dtype=float)
+        self._f = {"act": np.asarray(act, dtype=float), "held": self.held}
+
+    def ranged(self, name: str) -> Any:
+        return self._f[name]
+
+
+def test_held_counts_share_a_table_only_between_equal_weights() -> None:
+    """Options whose ranges weigh alike share one count table (issue 20); others never do."""
+    import numpy as np
+
+    from partita.search.zero_bubble import HeldCounts, in_flight_table
+
+    counts = HeldCounts(lambda held: in_flight_table(held, "zb_h1", 8, 1, 3))
+    a = _Table([[1.0, 2.0], [1.0, 4.0]], [[0.5, 1.0], [0.5, 2.0]])
+    twice = _Table([[2.0, 4.0], [2.0, 8.0]], [[1.0, 2.0], [1.0, 4.0]])  # every byte doubled: same weights
+    other = _Table([[1.0, 2.0], [1.0, 4.0]], [[0.5, 1.0], [0.5, 3.0]])
+    assert counts(twice) is counts(a)
+    got = counts(other)
+    assert got is not counts(a) and not np.array_equal(got, counts(a))
+    # range_held_of: 1 + held / saved, and 1 on the first row (the model's first layer)
+    assert np.array_equal(got, in_flight_table(np.array([[1.0, 1.0], [1.5, 1.75]]), "zb_h1", 8, 1, 3))
