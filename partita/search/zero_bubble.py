@@ -78,9 +78,9 @@ def costs_held(costs: Sequence[Any], first: bool, autocast: bool) -> float:
 
 
 def range_held_of(tab: Any) -> np.ndarray:
-    """``H[k, j]`` of :func:`range_held` from a unit table of one option (``stage_cost.UnitTable``,
-    already in its stage's precision mode): ``1 + held / saved`` of each range in the program's dtype
-    and layout; unit 0 holds the model's first layer (1, :func:`held_weight`)."""
+    """``H[k, j]``: :func:`held_weight` of each unit range ``[k, j)``, from the unit table of one
+    option (``stage_cost.UnitTable``, already in its stage's precision mode): ``1 + held / saved``
+    in the program's dtype and layout; unit 0 holds the model's first layer (1)."""
     act = tab.ranged("act")
     held = tab.ranged("held") if tab.held is not None else np.zeros_like(act)
     with np.errstate(divide="ignore", invalid="ignore"):
