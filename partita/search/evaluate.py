@@ -18,7 +18,7 @@ no dimension of the search and ``evaluate`` does not price it; a hand layout's `
 --sequence-parallel`` builds it (``search/sequence_parallel.py``, ``backends/torch/tp.py``).
 
 The :class:`Evaluation` carries memory per device by category (parameters, gradients, optimizer
-state, activations: the same terms ``search/stage_cost.stage_arrays`` sums), whether it fits, the
+state, activations: the same terms ``search/stage_ranges.stage_arrays`` sums), whether it fits, the
 devices left idle and the model FLOPs utilization against the peak of the devices used and of the
 whole cluster.
 """
@@ -43,10 +43,10 @@ from partita.search.stage_cost import (
     SolverCosts,
     StageFactors,
     copies_deferred_gradients,
-    grad_transient,
     reduce_scatter_in_flight,
     static_memory,
 )
+from partita.search.stage_ranges import grad_transient
 from partita.search.zero_bubble import RUNNABLE_ZERO, HeldCounts, counts, held_weight, in_flight_table
 
 MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
@@ -285,7 +285,7 @@ def check_split_backward(schedule: str, pp: int, zero_stage: int, recompute: str
 
 
 def memory_by_category(cand: Candidate, i: int) -> dict[str, float]:
-    """Stage ``i``'s memory per device split as ``stage_cost.stage_arrays`` sums it."""
+    """Stage ``i``'s memory per device split as ``stage_ranges.stage_arrays`` sums it."""
     p = cand.stages[i]
     search = cand.search
     dev, _, b = p.option.devices[0]
@@ -311,7 +311,7 @@ def memory_by_category(cand: Candidate, i: int) -> dict[str, float]:
         # a deferred W's gradient copy (stage_cost.static_memory), not on the first stage
         bool(copies_deferred_gradients(sched.splits_backward(cand.schedule), search.units[k][0])),
     )
-    # the activations as stage_cost.stage_arrays adds them: saved x in flight + the transient (one layer's
+    # the activations as stage_ranges.stage_arrays adds them: saved x in flight + the transient (one layer's
     # recomputed activations, the loss's backward buffers), a ZeRO-2/3 unit's gradients in flight to the
     # reduce-scatter where the backward runs beside other activations, and ZeRO-0's flat gradient copy
     if r == "none":
@@ -322,7 +322,7 @@ def memory_by_category(cand: Candidate, i: int) -> dict[str, float]:
         act, transient = float(tab.inputs[sl].sum()) * in_flight, float(tab.max_layer_act[sl].max())
     if tab.transient is not None:
         transient = max(transient, float(tab.transient[sl].max()))
-    if tab.grad_transient is not None:  # parameter gradients beside .grad (stage_cost.grad_transient)
+    if tab.grad_transient is not None:  # parameter gradients beside .grad (stage_ranges.grad_transient)
         transient = max(transient, float(grad_transient(tab, sched.splits_backward(cand.schedule))[k, j]))
     act += transient
     if in_flight > 1.0 or r != "none":

@@ -45,14 +45,13 @@ from partita.search.precision import choose_precision
 from partita.search.stage_cost import (
     SolverCosts,
     StageFactors,
-    StageParts,
     UnitTable,
     affine,
     dp_link,
     p2p_time_fn,
     scatter_gather_p2p,
-    stage_parts,
 )
+from partita.search.stage_ranges import StageParts, stage_parts
 from partita.search.zero_bubble import solve_zero_bubble
 
 DEFAULT_OPTIONS = SearchOptions()
@@ -249,7 +248,7 @@ class Search:
                 self._parts = None
 
     def stage_parts(self, tab: UnitTable, terms: dict[tuple, Any] | None = None, **kw: Any) -> StageParts:
-        """``stage_cost.stage_parts(tab, terms=terms, **kw)``, kept within :meth:`sharing_stage_parts`
+        """``stage_ranges.stage_parts(tab, terms=terms, **kw)``, kept within :meth:`sharing_stage_parts`
         (keyed by the table and every other argument: the same inputs, the same arrays; ``terms`` is
         the caller's memo of their shared terms, not an input)."""
         if self._parts is None:

@@ -172,7 +172,7 @@ def _memory(plan: Plan, graph: Graph, s: Stage, blocks: Sequence[str], size: tup
 
     Times per the non-SP layout's (an all-reduce is priced as a reduce-scatter plus an all-gather)."""
     from partita.ir import DTYPE_BYTES
-    from partita.search.intra_op import needs_grad
+    from partita.search.layer_strategies import needs_grad
     from partita.search.saved import replicated_bytes, saved_plan
 
     t, rows, seq = s.tp, *size

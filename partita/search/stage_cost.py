@@ -4,7 +4,9 @@ Sits between the intra-op search (``search/intra_op.py`` via ``search/memo.py``,
 :class:`LayerSolution` per (layer kind, device type, ``(1, tp)`` mesh, per-replica micro-batch))
 and the inter-op DP (``search/inter_op.py``), which needs ``times[k, j, s]`` and memory for every
 layer-unit range ``[k, j)``. Data parallelism is applied here analytically: layer solutions are
-per replica, and the ``dp`` replicas add the gradient sync and the ZeRO sharding.
+per replica, and the ``dp`` replicas add the gradient sync and the ZeRO sharding. This module holds
+the per-unit tables and the formulas below; ``search/stage_ranges.py`` evaluates them for every
+range of a stage option at once.
 
 Per micro-batch period of a stage (one replica)::
 
@@ -41,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -194,7 +196,7 @@ class UnitTable:
 
     def ranged(self, name: str) -> np.ndarray:
         """``_range_sum`` (``max_*`` and ``transient`` fields: ``_range_max``) of a field, or of
-        ``act - sel_bytes`` for ``"act-sel"``; once per table (``stage_arrays`` runs once per ZeRO /
+        ``act - sel_bytes`` for ``"act-sel"``; once per table (``stage_ranges.stage_arrays`` runs once per ZeRO /
         recompute combo on the same table). Read-only: callers build new arrays from it."""
         got = self._ranges.get(name)
         if got is None:
@@ -313,320 +315,6 @@ def scatter_gather_p2p(p2p: tuple[float, float], tp: int, device: DeviceType, cm
     return p2p[0] + (tp - 1) * device.intra_node_latency, p2p[1] / tp + gather
 
 
-# a stage option's in-flight counts: one table for every option, or per option's unit table
-# (zero_bubble.HeldCounts: a deferred W's held output gradients in the option's precision and layout)
-InFlight = np.ndarray | Callable[[UnitTable], np.ndarray]
-
-
-@dataclasses.dataclass(frozen=True)
-class StageArrays:
-    time: np.ndarray  # [U, U + 1] period per micro-batch, p2p included
-    memory: np.ndarray  # [U, U + 1, S + 1] bytes per device
-    tail: np.ndarray  # [U, U + 1] exposed sync + optimizer step, once per step
-    compute: np.ndarray  # [U, U + 1] compute part of time
-    comm: np.ndarray  # [U, U + 1] communication part of time
-
-
-def stage_arrays(
-    tab: UnitTable,
-    *,
-    dp: int,
-    zero: int,
-    recompute: str,
-    in_flight: InFlight,
-    allreduce: tuple[float, float],
-    reduce_scatter: tuple[float, float],
-    all_gather: tuple[float, float],
-    p2p: tuple[float, float],
-    p2p_mult: int,
-    hbm_bandwidth: float,
-    factors: StageFactors,
-    flat_sync: bool = False,
-    num_micro_batches: int | None = None,
-    split_backward: bool = False,
-) -> StageArrays:
-    """All layer ranges of one stage option at once (module docstring for the formulas).
-
-    ``num_micro_batches`` (``m``): where a stage runs no forward after its first backward (``m`` no
-    more than its in-flight count: one micro-batch, GPipe), its gradients (freed by ``zero_grad``
-    between steps) are not yet there at the activation peak: memory is then the larger of the two
-    moments, activations without gradients or gradients (and the flat copy) without activations.
-    None: gradients always count (the stage-level callers that do not know ``m``).
-
-    :func:`stage_parts` (what no in-flight count changes) then :func:`stage_memory` (the rest)."""
-    parts = stage_parts(
-        tab,
-        dp=dp,
-        zero=zero,
-        recompute=recompute,
-        allreduce=allreduce,
-        reduce_scatter=reduce_scatter,
-        all_gather=all_gather,
-        p2p=p2p,
-        p2p_mult=p2p_mult,
-        hbm_bandwidth=hbm_bandwidth,
-        factors=factors,
-        flat_sync=flat_sync,
-        split_backward=split_backward,
-    )
-    return parts.arrays(in_flight, num_micro_batches)
-
-
-@dataclasses.dataclass(frozen=True)
-class StageParts:
-    """The terms of :func:`stage_arrays` that no in-flight count (nor ``m``) changes: the per
-    micro-batch time, the tail and the static memory of every range ``[k, j)``, and what the
-    activation memory is made of. A zero-bubble search prices one configuration's options once per
-    pipeline depth with other counts only (``search/zero_bubble.py``), so the planner keeps these
-    per configuration (``Search.sharing_stage_parts``). Arrays are ``[U, U + 1]``, read-only."""
-
-    time: np.ndarray  # period per micro-batch, p2p included; inf where k >= j
-    tail: np.ndarray
-    compute: np.ndarray
-    comm: np.ndarray
-    static: np.ndarray  # parameters + optimizer state; inf where k >= j
-    base: np.ndarray  # static + gradients; inf where k >= j
-    gradients: np.ndarray
-    grads: np.ndarray  # the range's gradient bytes (the flat copy)
-    saved: np.ndarray  # saved activation bytes per micro-batch in flight
-    transient: Any  # [U, U + 1] or 0.0
-    rs_held: np.ndarray | None  # reduce_scatter_in_flight where any, else None
-    recompute: str
-    flat_copy: bool  # the flat gradient copy (flat_sync at ZeRO-0, dp > 1)
-    table: UnitTable  # the option's table at its dp and ZeRO stage (what a zero_bubble.HeldCounts reads)
-
-    def arrays(self, in_flight: InFlight, num_micro_batches: int | None) -> StageArrays:
-        return StageArrays(self.time, self.memory(in_flight, num_micro_batches), self.tail, self.compute, self.comm)
-
-    def memory(self, in_flight: InFlight, num_micro_batches: int | None) -> np.ndarray:
-        """``[U, U + 1, S + 1]`` bytes per device (:func:`stage_arrays`); inf where k >= j (``base``
-        and ``static`` are: every activation term is finite)."""
-        if callable(in_flight):  # a zero-bubble count per range weighed by the stage's own held gradients
-            in_flight = in_flight(
-                self.table
-            )  # (zero_bubble.HeldCounts: the table of this option's precision and layout)
-        flight = in_flight if in_flight.ndim == 3 else in_flight[None, None, :]  # [U, U+1, S+1]: per range (issue 19)
-        last = flight >= num_micro_batches if num_micro_batches is not None and self.recompute == "none" else None
-        if last is not None and not last.any():
-            last = None
-        # the sums below run in place on one new array (a+b and b+a are the same float)
-        acts = self.saved[:, :, None] * flight
-        acts += np.asarray(self.transient)[..., None]
-        held = acts.copy() if last is not None else acts  # the activations without the gradients (read if last)
-        # a ZeRO-2/3 unit's gradients in flight to the reduce-scatter (reduce_scatter_in_flight), held with
-        # the activations where the backward runs beside them: other micro-batches' (more than one in
-        # flight) or the recomputed block's; a lone micro-batch without recompute peaks in its forward
-        if self.rs_held is not None:  # (all zero, as for ZeRO < 2, adds nothing: skipped)
-            acts += np.where((flight > 1.0) | (self.recompute != "none"), self.rs_held[..., None], 0.0)
-        if self.flat_copy:  # the flat gradient copy, made after the activations are freed
-            np.maximum(acts, self.grads[:, :, None], out=acts)
-        memory = np.add(acts, self.base[:, :, None], out=acts)
-        if last is not None:  # gradients only after the last forward
-            # (docstring); a recomputing backward re-runs blocks while earlier blocks' gradients exist
-            after = self.gradients * (2.0 if self.flat_copy else 1.0)
-            peak = np.maximum(held, after[:, :, None])
-            memory = np.where(last, self.static[:, :, None] + peak, memory)
-        return memory
-
-
-def stage_parts(
-    tab: UnitTable,
-    *,
-    dp: int,
-    zero: int,
-    recompute: str,
-    allreduce: tuple[float, float],
-    reduce_scatter: tuple[float, float],
-    all_gather: tuple[float, float],
-    p2p: tuple[float, float],
-    p2p_mult: int,
-    hbm_bandwidth: float,
-    factors: StageFactors,
-    flat_sync: bool = False,
-    split_backward: bool = False,
-    terms: dict[tuple, Any] | None = None,
-) -> StageParts:
-    """:class:`StageParts` of one stage option (:func:`stage_arrays` less its in-flight arguments).
-
-    Its terms depend on the recompute mode alone (:func:`_recompute_terms`), on the ZeRO stage and
-    the link prices alone (:func:`_zero_terms`), or on the p2p price alone; only the per micro-batch
-    time and communication join them. ``terms``: a dict the caller keeps across the ZeRO / recompute
-    combos of one option (``Search.arrays``), so that each is computed once, not once per combo
-    (issue 20: 12 combos, a third of the arithmetic); keyed by every argument it depends on."""
-    memo: dict[tuple, Any] = {} if terms is None else terms
-    tab = tab.for_stage(dp, zero)
-    rkey = (id(tab), recompute)
-    rec = memo.get(rkey)
-    if rec is None or rec[0] is not tab:
-        rec = memo[rkey] = (tab, _recompute_terms(tab, recompute))
-    zkey = (id(tab), dp, zero, allreduce, reduce_scatter, all_gather, hbm_bandwidth, factors, flat_sync, split_backward)
-    zt = memo.get(zkey)
-    if zt is None or zt[0] is not tab:
-        zt = memo[zkey] = (
-            tab,
-            _zero_terms(
-                tab, dp, zero, allreduce, reduce_scatter, all_gather, hbm_bandwidth, factors, flat_sync, split_backward
-            ),
-        )
-    pkey = (id(tab), p2p, p2p_mult)
-    rv = memo.get(pkey)
-    if rv is None or rv[0] is not tab:
-        recv = np.zeros(len(tab.fwd))
-        recv[1:] = p2p_mult * 2 * (p2p[0] + p2p[1] * tab.boundary[:-1])  # activation in, its gradient out
-        rv = memo[pkey] = (tab, recv[:, None])
-    t, saved, transient, compute = rec[1]
-    if tab.grad_transient is not None:  # parameter gradients beside .grad (LayerCost.grad_transient_bytes)
-        gkey = (id(tab), "grad_transient", split_backward)
-        gt = memo.get(gkey)
-        if gt is None or gt[0] is not tab:
-            gt = memo[gkey] = (tab, np.maximum(transient, grad_transient(tab, split_backward)))
-        transient = gt[1]
-    z, recv = zt[1], rv[1]
-    r = tab.ranged
-    valid = r("num_layers") > 0
-    t_mb = np.maximum(t, z.sync_comm)
-    comm_total = r("comm") + np.maximum(0.0, z.sync_comm - t)
-    t_mb = t_mb + recv
-    comm_total = comm_total + recv
-    inf = np.inf
-    parts = StageParts(
-        time=np.where(valid, t_mb, inf),
-        tail=z.tail,
-        compute=compute,
-        comm=np.where(valid, comm_total, 0.0),
-        static=z.static,
-        base=z.base,
-        gradients=z.gradients,
-        grads=z.grads,
-        saved=saved,
-        transient=transient,
-        rs_held=z.rs_held,
-        recompute=recompute,
-        flat_copy=z.flat_copy,
-        table=tab,
-    )
-    parts.time.flags.writeable = False  # shared by the StageArrays of every pass that reuses the parts
-    parts.comm.flags.writeable = False
-    return parts
-
-
-def _recompute_terms(tab: UnitTable, recompute: str) -> tuple[np.ndarray, np.ndarray, Any, np.ndarray]:
-    """``(t, saved, transient, compute)`` of :func:`stage_parts`: compute time per micro-batch, saved
-    activations per micro-batch in flight, the transient held once, and the compute part of ``t``
-    (0 where k >= j). Read-only."""
-    r = tab.ranged  # range sums / maxima, memoised per table across combos
-    fwd, bwd, comm = r("fwd"), r("bwd"), r("comm")
-    transient: Any = 0.0
-    if recompute == "none":
-        t, saved = fwd + bwd, r("act")
-    elif recompute == "selective":  # the dropped activations come back one layer at a time in the backward
-        t, saved = fwd + bwd + r("sel_s"), r("act-sel")
-        transient = r("max_layer_sel")
-    else:
-        t, saved, transient = 2 * fwd + bwd, r("inputs"), r("max_layer_act")
-    compute = t - comm * (2 if recompute == "full" else 1)
-    if tab.transient is not None:  # the loss's backward buffers (LayerCost.transient_bytes), once
-        transient = np.maximum(transient, r("transient"))
-    compute = np.where(r("num_layers") > 0, compute, 0.0)
-    for x in (t, compute, transient):
-        if isinstance(x, np.ndarray):
-            x.flags.writeable = False
-    return t, saved, transient, compute
-
-
-@dataclasses.dataclass(frozen=True)
-class _ZeroTerms:
-    """The terms of :func:`stage_parts` that the ZeRO stage and the link prices decide (read-only)."""
-
-    sync_comm: np.ndarray  # ZeRO-2/3 gradient / parameter traffic overlapping each micro-batch
-    tail: np.ndarray  # 0 where k >= j
-    static: np.ndarray  # inf where k >= j
-    base: np.ndarray  # inf where k >= j
-    gradients: np.ndarray
-    grads: np.ndarray
-    rs_held: np.ndarray | None
-    flat_copy: bool
-
-
-def _zero_terms(
-    tab: UnitTable,
-    dp: int,
-    zero: int,
-    allreduce: tuple[float, float],
-    reduce_scatter: tuple[float, float],
-    all_gather: tuple[float, float],
-    hbm_bandwidth: float,
-    factors: StageFactors,
-    flat_sync: bool,
-    split_backward: bool,
-) -> _ZeroTerms:
-    r = tab.ranged
-    bwd = r("bwd")
-    params, grads, opt = r("params"), r("grads"), r("opt")
-    nlay = r("num_layers")
-    valid = nlay > 0
-    sync_comm = np.zeros_like(bwd)
-    rs = reduce_scatter[0] + reduce_scatter[1] * grads if dp > 1 else 0.0 * grads
-    ag = all_gather[0] + all_gather[1] * params * tab.gather_ratio if dp > 1 else 0.0 * params  # in param_dtype
-    if zero == 2:
-        sync_comm = rs
-    elif zero == 3:
-        sync_comm = 2 * ag + rs
-
-    shard = float(dp)
-    max_params = r("max_layer_params")
-    # split_backward: a zero-bubble stage's deferred-W gradient copy (static_memory), not on the first stage
-    copies = copies_deferred_gradients(split_backward, np.arange(len(tab.fwd))[:, None])
-    cats = static_memory(params, grads, opt, max_params, dp, zero, tab.gather_ratio, tab.fsdp_copies, copies)
-    mem_static = cats["parameters"] + cats["optimizer"]
-    rs_held = reduce_scatter_in_flight(max_params, dp, zero, tab.gather_ratio, tab.fsdp_copies)
-    if dp > 1:
-        sync = allreduce[0] + allreduce[1] * grads if zero == 0 else rs
-    else:
-        sync = np.zeros_like(grads)
-    window = factors.grad_overlap * tab.comm_overlap * bwd
-    exposed = np.where(sync > 0, np.maximum(sync / np.maximum(nlay, 1), sync - window), 0.0)
-    if flat_sync and zero == 0:
-        exposed = sync  # one all-reduce after the schedule: nothing hides it
-    if zero in (1, 2) and dp > 1:
-        exposed = exposed + ag
-    exposed = exposed + r("tp_sync")
-    touched = (params + grads + opt) / (shard if zero >= 1 else 1.0)
-    tail = exposed + factors.optimizer_passes * touched / (hbm_bandwidth * 0.8) * tab.opt_stream_scale
-    if tab.opt_fixed is not None:
-        tail = tail + r("opt_fixed")
-    inf = np.inf
-    terms = _ZeroTerms(
-        sync_comm=sync_comm,
-        tail=np.where(valid, tail, 0.0),
-        static=np.where(valid, mem_static, inf),
-        base=np.where(valid, mem_static + cats["gradients"], inf),
-        gradients=cats["gradients"],
-        grads=grads,
-        rs_held=np.asarray(rs_held) if np.any(rs_held) else None,
-        flat_copy=flat_sync and dp > 1 and zero == 0,
-    )
-    for x in (terms.sync_comm, terms.tail, terms.static, terms.base, terms.gradients):
-        x.flags.writeable = False  # shared by every combo and pass that reuses them
-    return terms
-
-
-def grad_transient(tab: UnitTable, split_backward: bool) -> np.ndarray:
-    """``[U, U + 1]``: the parameter gradients a range's backward makes beside ``.grad`` at once
-    (``LayerCost.grad_transient_bytes``): one backward pass's, or under a split backward one deferred
-    W's (``w_grad_transient_bytes``), except on the stage holding the model's first layer, whose W is
-    the whole backward (:func:`copies_deferred_gradients`)."""
-    whole = tab.ranged("grad_transient")
-    if not split_backward or tab.w_grad_transient is None:
-        return whole if not split_backward else np.where(_first_rows(len(tab.fwd)), whole, 0.0)
-    return np.where(_first_rows(len(tab.fwd)), whole, tab.ranged("w_grad_transient"))
-
-
-def _first_rows(n: int) -> np.ndarray:
-    """``[U, 1]``: True on the ranges that start at unit 0 (the model's first layer)."""
-    return (np.arange(n) == 0)[:, None]
-
-
 GATHERED_UNITS = 2  # ZeRO-3: FSDP2 holds the running block's gathered parameters and prefetches the next
 
 
@@ -647,7 +335,7 @@ def static_memory_of(
     shared: tuple[float, float, float] = (0.0, 0.0, 0.0),
 ) -> dict:
     """:func:`static_memory` of a stage made of ``costs`` (its layers' ``LayerCost``): the sums and
-    maxima ``stage_arrays`` takes from its unit tables, for one stage or chunk at a time. ``shared``:
+    maxima ``stage_ranges.stage_arrays`` takes from its unit tables, for one stage or chunk at a time. ``shared``:
     the bytes those sums count twice (``SolverCosts.shared_excess`` of the same layers)."""
     return static_memory(
         sum(c.param_bytes for c in costs) - shared[0],
@@ -687,7 +375,7 @@ def static_memory(
     (``gather_ratio`` of the f32 bytes) into the gathered parameters' ``.grad``, where they stay
     until FSDP2 folds them into its f32 accumulator during the next B (``backends/torch/wsplit.py``):
     one such copy is held beside the f32 gradients (measured by ``partita rehearse``). A bool, or an
-    array of 0/1 per layer range (``stage_arrays``): the stage that starts at the model's first layer
+    array of 0/1 per layer range (``stage_ranges.stage_arrays``): the stage that starts at the model's first layer
     holds no copy, since its B computes no input gradient and its W is the whole backward, during
     which FSDP2 folds each unit's gradients (:func:`copies_deferred_gradients`)."""
     fsdp = dp > 1 and zero >= 1
@@ -704,7 +392,7 @@ def static_memory(
 
 
 def reduce_scatter_in_flight(max_params: Any, dp: int, zero: int, gather_ratio: float, fsdp_copies: bool) -> Any:
-    """Bytes a ZeRO-2/3 backward holds for FSDP2's per-unit reduce-scatter (``stage_arrays`` adds them
+    """Bytes a ZeRO-2/3 backward holds for FSDP2's per-unit reduce-scatter (``stage_ranges.stage_arrays`` adds them
     to the activations where the backward runs beside them): a unit's unsharded gradients in
     ``param_dtype`` (``gather_ratio`` of its f32 bytes ``max_params``) are copied into an f32
     reduce-scatter input (``reduce_dtype``), which FSDP2 keeps until the next unit's reduce-scatter
@@ -729,7 +417,7 @@ class SolverCosts:
     ``strategies.torch_tp_strategies``), a JAX graph ``"auto"`` (its program pins every activation
     layout the ILP chose). ``scatter_gather`` (Megatron-LM's split p2p send) is priced only when ``"megatron"`` is
     asked explicitly (``partita evaluate``, baselines): the torch runtime sends whole activations.
-    ``flat_sync``: price the program's ZeRO-0 gradient sync (``stage_arrays``): the torch program's
+    ``flat_sync``: price the program's ZeRO-0 gradient sync (``stage_ranges.stage_arrays``): the torch program's
     and the JAX program's (``backends/jax/train._flat_psum`` in the update, after the schedule), on
     for every JAX graph; off for a torch graph priced ``"megatron"`` / ``"auto"`` asked explicitly,
     which price another engine (``"torch"`` asked explicitly, as ``search/hand_plan.py`` does, is the
@@ -741,7 +429,7 @@ class SolverCosts:
 
         self.graph, self.cluster, self.training = graph, cluster, training
         self.scatter_gather = tp_style == "megatron"
-        # the torch and JAX programs' ZeRO-0 sync runs after the schedule (stage_arrays' flat_sync); an
+        # the torch and JAX programs' ZeRO-0 sync runs after the schedule (stage_ranges.stage_arrays' flat_sync); an
         # explicit style on a torch graph prices another engine (Megatron-LM's overlapped DDP: evaluate)
         self.flat_sync = tp_style in (None, "torch") or graph.meta.get("framework") == "jax"
         if tp_style is None:

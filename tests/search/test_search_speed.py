@@ -224,7 +224,8 @@ def test_stage_parts_key_holds_every_input(graph: Graph) -> None:
     check can fail)."""
     import dataclasses
 
-    from partita.search.stage_cost import StageFactors, stage_parts
+    from partita.search.stage_cost import StageFactors
+    from partita.search.stage_ranges import stage_parts
 
     cl = parse_cluster("8xA100-80G")
     search = Search(graph, cl, TrainingConfig(global_batch=64, seq_len=32), SearchOptions())
@@ -284,7 +285,7 @@ def test_stage_parts_key_holds_every_input(graph: Graph) -> None:
     assert search._parts is None  # dropped with its scope
 
 
-# ---- strategies and saved-activation plans shared between layer problems (intra_op._SHARED) ----------
+# ---- strategies and saved-activation plans shared between layer problems (layer_strategies._SHARED) ---
 def test_shared_layer_pieces_give_the_same_solutions(graph: Graph, monkeypatch: pytest.MonkeyPatch) -> None:
     """Layers solved on a run of meshes, batches, styles and devices that each differ from the one
     before in one input of the shared strategies' key (tp width, label sizes, style, axis names,
@@ -295,7 +296,7 @@ def test_shared_layer_pieces_give_the_same_solutions(graph: Graph, monkeypatch: 
     import dataclasses
 
     from partita.cluster import DEVICE_PRESETS
-    from partita.search import intra_op
+    from partita.search import intra_op, layer_strategies
     from partita.search.cost_model import CostModel
     from partita.search.mesh import LogicalMesh
     from tests.search import builders
@@ -314,7 +315,7 @@ def test_shared_layer_pieces_give_the_same_solutions(graph: Graph, monkeypatch: 
     ]
 
     def solve_all() -> list[Any]:
-        intra_op._SHARED.clear()
+        layer_strategies._SHARED.clear()
         out = []
         for g, dev, shape, names, b, style in runs:
             mesh = LogicalMesh(shape, names, dev, 8)
@@ -326,9 +327,9 @@ def test_shared_layer_pieces_give_the_same_solutions(graph: Graph, monkeypatch: 
         return out
 
     shared = solve_all()
-    assert len(intra_op._SHARED) == 2  # both graphs shared pieces
-    monkeypatch.setattr(intra_op, "_node_strategies", lambda g, n, *a: intra_op.node_strategies(g, n, *a))
-    monkeypatch.setattr(intra_op, "_saved_plan", intra_op.saved_plan)
+    assert len(layer_strategies._SHARED) == 2  # both graphs shared pieces
+    monkeypatch.setattr(intra_op, "strategies_of", layer_strategies.node_strategies)
+    monkeypatch.setattr(intra_op, "saved_plan_of", layer_strategies.saved_plan)
     apart = solve_all()
-    assert not intra_op._SHARED  # nothing shared this time
+    assert not layer_strategies._SHARED  # nothing shared this time
     assert shared == apart

@@ -20,7 +20,8 @@ from partita.errors import PlanError
 from partita.ir import Role
 from partita.search.config import TrainingConfig
 from partita.search.cost_model import CostModel
-from partita.search.intra_op import needs_grad, solve_layer
+from partita.search.intra_op import solve_layer
+from partita.search.layer_strategies import needs_grad
 from partita.search.mesh import LogicalMesh
 from partita.search.reshard import grad_requirement
 from partita.search.stage_cost import SolverCosts
