@@ -18,7 +18,7 @@ no dimension of the search and ``evaluate`` does not price it; a hand layout's `
 --sequence-parallel`` builds it (``search/sequence_parallel.py``, ``backends/torch/tp.py``).
 
 The :class:`Evaluation` carries memory per device by category (parameters, gradients, optimizer
-state, activations: the same terms ``search/stage_ranges.stage_arrays`` sums), whether it fits, the
+state, activations: the same terms ``search/stage_ranges.StageParts`` sums), whether it fits, the
 devices left idle and the model FLOPs utilization against the peak of the devices used and of the
 whole cluster.
 """
@@ -285,7 +285,7 @@ def check_split_backward(schedule: str, pp: int, zero_stage: int, recompute: str
 
 
 def memory_by_category(cand: Candidate, i: int) -> dict[str, float]:
-    """Stage ``i``'s memory per device split as ``stage_ranges.stage_arrays`` sums it."""
+    """Stage ``i``'s memory per device split as ``stage_ranges.StageParts`` sums it."""
     p = cand.stages[i]
     search = cand.search
     dev, _, b = p.option.devices[0]
@@ -311,7 +311,7 @@ def memory_by_category(cand: Candidate, i: int) -> dict[str, float]:
         # a deferred W's gradient copy (stage_cost.static_memory), not on the first stage
         bool(copies_deferred_gradients(sched.splits_backward(cand.schedule), search.units[k][0])),
     )
-    # the activations as stage_ranges.stage_arrays adds them: saved x in flight + the transient (one layer's
+    # the activations as stage_ranges.StageParts adds them: saved x in flight + the transient (one layer's
     # recomputed activations, the loss's backward buffers), a ZeRO-2/3 unit's gradients in flight to the
     # reduce-scatter where the backward runs beside other activations, and ZeRO-0's flat gradient copy
     if r == "none":

@@ -92,7 +92,7 @@ def hand_plan(
         in_flight: Any = HeldCounts(lambda held: in_flight_table(held, schedule, m, vv, pp))
     else:
         in_flight = np.array(sched.in_flight_by_stages_left(schedule, pp, m, v))
-    mb = None if sched.splits_backward(schedule) else m  # stage_ranges.stage_arrays: gradients at the peak
+    mb = None if sched.splits_backward(schedule) else m  # stage_ranges.StageParts: gradients at the peak
     split = sched.splits_backward(schedule)  # W's gradient copy (stage_cost.static_memory)
     options = {}  # per degree, its stage option (the stage arrays of every layer range)
     for t in sorted(set(tps)):

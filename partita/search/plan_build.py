@@ -147,7 +147,7 @@ def _stage_records(
 ) -> dict:
     """Per device and step, what ``partita rehearse`` compares the program with (issue 15).
 
-    ``memory_by_category``: the stage's ``memory_bytes`` split as ``search/stage_ranges.stage_arrays``
+    ``memory_by_category``: the stage's ``memory_bytes`` split as ``search/stage_ranges.StageParts``
     builds it (parameters, gradients, optimizer state after ZeRO sharding; activations: the rest,
     i.e. saved activations of the in-flight micro-batches plus the transient). ``flops``: the
     layers' forward + backward FLOPs (``passes/annotate.layer_stats``, the numbers the cost model
@@ -162,7 +162,7 @@ def _stage_records(
     """
     dev0, tp, mb = p.option.devices[0][0], p.option.tp, p.option.devices[0][2]
     costs = [search.costs.layer(li, dev0, tp, mb)[0] for li in range(a0, b0)]
-    # the terms stage_ranges.stage_arrays sums (issue 15: what the program holds)
+    # the terms stage_ranges.StageParts sums (issue 15: what the program holds)
     shared = search.costs.shared_excess(range(a0, b0), dev0, tp, mb)  # a tied weight held once
     copies = bool(copies_deferred_gradients(sched.splits_backward(best.schedule), a0))  # W's gradient copy
     cats = static_memory_of(costs, best.dp, z, copies, shared)
@@ -171,7 +171,7 @@ def _stage_records(
     split = sched.splits_backward(best.schedule)
     if not split and r == "none" and sched.in_flight(best.schedule, i, len(best.stages), best.m, best.v) >= best.m:
         # no forward after the first backward: the peak is the activations before any gradient, or the
-        # gradients (and the flat copy) after the last backward (stage_ranges.stage_arrays, num_micro_batches)
+        # gradients (and the flat copy) after the last backward (stage_ranges.StageParts, num_micro_batches)
         flat = 2.0 if getattr(search.costs, "flat_sync", False) and best.dp > 1 and z == 0 else 1.0
         grads = grads if total - params - opt <= flat * grads * (1 + 1e-9) else 0.0
     env = {"B": 1 if search.costs.linear_batch else mb, "S": search.training.seq_len}

@@ -101,71 +101,32 @@ class Option:
     combos: list[tuple[int, str]]
     stack: np.ndarray  # [C, U, U+1, S+1] time per combo, inf where it does not fit
 
-    @functools.cached_property
-    def pick(self) -> np.ndarray:
-        """[U, U+1, S+1] the combo index of ``best``: ``stack.argmin(axis=0)`` (the first least combo),
-        found as the lowest combo equal to the minimum, a few whole-array passes instead of numpy's
-        slow reduction over the leading axis (issue 20; a NaN, which argmin would pick, falls back)."""
-        best = self.best
-        if np.isnan(best).any():
-            return self.stack.argmin(axis=0)
-        pick = np.zeros(best.shape, dtype=np.intp)
-        for c in range(self.stack.shape[0] - 1, 0, -1):
-            pick = np.where(self.stack[c] == best, c, pick)
-        return np.where(self.stack[0] == best, 0, pick)
-
     def pick_at(self, k: int, j: int, s: int, cap: float = math.inf) -> int:
-        """``capped(cap)[1][k, j, s]`` without the whole array, where that entry is finite: the first
-        least combo of one entry whose tail is below ``cap`` (``argmin``, as ``pick`` is, NaN
-        included). The DP reads its stages' entries only (issue 20: the whole ``pick`` was 0.3 s of
-        the 175B search, for about one entry in ten thousand read)."""
+        """The combo of entry ``[k, j, s]``: the first least one whose tail is below ``cap`` (``argmin``
+        over the masked combos, NaN included), read one entry at a time: the DP reads its stages'
+        entries only (issue 20: a whole pick array was 0.3 s of the 175B search, for about one entry
+        in ten thousand read)."""
         col = self.stack[:, k, j, s]
         if math.isfinite(cap):
             col = np.where(self.tails[:, k, j] < cap, col, np.inf)
         return int(col.argmin())
 
     def capped_best(self, cap: float) -> np.ndarray:
-        """``capped(cap)[0]`` (the same floats) by masking every combo over the cap and one minimum
-        over the leading axis: the DP needs the picks of its stages only (:meth:`pick_at`), and
-        ``capped``'s whole pick and pick tails were 0.8 s of the 175B search's 821 capped solves."""
+        """[U, U+1, S+1] ``best`` over the combos whose step tail is below ``cap`` (rule R7): every combo
+        over the cap masked, one minimum over the leading axis; the DP reads its stages' picks with
+        :meth:`pick_at` (whole pick arrays were 0.8 s of the 175B search's 821 capped solves)."""
         if not math.isfinite(cap):
             return self.best
         return np.where(self.tails[:, :, :, None] < cap, self.stack, np.inf).min(axis=0)
-
-    @functools.cached_property
-    def pick_tail(self) -> np.ndarray:
-        """[U, U+1, S+1] the step tail of the combo ``pick`` chose (``capped`` compares it per cap)."""
-        num_units, width, _ = self.pick.shape
-        k = np.arange(num_units)[:, None, None]
-        j = np.arange(width)[None, :, None]
-        return self.tails[self.pick, k, j]
 
     @functools.cached_property
     def tails(self) -> np.ndarray:
         """[C, U, U+1] step tail per combo."""
         return np.stack([a.tail for a in self.arrays])
 
-    def capped(self, cap: float) -> tuple[np.ndarray, np.ndarray]:
-        """``best`` / ``pick`` over the combos whose step tail is below ``cap`` (rule R7)."""
-        if not math.isfinite(cap):
-            return self.best, self.pick
-        # Where the uncapped pick's tail is below the cap it stays the pick (masking only raises the
-        # other combos to inf, and it was already the first least one); only the other entries are
-        # re-minimised over the combos under the cap: the same values and ties as masking them all.
-        pick = self.pick
-        redo = np.nonzero(self.pick_tail >= cap)
-        if not redo[0].size:
-            return self.best, pick
-        sub = np.where(self.tails[:, redo[0], redo[1]] < cap, self.stack[:, redo[0], redo[1], redo[2]], np.inf)
-        got = sub.argmin(axis=0)
-        best, pick = self.best.copy(), pick.copy()
-        best[redo] = sub[got, np.arange(got.size)]
-        pick[redo] = got
-        return best, pick
-
     @functools.cached_property
     def best(self) -> np.ndarray:
-        """[U, U+1, S+1] min time over the combos that fit (``stack[pick]``: the same floats)."""
+        """[U, U+1, S+1] min time over the combos that fit."""
         return self.stack.min(axis=0)
 
 
@@ -270,7 +231,7 @@ class Search:
         tp: int,
         in_flight: np.ndarray | Callable[[Any], np.ndarray],  # or per unit table (zero_bubble.HeldCounts)
         p2p_mult: int,
-        num_micro_batches: int | None = None,  # stage_arrays: gradients live at the activation peak or not
+        num_micro_batches: int | None = None,  # StageParts.memory: gradients live at the activation peak or not
         split_backward: bool = False,  # a zero-bubble schedule: W's gradient copy (stage_cost.static_memory)
     ) -> tuple[list, list[tuple[int, str]], np.ndarray] | None:
         """Per combo arrays for a device class, the combos, and their times (inf where a combo does

@@ -196,7 +196,7 @@ class UnitTable:
 
     def ranged(self, name: str) -> np.ndarray:
         """``_range_sum`` (``max_*`` and ``transient`` fields: ``_range_max``) of a field, or of
-        ``act - sel_bytes`` for ``"act-sel"``; once per table (``stage_ranges.stage_arrays`` runs once per ZeRO /
+        ``act - sel_bytes`` for ``"act-sel"``; once per table (``stage_ranges.StageParts`` runs once per ZeRO /
         recompute combo on the same table). Read-only: callers build new arrays from it."""
         got = self._ranges.get(name)
         if got is None:
@@ -335,7 +335,7 @@ def static_memory_of(
     shared: tuple[float, float, float] = (0.0, 0.0, 0.0),
 ) -> dict:
     """:func:`static_memory` of a stage made of ``costs`` (its layers' ``LayerCost``): the sums and
-    maxima ``stage_ranges.stage_arrays`` takes from its unit tables, for one stage or chunk at a time. ``shared``:
+    maxima ``stage_ranges.StageParts`` takes from its unit tables, for one stage or chunk at a time. ``shared``:
     the bytes those sums count twice (``SolverCosts.shared_excess`` of the same layers)."""
     return static_memory(
         sum(c.param_bytes for c in costs) - shared[0],
@@ -375,7 +375,7 @@ def static_memory(
     (``gather_ratio`` of the f32 bytes) into the gathered parameters' ``.grad``, where they stay
     until FSDP2 folds them into its f32 accumulator during the next B (``backends/torch/wsplit.py``):
     one such copy is held beside the f32 gradients (measured by ``partita rehearse``). A bool, or an
-    array of 0/1 per layer range (``stage_ranges.stage_arrays``): the stage that starts at the model's first layer
+    array of 0/1 per layer range (``stage_ranges.StageParts``): the stage that starts at the model's first layer
     holds no copy, since its B computes no input gradient and its W is the whole backward, during
     which FSDP2 folds each unit's gradients (:func:`copies_deferred_gradients`)."""
     fsdp = dp > 1 and zero >= 1
@@ -392,7 +392,7 @@ def static_memory(
 
 
 def reduce_scatter_in_flight(max_params: Any, dp: int, zero: int, gather_ratio: float, fsdp_copies: bool) -> Any:
-    """Bytes a ZeRO-2/3 backward holds for FSDP2's per-unit reduce-scatter (``stage_ranges.stage_arrays`` adds them
+    """Bytes a ZeRO-2/3 backward holds for FSDP2's per-unit reduce-scatter (``stage_ranges.StageParts`` adds them
     to the activations where the backward runs beside them): a unit's unsharded gradients in
     ``param_dtype`` (``gather_ratio`` of its f32 bytes ``max_params``) are copied into an f32
     reduce-scatter input (``reduce_dtype``), which FSDP2 keeps until the next unit's reduce-scatter
@@ -417,7 +417,7 @@ class SolverCosts:
     ``strategies.torch_tp_strategies``), a JAX graph ``"auto"`` (its program pins every activation
     layout the ILP chose). ``scatter_gather`` (Megatron-LM's split p2p send) is priced only when ``"megatron"`` is
     asked explicitly (``partita evaluate``, baselines): the torch runtime sends whole activations.
-    ``flat_sync``: price the program's ZeRO-0 gradient sync (``stage_ranges.stage_arrays``): the torch program's
+    ``flat_sync``: price the program's ZeRO-0 gradient sync (``stage_ranges.StageParts``): the torch program's
     and the JAX program's (``backends/jax/train._flat_psum`` in the update, after the schedule), on
     for every JAX graph; off for a torch graph priced ``"megatron"`` / ``"auto"`` asked explicitly,
     which price another engine (``"torch"`` asked explicitly, as ``search/hand_plan.py`` does, is the
@@ -429,7 +429,7 @@ class SolverCosts:
 
         self.graph, self.cluster, self.training = graph, cluster, training
         self.scatter_gather = tp_style == "megatron"
-        # the torch and JAX programs' ZeRO-0 sync runs after the schedule (stage_ranges.stage_arrays' flat_sync); an
+        # the torch and JAX programs' ZeRO-0 sync runs after the schedule (stage_ranges.StageParts' flat_sync); an
         # explicit style on a torch graph prices another engine (Megatron-LM's overlapped DDP: evaluate)
         self.flat_sync = tp_style in (None, "torch") or graph.meta.get("framework") == "jax"
         if tp_style is None:

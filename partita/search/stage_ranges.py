@@ -2,9 +2,9 @@
 
 Part of the inter-op search, between ``search/stage_cost.py`` (per-unit tables: :class:`UnitTable`,
 the formulas in its module docstring, the static memory) and ``search/planner.py`` (``Search.arrays``
-stacks these per ZeRO / recompute combo for ``search/inter_op.py``). :func:`stage_arrays` gives a
-range's period per micro-batch, its memory per number of stages left, its tail, and the compute and
-communication parts of its period; :func:`stage_parts` is the part no in-flight count changes, which
+stacks these per ZeRO / recompute combo for ``search/inter_op.py``). :class:`StageArrays` holds
+a range's period per micro-batch, its memory per number of stages left, its tail, and the compute and
+communication parts of its period: :func:`stage_parts` makes the part no in-flight count changes, which
 the zero-bubble passes of one configuration share (issue 20), and :meth:`StageParts.memory` the rest.
 """
 
@@ -38,54 +38,9 @@ class StageArrays:
     comm: np.ndarray  # [U, U + 1] communication part of time
 
 
-def stage_arrays(
-    tab: UnitTable,
-    *,
-    dp: int,
-    zero: int,
-    recompute: str,
-    in_flight: InFlight,
-    allreduce: tuple[float, float],
-    reduce_scatter: tuple[float, float],
-    all_gather: tuple[float, float],
-    p2p: tuple[float, float],
-    p2p_mult: int,
-    hbm_bandwidth: float,
-    factors: StageFactors,
-    flat_sync: bool = False,
-    num_micro_batches: int | None = None,
-    split_backward: bool = False,
-) -> StageArrays:
-    """All layer ranges of one stage option at once (``search/stage_cost.py``'s module docstring for the formulas).
-
-    ``num_micro_batches`` (``m``): where a stage runs no forward after its first backward (``m`` no
-    more than its in-flight count: one micro-batch, GPipe), its gradients (freed by ``zero_grad``
-    between steps) are not yet there at the activation peak: memory is then the larger of the two
-    moments, activations without gradients or gradients (and the flat copy) without activations.
-    None: gradients always count (the stage-level callers that do not know ``m``).
-
-    :func:`stage_parts` (what no in-flight count changes) then :func:`stage_memory` (the rest)."""
-    parts = stage_parts(
-        tab,
-        dp=dp,
-        zero=zero,
-        recompute=recompute,
-        allreduce=allreduce,
-        reduce_scatter=reduce_scatter,
-        all_gather=all_gather,
-        p2p=p2p,
-        p2p_mult=p2p_mult,
-        hbm_bandwidth=hbm_bandwidth,
-        factors=factors,
-        flat_sync=flat_sync,
-        split_backward=split_backward,
-    )
-    return parts.arrays(in_flight, num_micro_batches)
-
-
 @dataclasses.dataclass(frozen=True)
 class StageParts:
-    """The terms of :func:`stage_arrays` that no in-flight count (nor ``m``) changes: the per
+    """The terms of a stage option's :class:`StageArrays` that no in-flight count (nor ``m``) changes: the per
     micro-batch time, the tail and the static memory of every range ``[k, j)``, and what the
     activation memory is made of. A zero-bubble search prices one configuration's options once per
     pipeline depth with other counts only (``search/zero_bubble.py``), so the planner keeps these
@@ -110,8 +65,14 @@ class StageParts:
         return StageArrays(self.time, self.memory(in_flight, num_micro_batches), self.tail, self.compute, self.comm)
 
     def memory(self, in_flight: InFlight, num_micro_batches: int | None) -> np.ndarray:
-        """``[U, U + 1, S + 1]`` bytes per device (:func:`stage_arrays`); inf where k >= j (``base``
-        and ``static`` are: every activation term is finite)."""
+        """``[U, U + 1, S + 1]`` bytes per device (``search/stage_cost.py``'s module docstring for the
+        formulas); inf where k >= j (``base`` and ``static`` are: every activation term is finite).
+
+        ``num_micro_batches`` (``m``): where a stage runs no forward after its first backward (``m`` no
+        more than its in-flight count: one micro-batch, GPipe), its gradients (freed by ``zero_grad``
+        between steps) are not yet there at the activation peak: memory is then the larger of the two
+        moments, activations without gradients or gradients (and the flat copy) without activations.
+        None: gradients always count (the stage-level callers that do not know ``m``)."""
         if callable(in_flight):  # a zero-bubble count per range weighed by the stage's own held gradients
             in_flight = in_flight(
                 self.table
@@ -157,7 +118,7 @@ def stage_parts(
     split_backward: bool = False,
     terms: dict[tuple, Any] | None = None,
 ) -> StageParts:
-    """:class:`StageParts` of one stage option (:func:`stage_arrays` less its in-flight arguments).
+    """:class:`StageParts` of one stage option: everything but its in-flight counts.
 
     Its terms depend on the recompute mode alone (:func:`_recompute_terms`), on the ZeRO stage and
     the link prices alone (:func:`_zero_terms`), or on the p2p price alone; only the per micro-batch

@@ -34,7 +34,7 @@ The price of a layout, from the group's stage arrays at each chunk's own unit ra
   its f32 accumulator at the rank's next backward from a chunk's output (a B): with one micro-batch
   a chunk's gradients stay a copy to the step's end. The step's end holds the gradients then held
   (and the torch program's flat copy of them for a ZeRO-0 sync over dp > 1, made once the
-  activations are gone, ``stage_ranges.stage_arrays``). ``partita rehearse`` of llama-7b's ZB-V plan
+  activations are gone, ``stage_ranges.StageParts``). ``partita rehearse`` of llama-7b's ZB-V plan
   (one micro-batch, bf16, ZeRO-1): -4.3% / +7.3% per rank group (-1.6% / +15.7% before, with every
   gradient priced as an f32 accumulator plus a copy at the step's end). A layout that does not fit
   ``memory_usable`` of the device is dropped.
@@ -232,7 +232,7 @@ def group_memory(c: VCandidate, r: int) -> dict[str, float]:
     )
     acts, held_grads = peak_acts + transient, peak_grads
     # the step's end: every gradient and no activation; with the torch program's ZeRO-0 sync over dp > 1
-    # also its flat copy of them, made once the activations are gone (stage_ranges.stage_arrays)
+    # also its flat copy of them, made once the activations are gone (stage_ranges.StageParts)
     flat = getattr(s.costs, "flat_sync", False) and c.dp > 1 and z == 0
     end = grads_now() * (2.0 if flat else 1.0)
     if end > acts + held_grads:

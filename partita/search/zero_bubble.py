@@ -92,7 +92,7 @@ def range_held_of(tab: Any) -> np.ndarray:
 class HeldCounts:
     """A stage option's in-flight table ``[U, U + 1, S + 1]``, made from its own held weights
     (:func:`range_held_of`) by ``table`` (``held -> counts``: :func:`in_flight_table` or
-    :func:`_first_pass_table` with the pass's schedule and depth). ``stage_ranges.stage_arrays`` calls it
+    :func:`_first_pass_table` with the pass's schedule and depth). ``stage_ranges.StageParts`` calls it
     with the option's unit table: the output gradients a deferred W reads depend on the option's tp
     layout and precision mode, which one table for every option (the traced graph unsharded in f32, as
     before) could not say: it weighed mixtral-8x7b's blocks 1.30, the program 1.16. Memoised per unit table (every ZeRO / recompute combo of a table)."""

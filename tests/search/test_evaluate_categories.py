@@ -1,7 +1,7 @@
 """``evaluate.memory_by_category`` on a traced torch model: the categories sum to the priced total.
 
 The synthetic graph of ``test_evaluate.py`` has no loss transient and no FSDP2 copies; gpt2-tiny in
-bf16 has both, so here the activations must carry what ``stage_ranges.stage_arrays`` adds beside the
+bf16 has both, so here the activations must carry what ``stage_ranges.StageParts`` adds beside the
 saved activations: the loss's backward buffers (the last stage), a ZeRO-2/3 unit's gradients in
 flight to the reduce-scatter (``stage_cost.reduce_scatter_in_flight``) and ZeRO-0's flat gradient
 copy. (Before, gpt2-tiny pp2 x dp4 ZeRO-2 stage 0 summed to 590,720 B against 890,624 B priced.)

@@ -125,7 +125,7 @@ def _reference_tail_bound(fam: list[Option]) -> float:
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_tail_bound_and_pick_tail(seed: int) -> None:
+def test_tail_bound(seed: int) -> None:
     from types import SimpleNamespace
 
     rng = np.random.default_rng(seed)
@@ -137,7 +137,3 @@ def test_tail_bound_and_pick_tail(seed: int) -> None:
         arrays = [SimpleNamespace(tail=rng.random((units, units + 1))) for _ in range(combos)]
         fam.append(Option(0, 1, 1, (), (), arrays, [(0, "none")] * combos, stack))
     assert _tail_bound(fam) == _reference_tail_bound(fam)
-    for o in fam:
-        k = np.arange(o.pick.shape[0])[:, None, None]
-        j = np.arange(o.pick.shape[1])[None, :, None]
-        assert np.array_equal(o.pick_tail, o.tails[o.pick, k, j])
