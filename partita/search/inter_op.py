@@ -34,8 +34,14 @@ Pruning rules (each documented, none silent; the counts are returned):
 * R4 (``planner``): GPipe is only searched on request (1F1B has its latency with no more memory).
 * R5 (``planner``): device types are visited in descending memory per device (1F1B keeps the most
   activations in the first stages); tensor parallelism stays within a node.
-* R6 (``planner``): outer configurations whose throughput lower bound is not better than the best
-  plan found are skipped.
+* R6 (``planner``): a candidate's simulated step is at least ``m`` times its slowest stage's period
+  plus a bound on its tail (a rank runs its ``m`` micro-batches' actions one after another), so a
+  solve keeps only stages no slower than the period that could still beat the best step of its
+  schedule so far (``solve_stages``' ``t_limit``, ``planner._t_limit``): where none fits, the
+  solve, or the whole zero-bubble configuration (``Search.can_beat``), ends after one DP run. Each
+  schedule's best is still found; the configurations are visited likeliest first
+  (``planner._area_floor``). The DP's closed form is no such bound: a pipeline whose slowest stage
+  comes first simulates below it.
 * R8 (here): branch and bound over the ``t_max`` candidates instead of an ascending scan: on a
   candidate interval ``[a, b]`` the objective is at least ``alpha * G(t_b) + beta * t_a`` (``G``,
   the least stage-time sum under a bound, does not grow with it), so intervals that cannot beat the
@@ -47,7 +53,7 @@ Pruning rules (each documented, none silent; the counts are returned):
   drops its slot dimension (exact).
 * R7 (``planner``): the step's tail (largest per-stage exposed gradient sync + optimizer step)
   is outside this objective; the planner re-solves with the ZeRO / recompute combos capped below
-  the last solution's tail until the pipeline part alone cannot win (``Search.solve_config``).
+  the last solution's tail until no stage sequence under the cap can win (R6, ``Search.solve_config``).
 """
 
 from __future__ import annotations
@@ -97,6 +103,7 @@ class DPStats:
     t_max_cut: int = 0  # R1
     stage_candidates: int = 0  # finite (option, k, j, s) entries priced
     tail_caps: int = 0  # R7: re-solves with the ZeRO / recompute combos capped by tail
+    configs_cut: int = 0  # R6: zero-bubble configurations whose step bound cannot beat the best plan
 
     def add(self, other: DPStats) -> None:
         for f in dataclasses.fields(self):
@@ -306,13 +313,32 @@ def _thin(values: np.ndarray, epsilon: float) -> list[float]:
     return kept
 
 
-def solve_stages(
-    p: StageProblem, *, epsilon: float = 0.0, stats: DPStats | None = None, upper: float = INF
-) -> StageSolution | None:
-    """Best stage sequence for ``p`` (None when nothing fits, or nothing has an objective below
-    ``upper``, which R1 then uses as its first cut). See the module docstring."""
-    st = stats if stats is not None else DPStats()
+def _times_below(p: StageProblem, t_limit: float) -> np.ndarray:
+    """The finite stage times of ``p`` no larger than ``t_limit`` (the ``t_max`` candidates)."""
     finite = p.times[np.isfinite(p.times)]
+    return finite if t_limit == INF else finite[finite <= t_limit]
+
+
+def fits_under(p: StageProblem, t_limit: float, stats: DPStats | None = None) -> bool:
+    """Does any stage sequence of ``p`` fit with every stage taking at most ``t_limit``? One DP run."""
+    if stats is not None:
+        stats.dp_runs += 1
+    return math.isfinite(_best_stages(p, _run(p, t_limit))[0])
+
+
+def solve_stages(
+    p: StageProblem,
+    *,
+    epsilon: float = 0.0,
+    stats: DPStats | None = None,
+    upper: float = INF,
+    t_limit: float = INF,
+) -> StageSolution | None:
+    """Best stage sequence for ``p`` among those whose stages all take at most ``t_limit`` (None when
+    none fits, or none has an objective below ``upper``, which R1 then uses as its first cut). See
+    the module docstring; ``t_limit`` is rule R6's (``planner._t_limit``)."""
+    st = stats if stats is not None else DPStats()
+    finite = _times_below(p, t_limit)
     st.stage_candidates += int(finite.size)
     if finite.size == 0:
         return None
@@ -396,17 +422,22 @@ def solve_stages(
 
 
 def scan_stages(
-    p: StageProblem, *, epsilon: float = 0.0, stats: DPStats | None = None, upper: float = INF
+    p: StageProblem,
+    *,
+    epsilon: float = 0.0,
+    stats: DPStats | None = None,
+    upper: float = INF,
+    t_limit: float = INF,
 ) -> StageSolution | None:
     """The ascending ``t_max`` scan with bisection and rule R1 only (the algorithm before R8), kept
     as the reference :func:`solve_stages` must equal (``tests/search/test_inter_op.py``)."""
     st = stats if stats is not None else DPStats()
-    finite = p.times[np.isfinite(p.times)]
+    finite = _times_below(p, t_limit)
     if finite.size == 0:
         return None
     thinned = _thin(np.unique(finite), epsilon)
     st.dp_runs += 1
-    sum_inf, _ = _best_stages(p, _run(p, INF))
+    sum_inf, _ = _best_stages(p, _run(p, t_limit))
     if not math.isfinite(sum_inf) or p.alpha * sum_inf + p.beta * thinned[0] >= upper:
         return None
     lo, hi = 0, len(thinned) - 1

@@ -202,8 +202,27 @@ def _first_pass_table(held: np.ndarray, schedule: str, m: int, v: int, max_stage
     return out
 
 
-def solve_zero_bubble(search: Any, dp: int, b: int, schedule: str) -> list[Any]:
-    """Best candidates of ``search.solve_config`` under ``schedule`` over the depths tried (docstring)."""
+def least_counts(schedule: str, m: int, max_stages: int) -> np.ndarray | None:
+    """``[0, min(1, m), ..., min(S, m)]``: no more than the count of the stage with ``s`` stages left
+    in a ZB-H1 pipeline of any depth ``P >= s`` (position ``P - s`` runs ``min(s - 1, m)`` warm-up
+    forwards and then one more forward while any is left, :func:`_zb_h1_pairs`, each held whole:
+    ``min(s, m)``; deferred W's only add), whatever the stage's held weight. None for the schedules
+    it is not proved for. ``tests/search/test_zero_bubble_search.py`` checks it against
+    :func:`counts`."""
+    if schedule != "zb_h1":
+        return None
+    return np.array([0.0] + [float(min(s, m)) for s in range(1, max_stages + 1)])
+
+
+def solve_zero_bubble(search: Any, dp: int, b: int, schedule: str, incumbent: float = float("inf")) -> list[Any]:
+    """Best candidates of ``search.solve_config`` under ``schedule`` over the depths tried (docstring).
+
+    Rule R6 first (``planner.Search.can_beat``): priced with :func:`least_counts`, no larger than any
+    count the passes price with, where nothing fits with stages fast enough to beat ``incumbent``
+    (this schedule's best step so far; inf: where nothing fits at all), no depth can give this
+    schedule's best plan, and none is tried. The depth passes skip solves that cannot beat
+    ``incumbent`` as ``solve_config`` does; the first pass, whose counts are estimates and only pick
+    depths, never does."""
     opts = search.options
     zeros = tuple(z for z in opts.zero_stages if z in RUNNABLE_ZERO)
     if not zeros or "none" not in opts.recompute or (dp == 1 and 0 not in zeros):  # dp = 1 prices ZeRO-0 only
@@ -224,6 +243,12 @@ def solve_zero_bubble(search: Any, dp: int, b: int, schedule: str) -> list[Any]:
     found: list[Any] = []
     try:
         with search.sharing_stage_parts():  # each depth re-prices the same options (Search.stage_parts)
+            floor = functools.partial(least_counts, schedule, m)
+            if floor(1) is not None:
+                with search.pricing_in_flight(floor):
+                    if not search.can_beat(dp, b, schedule, v, incumbent):  # nothing fits, or cannot win
+                        search.stats.configs_cut += 1
+                        return []
             first_pass = functools.lru_cache(maxsize=None)(
                 lambda max_stages: HeldCounts(lambda held: _first_pass_table(held, schedule, m, v, max_stages))
             )
@@ -241,7 +266,11 @@ def solve_zero_bubble(search: Any, dp: int, b: int, schedule: str) -> list[Any]:
                     # pipelines are not priced at all (and the arrays are as narrow as the depth)
                     table = HeldCounts(lambda held, d=depth: in_flight_table(held, schedule, m, v, d))
                     with search.pricing_in_flight(lambda _n, t=table: t):
-                        found += [c for c in search.solve_config(dp, b, schedule, v) if len(c.stages) == depth]
+                        found += [
+                            c
+                            for c in search.solve_config(dp, b, schedule, v, incumbent=incumbent)
+                            if len(c.stages) == depth
+                        ]
     finally:
         search.options = opts
         search.__dict__.pop("options_for", None)
