@@ -81,7 +81,9 @@ def _llama() -> tuple[Any, TrainingConfig]:
     from partita.frontends.trace import TRACE_BATCH, trace_handle
     from partita.models import resolve_model
 
-    g = load_stored("llama-7b", 2048, TRACE_BATCH) or trace_handle(resolve_model("llama-7b"), batch=TRACE_BATCH, seq=2048)
+    g = load_stored("llama-7b", 2048, TRACE_BATCH) or trace_handle(
+        resolve_model("llama-7b"), batch=TRACE_BATCH, seq=2048
+    )
     return g, TrainingConfig(global_batch=8, seq_len=2048)
 
 
