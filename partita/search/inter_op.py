@@ -197,8 +197,11 @@ class _Premask:
         return self._diag
 
 
-def _run(p: StageProblem, t_max: float) -> list[np.ndarray]:
+def _run(p: StageProblem, t_max: float, chain: float = 0.0) -> list[np.ndarray]:
     """Fill ``G[i]`` (shape ``[S + 1, U + 1, cap_i + 1]``) for bound ``t_max``.
+
+    ``chain`` (``m``, rule R6's :func:`chain_floor`): the first stage ``t`` of a suffix whose value is
+    ``V`` gives ``max(m t, t + V)`` instead of ``t + V``.
 
     Only entries that can be finite are computed, so every minimum is over the same finite floats
     as the full product (the plan is unchanged): ``s`` stages left need ``s`` units, so a stage
@@ -251,12 +254,20 @@ def _run(p: StageProblem, t_max: float) -> list[np.ndarray]:
                     continue
                 if 2 * width >= nk:  # wide band: the square corner is as cheap
                     c = _masked(pm.tab()[:nk, : nk + 1, s], pm.mask_at)  # [U - s + 1, U - s + 2]
-                    cand = (c[:, :, None] + prev[None, : nk + 1, : lim + 1 - w]).min(axis=1)
+                    x = c[:, :, None]
+                    cand = x + prev[None, : nk + 1, : lim + 1 - w]
+                    if chain:
+                        np.maximum(cand, chain * x, out=cand)
+                    cand = cand.min(axis=1)
                 else:  # cand[k] = min_d diag[k, d] + G[s - 1][k + 1 + d]
                     d = pm.diag()[:nk, :width, s]
                     if pm.mask_at != INF:
                         d = np.where(d <= pm.mask_at, d, INF)
-                    cand = (d[:, :, None] + win[:, :width, : lim + 1 - w]).min(axis=1)  # [U - s + 1, lim + 1 - w]
+                    x = d[:, :, None]
+                    cand = x + win[:, :width, : lim + 1 - w]
+                    if chain:
+                        np.maximum(cand, chain * x, out=cand)
+                    cand = cand.min(axis=1)  # [U - s + 1, lim + 1 - w]
                 np.minimum(cur[:nk, w : lim + 1], cand, out=cur[:nk, w : lim + 1])
             if lim < cap:
                 cur[:nk, lim + 1 :] = cur[:nk, lim, None]
@@ -324,6 +335,21 @@ def fits_under(p: StageProblem, t_limit: float, stats: DPStats | None = None) ->
     if stats is not None:
         stats.dp_runs += 1
     return math.isfinite(_best_stages(p, _run(p, t_limit))[0])
+
+
+def chain_floor(p: StageProblem, m: int, t_limit: float = INF, stats: DPStats | None = None) -> float:
+    """Rule R6: the least, over the stage sequences of ``p`` that fit with every stage at most
+    ``t_limit``, of ``max_r (t_0 + ... + t_{r-1} + m t_r)`` (inf when none fits); one DP run.
+
+    Under a schedule that runs each stage's F and B (with W) as one action per micro-batch on one
+    rank per stage (1F1B, GPipe), stage ``r`` starts once the first micro-batch's forwards have
+    crossed the stages before it, runs ``m`` periods of work, and its last backward still has to
+    cross them: the simulated step is at least that for every ``r`` (``pipeline_sim``; tested
+    against it). The DP's closed form ``sum + (m - 1) max`` is no bound (a slowest stage first
+    simulates below it)."""
+    if stats is not None:
+        stats.dp_runs += 1
+    return _best_stages(p, _run(p, t_limit, chain=float(m)))[0]
 
 
 def solve_stages(

@@ -39,9 +39,10 @@ from partita.plan import Plan
 from partita.search import chunk_layout, schedule_cost, v_layout
 from partita.search import schedule as sched
 from partita.search.config import SearchOptions, TrainingConfig
-from partita.search.inter_op import DPStats, fits_under, solve_stages, stage_problem
+from partita.search.inter_op import DPStats, chain_floor, fits_under, solve_stages, stage_problem
 from partita.search.plan_build import Candidate, StagePick, build_plan
 from partita.search.precision import choose_precision
+from partita.search.prefetch import prefetch
 from partita.search.stage_cost import (
     SolverCosts,
     StageFactors,
@@ -80,6 +81,15 @@ def _tail_bound(fam: list[Option]) -> float:
     return bound if math.isfinite(bound) else 0.0
 
 
+def _least_time(tab: UnitTable) -> np.ndarray:
+    """``[U, U + 1]``: the least period any ZeRO / recompute combo of a range can take on one table
+    (forward plus backward of either precision's table; inf where ``k >= j``), :meth:`Search.time_floor`."""
+    t = tab.ranged("fwd") + tab.ranged("bwd")
+    if tab.alt is not None:
+        t = np.minimum(t, tab.alt.ranged("fwd") + tab.alt.ranged("bwd"))
+    return np.where(tab.ranged("num_layers") > 0, t, np.inf)
+
+
 def _families(opts: list[Option]) -> list[list[Option]]:
     """The options solved apart: the pure ones, and the mixed (Cephalo) ones where any."""
     mixed_segs = {o.segment for o in opts if len(o.devices) > 1}
@@ -98,6 +108,7 @@ def _problem(fam: list[Option], times: list[np.ndarray], caps: list[int], alpha:
     )
 
 
+CHAINED = ("1f1b", "gpipe")  # one action per micro-batch for F and one for B + W, one stage per rank
 BOUND_SLACK = 1e-9  # relative: a rank's simulated busy time sums its F, B and W, split from t with rounding
 
 
@@ -116,6 +127,29 @@ def _t_limit(m: int, tail: float, bar: float) -> float:
     return math.inf if not math.isfinite(bar) else (bar - tail) / (m * (1.0 - BOUND_SLACK))
 
 
+def _pure_tables(s: Search, configs: list[tuple[int, int]]) -> list[tuple[DeviceType, int, int]]:
+    """The (device type, tp, micro-batch) of the unit tables the configurations' pure classes read."""
+    out = []
+    for dp, b in configs:
+        for d in s.types:
+            out += [(d, tp, b) for tp in s.tps(d) if tp <= s.cluster.count(d.name) // dp]
+    return out
+
+
+def _mixed_tables(s: Search, configs: list[tuple[int, int]]) -> list[tuple[DeviceType, int, int]]:
+    """The (device type, tp, share) of the unit tables the configurations' mixed classes read
+    (``Search.options_for``: each replica type's share of a micro-batch, at every tp they share)."""
+    out = []
+    for dp, b in configs:
+        for cls in s.mixes(dp, b):
+            if len(cls) < 2:
+                continue
+            cap = min(s.cluster.count(d.name) // a for d, a, _ in cls)
+            tps = set.intersection(*[set(s.tps(d)) for d, _, _ in cls])
+            out += [(d, tp, share) for tp in sorted(tps) if tp <= cap for d, _, share in cls]
+    return out
+
+
 def _area_floor(s: Search, dp: int, b: int) -> float:
     """The order rule R6 visits configurations in (the likeliest first, so that their bests cut the
     rest early): a bound on ``sum t + (m - 1) max t`` from the pure device types' unit tables, without
@@ -130,8 +164,8 @@ def _area_floor(s: Search, dp: int, b: int) -> float:
             continue
         opts = []
         for tp in s.tps(d):
-            tab = s.table(d, tp, b)
-            if tp > cap or tab is None:
+            tab = s.table(d, tp, b) if tp <= cap else None
+            if tab is None:
                 continue
             ut = tab.fwd + tab.bwd
             if tab.alt is not None:
@@ -370,6 +404,46 @@ class Search:
             np.copyto(stack[len(per_combo) - 1], worst.time[:, :, None], where=ok)
         return per_combo, combos, stack if stack is not None else np.stack([])  # (no combo: numpy's error)
 
+    def time_floor(self, dp: int, b: int, schedule: str) -> float:
+        """Rule R6 before any stage option is priced: a lower bound on the step of every candidate of a
+        :data:`CHAINED` configuration, from the unit tables alone (every option and class, memory
+        ignored, each range at the least time any combo can take: forward plus backward without
+        recompute, no exposed traffic, no p2p, max over a class's types): :func:`inter_op.chain_floor`
+        per family, the least. Cheap (the tables' range sums and one DP run), so a configuration that
+        cannot beat the best is dropped before its arrays are built."""
+        m = self.training.global_batch // (b * dp)
+        num_units = len(self.units)
+        caps_pure = [self.cluster.count(d.name) // dp for d in self.types]
+        max_stages = max(1, min(num_units, sum(caps_pure)))
+        if self.graph.meta.get("no_pipeline"):
+            max_stages = 1
+        fams: dict[bool, tuple[list[np.ndarray], list[int], list[int], list[int]]] = {}
+        for cls in self.mixes(dp, b):
+            if len(cls) == 1:
+                cap = self.cluster.count(cls[0][0].name) // dp
+            else:
+                cap = min(self.cluster.count(d.name) // a for d, a, _ in cls)
+            if cap < 1:
+                continue
+            times, segs, widths, caps = fams.setdefault(len(cls) > 1, ([], [], [], []))
+            seg = len(caps)
+            caps.append(cap)
+            for tp in sorted(set.intersection(*[set(self.tps(d)) for d, _, _ in cls])):
+                got = [self.table(d, tp, share) for d, _, share in cls] if tp <= cap else [None]
+                tabs = [x for x in got if x is not None]
+                if len(tabs) < len(got):
+                    continue
+                t = np.max([_least_time(x) for x in tabs], axis=0)
+                times.append(np.broadcast_to(t[:, :, None], (*t.shape, max_stages + 1)))
+                segs.append(seg)
+                widths.append(tp)
+        out = math.inf
+        for times, segs, widths, caps in fams.values():
+            if times:
+                p = stage_problem(np.stack(times), segs, widths, caps, 1.0, m - 1.0)
+                out = min(out, _floor(1, chain_floor(p, m, stats=self.stats), 0.0))
+        return out
+
     def can_beat(self, dp: int, b: int, schedule: str, v: int, bar: float) -> bool:
         """Rule R6: can a candidate of one outer configuration, priced with the in-flight counts in
         force (:meth:`pricing_in_flight`), fit and reach a step of ``bar``? Counts no larger than any
@@ -497,6 +571,10 @@ class Search:
         exact; otherwise the result is within that fraction of the optimum's tail.
         """
         m = self.training.global_batch // (b * dp)
+        chained = schedule in CHAINED and v == 1  # inter_op.chain_floor bounds its simulated step
+        if chained and math.isfinite(incumbent) and self.time_floor(dp, b, schedule) > incumbent:
+            self.stats.configs_cut += 1  # R6: not even its fastest ranges, memory aside, can reach the best
+            return []
         opts, caps, _ = self.options_for(dp, b, m, schedule, v)
         if not opts:
             return []
@@ -510,9 +588,11 @@ class Search:
                 # each option's best under the cap; its pick is read only at the stages chosen (Option.pick_at)
                 p = _problem(fam, [o.capped_best(cap) for o in fam], caps, alpha, beta)
                 bar = min(incumbent, math.inf if best is None else best.step_time)
-                sol = self.stage_solver(
-                    p, epsilon=self.options.t_max_epsilon, stats=self.stats, t_limit=_t_limit(m, lb, bar)
-                )
+                limit = _t_limit(m, lb, bar)
+                if chained and math.isfinite(bar) and _floor(1, chain_floor(p, m, limit, self.stats), lb) > bar:
+                    self.stats.configs_cut += 1  # R6: no stage sequence under the cap can reach the bar
+                    break
+                sol = self.stage_solver(p, epsilon=self.options.t_max_epsilon, stats=self.stats, t_limit=limit)
                 if sol is None:  # nothing fits under the cap, or nothing can beat the best total
                     break
                 n = len(sol.stages)
@@ -569,6 +649,11 @@ def plan_graph(
         for dp in powers_of_two(n)
         if training.global_batch % (b * dp) == 0
     ]
+    # the unit tables the configurations read, solved first (in parallel where it pays, search/prefetch.py):
+    # the pure device types' (which the mixed classes' shares come from), then the mixed classes'
+    layers = range(len(graph.layers))
+    prefetch(search.costs, [(i, *t) for t in _pure_tables(search, configs) for i in layers])
+    prefetch(search.costs, [(i, *t) for t in _mixed_tables(search, configs) for i in layers])
     configs.sort(key=lambda c: _area_floor(search, *c))
     for schedule in schedules:
         for dp, b in configs:

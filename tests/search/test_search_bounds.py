@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from partita.cluster import parse_cluster
-from partita.search import planner
+from partita.search import inter_op, planner
 from partita.search import schedule as sched
 from partita.search.config import SearchOptions, TrainingConfig
 from partita.search.pipeline_sim import simulate
@@ -49,6 +49,64 @@ def test_floor_bounds_every_simulated_step(schedule: str, v: int) -> None:
             closed_form_above += 1
     if schedule == "1f1b":  # why R6 does not bound with the DP's closed form (the old rule R7 cut did)
         assert closed_form_above > 0
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_chain_floor_bounds_every_simulated_step(schedule: str) -> None:
+    """``inter_op.chain_floor``'s quantity, ``max_r (t_0 + ... + t_{r-1} + m t_r)``, against the simulator,
+    on stages of random F / B / W splits: below every step, and above the ``m t`` bound where the slow
+    stage comes late."""
+    rng = random.Random(11)
+    tighter = 0
+    for _ in range(400):
+        p, m = rng.randint(2, 6), rng.choice([1, 2, 3, 5, 8])
+        f = [rng.uniform(0.05, 2.0) for _ in range(p)]
+        b = [rng.uniform(0.05, 2.0) for _ in range(p)]
+        w = [rng.uniform(0.0, 1.0) for _ in range(p)]
+        t = [x + y + z for x, y, z in zip(f, b, w)]
+        step = simulate(schedule, p, m, f, b, w, p2p=[rng.uniform(0.0, 0.2) for _ in range(p - 1)]).step_s
+        chain = max(sum(t[:r]) + m * t[r] for r in range(p))
+        assert planner._floor(1, chain, 0.0) <= step
+        tighter += chain > m * max(t) * (1 + 1e-9)
+    assert tighter > 100
+
+
+def _chain_brute_force(p: Any, m: int) -> float:
+    """The least ``max_r (t_0 + ... + t_{r-1} + m t_r)`` over every stage sequence of ``p`` (the
+    sequences ``inter_op.brute_force_stages`` enumerates)."""
+    best = [math.inf]
+
+    def rec(k: int, seg: int, left: list[int], acc: list[tuple[int, int, int]]) -> None:
+        if k == p.num_units:
+            times = [float(p.times[o, a, b, len(acc) - i]) for i, (a, b, o) in enumerate(acc)]
+            if all(math.isfinite(x) for x in times):
+                best[0] = min(best[0], max(sum(times[:r]) + m * times[r] for r in range(len(times))))
+            return
+        if len(acc) >= p.max_stages:
+            return
+        for o, sg in enumerate(p.option_segment):
+            w = p.option_width[o]
+            if sg < seg or w > left[sg]:
+                continue
+            for j in range(k + 1, p.num_units + 1):
+                left[sg] -= w
+                rec(j, sg, left, [*acc, (k, j, o)])
+                left[sg] += w
+
+    rec(0, 0, list(p.capacities), [])
+    return best[0]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_chain_floor_equals_brute_force(seed: int) -> None:
+    from tests.search.test_inter_op import _random_problem
+
+    rng = np.random.default_rng(seed)
+    for _ in range(30):
+        p = _random_problem(rng)
+        m = int(p.beta) + 1
+        got, ref = inter_op.chain_floor(p, m), _chain_brute_force(p, m)
+        assert got == pytest.approx(ref, rel=1e-12) if math.isfinite(ref) else got == math.inf
 
 
 @pytest.mark.parametrize("held", [1.0, 1.3, 2.0, 3.5])
@@ -118,3 +176,24 @@ def test_r6_plan_and_schedule_bests_equal_the_unpruned_search(monkeypatch: pytes
     assert _body(pruned) == _body(full)
     assert pruned.search["schedules"] == full.search["schedules"]  # what the report compares schedules with
     assert pruned.search["dp_runs"] < full.search["dp_runs"]
+
+
+@pytest.mark.slow
+def test_prefetch_in_workers_gives_the_serial_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layer ILPs solved in two forked workers (``search/prefetch.py``) or here, one after another:
+    the same plan file, statistics included."""
+    from partita.search import prefetch
+
+    g, _ = _llama()
+    cluster = parse_cluster("16xA100-80G+16xV100-32G")
+    training = TrainingConfig(global_batch=32, seq_len=2048)
+    monkeypatch.setattr(prefetch, "MIN_SOLVES", 1)
+    solved = []
+    real = prefetch.prefetch
+    monkeypatch.setattr(planner, "prefetch", lambda costs, wanted: solved.append(real(costs, wanted)) or solved[-1])
+    plans = {}
+    for n in ("2", "1"):
+        monkeypatch.setenv("PARTITA_WORKERS", n)
+        plans[n] = planner.plan_graph(g, cluster, training).to_json()
+    assert plans["2"] == plans["1"]
+    assert solved[0] > 0 and solved[:2] == solved[2:]  # the same solves, by workers and here

@@ -1,0 +1,106 @@
+"""Layer ILPs in parallel: the intra-op solves a search is about to read, in forked worker processes.
+
+Called by ``search/planner.plan_graph`` before the outer loop (issue 20): the unit tables of every
+pure device type, tp and micro-batch the configurations read (``Search.table``), then those of the
+mixed classes' replica shares (``Search.mixes``). Each solve is ``SolverCosts.layer`` as the serial
+search runs it; the workers send back what it cached (the ``LayerCost`` / ``LayerSolution`` pair and
+the memo's entry) and the parent stores it as if it had solved it, so the search reads the same floats
+and the plan is byte-identical (``tests/search/test_prefetch.py``, statistics included: the solves are
+grouped so that the memo hits a worker sees are those the serial order sees).
+
+Workers fork (the graph and the cost models are inherited, nothing is re-traced) and ignore Ctrl-C:
+the parent's ``KeyboardInterrupt`` ends the pool. Where ``fork`` is not available, one CPU is, fewer
+than :data:`MIN_SOLVES` solves are left, or ``PARTITA_WORKERS=1``, the same solves run here, one after
+another: which tables are solved never depends on the machine, so neither do the plan's statistics.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+from collections.abc import Sequence
+from typing import Any
+
+MIN_SOLVES = 24  # below this, starting workers costs more than it saves
+MAX_WORKERS = 4
+
+_COSTS: Any = None  # the parent's SolverCosts, inherited by the forked workers
+
+
+def workers() -> int:
+    """Worker processes to use: ``PARTITA_WORKERS`` where set (1 = serial), else the CPUs this
+    process may run on, at most :data:`MAX_WORKERS`."""
+    env = os.environ.get("PARTITA_WORKERS", "").strip()
+    if env.isdigit() and int(env) >= 1:
+        return int(env)
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(MAX_WORKERS, cpus))
+
+
+def prefetch(costs: Any, wanted: Sequence[tuple[int, Any, int, int]]) -> int:
+    """Solve ``costs.layer(index, device, tp, micro_batch)`` for each of ``wanted`` that is not cached
+    yet: in worker processes where it pays, else here (module docstring); returns how many."""
+    groups: dict[tuple, list[tuple[int, str, int, int]]] = {}
+    seen = set()
+    for index, dev, tp, b in wanted:
+        key = costs._key(index, dev, tp, b)
+        if key in costs._cache or key in seen:
+            continue
+        seen.add(key)
+        # one memo entry serves every layer of a kind (the first layer too, where its boundary is the
+        # same): such solves stay in one worker, in the serial order, so its hits are the serial ones
+        groups.setdefault((key[0], key[2], key[3], key[4]), []).append((index, dev.name, tp, b))
+    n = min(workers(), len(groups))
+    if n < 2 or len(seen) < MIN_SOLVES or "fork" not in mp.get_all_start_methods():
+        devices = {d.name: d for d in costs.cluster.device_types()}
+        for group in groups.values():  # the same solves, here, in the same order within each group
+            for index, name, tp, b in group:
+                costs.layer(index, devices[name], tp, b)
+        return len(seen)
+    jobs = sorted(groups.values(), key=lambda g: (-len(g), g[0]))
+    global _COSTS
+    _COSTS = costs
+    try:
+        with mp.get_context("fork").Pool(n, initializer=_ignore_interrupt) as pool:
+            results = pool.map(_solve_group, jobs, chunksize=1)
+    finally:
+        _COSTS = None
+    by_name = {lay.name: lay for lay in costs.graph.layers}
+    for cached, solved_for, memo_entries, counts in results:
+        costs._cache.update(cached)
+        costs._solved_for.update(solved_for)
+        for k, layer_name, sol in memo_entries:
+            costs.memo._store.setdefault(k, (costs.graph, by_name[layer_name], sol))
+        costs.num_solves += counts[0]
+        costs.solve_time_s += counts[1]
+        costs.memo.hits += counts[2]
+        costs.memo.misses += counts[3]
+    return len(seen)
+
+
+def _ignore_interrupt() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _solve_group(group: list[tuple[int, str, int, int]]) -> tuple[dict, dict, list, tuple]:
+    """In a worker: the group's solves, and what they added to the (inherited) caches."""
+    costs = _COSTS
+    devices = {d.name: d for d in costs.cluster.device_types()}
+    before_cache, before_memo = set(costs._cache), set(costs.memo._store)
+    n0, t0, h0, m0 = costs.num_solves, costs.solve_time_s, costs.memo.hits, costs.memo.misses
+    for index, name, tp, b in group:
+        costs.layer(index, devices[name], tp, b)
+    cached = {k: v for k, v in costs._cache.items() if k not in before_cache}
+    solved_for = {k: costs._solved_for[k] for k in cached}
+    memo_entries = [(k, v[1].name, v[2]) for k, v in costs.memo._store.items() if k not in before_memo]
+    counts = (
+        costs.num_solves - n0,
+        costs.solve_time_s - t0,
+        costs.memo.hits - h0,
+        costs.memo.misses - m0,
+    )
+    return cached, solved_for, memo_entries, counts
