@@ -197,11 +197,11 @@ class _Premask:
         return self._diag
 
 
-def _run(p: StageProblem, t_max: float, chain: float = 0.0) -> list[np.ndarray]:
+def _run(p: StageProblem, t_max: float, chain: float = 0.0, lead: float = 1.0) -> list[np.ndarray]:
     """Fill ``G[i]`` (shape ``[S + 1, U + 1, cap_i + 1]``) for bound ``t_max``.
 
     ``chain`` (``m``, rule R6's :func:`chain_floor`): the first stage ``t`` of a suffix whose value is
-    ``V`` gives ``max(m t, t + V)`` instead of ``t + V``.
+    ``V`` gives ``max(m t, lead t + V)`` instead of ``t + V``.
 
     Only entries that can be finite are computed, so every minimum is over the same finite floats
     as the full product (the plan is unchanged): ``s`` stages left need ``s`` units, so a stage
@@ -255,7 +255,7 @@ def _run(p: StageProblem, t_max: float, chain: float = 0.0) -> list[np.ndarray]:
                 if 2 * width >= nk:  # wide band: the square corner is as cheap
                     c = _masked(pm.tab()[:nk, : nk + 1, s], pm.mask_at)  # [U - s + 1, U - s + 2]
                     x = c[:, :, None]
-                    cand = x + prev[None, : nk + 1, : lim + 1 - w]
+                    cand = (x if lead == 1.0 else lead * x) + prev[None, : nk + 1, : lim + 1 - w]
                     if chain:
                         np.maximum(cand, chain * x, out=cand)
                     cand = cand.min(axis=1)
@@ -264,7 +264,7 @@ def _run(p: StageProblem, t_max: float, chain: float = 0.0) -> list[np.ndarray]:
                     if pm.mask_at != INF:
                         d = np.where(d <= pm.mask_at, d, INF)
                     x = d[:, :, None]
-                    cand = x + win[:, :width, : lim + 1 - w]
+                    cand = (x if lead == 1.0 else lead * x) + win[:, :width, : lim + 1 - w]
                     if chain:
                         np.maximum(cand, chain * x, out=cand)
                     cand = cand.min(axis=1)  # [U - s + 1, lim + 1 - w]
@@ -337,19 +337,21 @@ def fits_under(p: StageProblem, t_limit: float, stats: DPStats | None = None) ->
     return math.isfinite(_best_stages(p, _run(p, t_limit))[0])
 
 
-def chain_floor(p: StageProblem, m: int, t_limit: float = INF, stats: DPStats | None = None) -> float:
+def chain_floor(
+    p: StageProblem, m: int, t_limit: float = INF, stats: DPStats | None = None, lead: float = 1.0
+) -> float:
     """Rule R6: the least, over the stage sequences of ``p`` that fit with every stage at most
-    ``t_limit``, of ``max_r (t_0 + ... + t_{r-1} + m t_r)`` (inf when none fits); one DP run.
+    ``t_limit``, of ``max_r (lead (t_0 + ... + t_{r-1}) + m t_r)`` (inf when none fits); one DP run.
 
-    Under a schedule that runs each stage's F and B (with W) as one action per micro-batch on one
-    rank per stage (1F1B, GPipe), stage ``r`` starts once the first micro-batch's forwards have
-    crossed the stages before it, runs ``m`` periods of work, and its last backward still has to
-    cross them: the simulated step is at least that for every ``r`` (``pipeline_sim``; tested
-    against it). The DP's closed form ``sum + (m - 1) max`` is no bound (a slowest stage first
-    simulates below it)."""
+    Rank ``r`` cannot start before the first micro-batch has crossed the stages before it and then
+    runs ``m`` periods of work; ``lead`` is the share of a period that crossing costs at least
+    (``planner._lead``). Under 1F1B and GPipe (F, and B with W, one action each, a stage per rank)
+    the last backward of rank ``r`` has to cross them back too: ``lead = 1``. The simulated step is
+    at least that for every ``r`` (``pipeline_sim``; tested against it). The DP's closed form
+    ``sum + (m - 1) max`` is no bound (a slowest stage first simulates below it)."""
     if stats is not None:
         stats.dp_runs += 1
-    return _best_stages(p, _run(p, t_limit, chain=float(m)))[0]
+    return _best_stages(p, _run(p, t_limit, chain=float(m), lead=lead))[0]
 
 
 def solve_stages(

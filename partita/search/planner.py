@@ -90,6 +90,11 @@ def _least_time(tab: UnitTable) -> np.ndarray:
     return np.where(tab.ranged("num_layers") > 0, t, np.inf)
 
 
+def _third(steps: list[float]) -> float:
+    """The third smallest of ``steps`` (inf while there are fewer)."""
+    return sorted(steps)[2] if len(steps) >= 3 else math.inf
+
+
 def _families(opts: list[Option]) -> list[list[Option]]:
     """The options solved apart: the pure ones, and the mixed (Cephalo) ones where any."""
     mixed_segs = {o.segment for o in opts if len(o.devices) > 1}
@@ -108,7 +113,6 @@ def _problem(fam: list[Option], times: list[np.ndarray], caps: list[int], alpha:
     )
 
 
-CHAINED = ("1f1b", "gpipe")  # one action per micro-batch for F and one for B + W, one stage per rank
 BOUND_SLACK = 1e-9  # relative: a rank's simulated busy time sums its F, B and W, split from t with rounding
 
 
@@ -404,14 +408,59 @@ class Search:
             np.copyto(stack[len(per_combo) - 1], worst.time[:, :, None], where=ok)
         return per_combo, combos, stack if stack is not None else np.stack([])  # (no combo: numpy's error)
 
-    def time_floor(self, dp: int, b: int, schedule: str) -> float:
+    def chains(self, dp: int, b: int, schedule: str, v: int = 1) -> list[tuple[float, float]]:
+        """``(lead, scale)`` pairs: the step of a configuration's candidate is at least ``scale`` times
+        ``inter_op.chain_floor`` with ``lead``, for each. A rank starts once the first micro-batch has
+        crossed the stages before it and then runs ``m`` periods; under 1F1B and GPipe (F, and B with
+        W, per micro-batch) its last backward crosses them back too: ``(1, 1)``; interleaved, each
+        crossing is one chunk, ``1 / v`` of a period: ``(1 / v, 1)``. A split backward leaves W out of
+        the crossings: the forwards alone, at least a share ``rho`` of a period, ``(rho / v, 1)``; and
+        F and B, at least ``1 - omega`` of every period, its last B's crossing back included,
+        ``(1, 1 - omega)`` (``schedule_cost.action_shares``, at every micro-batch size this
+        configuration runs)."""
+        vv = sched.virtual_stages(schedule, v)
+        if not sched.splits_backward(schedule):
+            return [(1.0 / vv, 1.0)]
+        shares = self._shares
+        if shares is None:  # FLOPs not affine in the micro-batch: at each size this configuration runs
+            sizes = sorted({b} | {x for cls in self.mixes(dp, b) for _, _, x in cls})
+            got = [schedule_cost.action_shares(self._flops(x)) for x in sizes]
+            shares = (min(r for r, _ in got), max(w for _, w in got))
+        rho, omega = shares
+        return [(rho / vv, 1.0)] + ([(1.0, 1.0 - omega)] if vv == 1 else [])
+
+    def _flops(self, size: int) -> Any:
+        return schedule_cost.layer_flops(self.graph, {"B": size, "S": self.training.seq_len})
+
+    @functools.cached_property
+    def _shares(self) -> tuple[float, float] | None:
+        """``schedule_cost.action_shares`` at every micro-batch size at once, where each layer's FLOPs
+        are affine in it (checked at 1, 2 and 3, float for float): a layer's shares are then monotone
+        in the size, so their extremes are at 1 or in the limit. None where they are not."""
+        if self.costs.linear_batch:
+            return schedule_cost.action_shares(self._flops(1))
+        rows = [self._flops(x) for x in (1, 2, 3)]
+        limits = []
+        for r1, r2, r3 in zip(*rows):
+            if any(c - b != b - a for a, b, c in zip(r1, r2, r3)):
+                return None
+            limits.append(tuple(b - a for a, b in zip(r1, r2)))
+        return schedule_cost.action_shares([*rows[0], *limits])
+
+    def _chain_floor(self, p: Any, m: int, limit: float, chains: list[tuple[float, float]]) -> float:
+        """The largest of :meth:`chains`' bounds (each with :func:`_floor`'s slack)."""
+        return max(_floor(1, scale * chain_floor(p, m, limit, self.stats, lead), 0.0) for lead, scale in chains)
+
+    def time_floor(self, dp: int, b: int, schedule: str, v: int = 1, bar: float = math.inf) -> float:
         """Rule R6 before any stage option is priced: a lower bound on the step of every candidate of a
-        :data:`CHAINED` configuration, from the unit tables alone (every option and class, memory
-        ignored, each range at the least time any combo can take: forward plus backward without
-        recompute, no exposed traffic, no p2p, max over a class's types): :func:`inter_op.chain_floor`
-        per family, the least. Cheap (the tables' range sums and one DP run), so a configuration that
-        cannot beat the best is dropped before its arrays are built."""
+        configuration, from the unit tables alone (every option and class, memory ignored, each range
+        at the least time any combo can take: forward plus backward without recompute, no exposed
+        traffic, no p2p, max over a class's types): :func:`inter_op.chain_floor` per family, the
+        least. Cheap (the tables' range sums and one DP run), so a configuration that cannot beat the
+        best is dropped before its arrays are built. Stage sequences with a stage too slow to reach
+        ``bar`` (:func:`_t_limit`) are left out: inf where only such sequences are left."""
         m = self.training.global_batch // (b * dp)
+        chains = self.chains(dp, b, schedule, v)
         num_units = len(self.units)
         caps_pure = [self.cluster.count(d.name) // dp for d in self.types]
         max_stages = max(1, min(num_units, sum(caps_pure)))
@@ -441,7 +490,7 @@ class Search:
         for times, segs, widths, caps in fams.values():
             if times:
                 p = stage_problem(np.stack(times), segs, widths, caps, 1.0, m - 1.0)
-                out = min(out, _floor(1, chain_floor(p, m, stats=self.stats), 0.0))
+                out = min(out, self._chain_floor(p, m, _t_limit(m, 0.0, bar), chains))
         return out
 
     def can_beat(self, dp: int, b: int, schedule: str, v: int, bar: float) -> bool:
@@ -571,8 +620,8 @@ class Search:
         exact; otherwise the result is within that fraction of the optimum's tail.
         """
         m = self.training.global_batch // (b * dp)
-        chained = schedule in CHAINED and v == 1  # inter_op.chain_floor bounds its simulated step
-        if chained and math.isfinite(incumbent) and self.time_floor(dp, b, schedule) > incumbent:
+        chains = self.chains(dp, b, schedule, v)  # inter_op.chain_floor bounds the simulated step with them
+        if math.isfinite(incumbent) and self.time_floor(dp, b, schedule, v, incumbent) > incumbent:
             self.stats.configs_cut += 1  # R6: not even its fastest ranges, memory aside, can reach the best
             return []
         opts, caps, _ = self.options_for(dp, b, m, schedule, v)
@@ -589,7 +638,7 @@ class Search:
                 p = _problem(fam, [o.capped_best(cap) for o in fam], caps, alpha, beta)
                 bar = min(incumbent, math.inf if best is None else best.step_time)
                 limit = _t_limit(m, lb, bar)
-                if chained and math.isfinite(bar) and _floor(1, chain_floor(p, m, limit, self.stats), lb) > bar:
+                if math.isfinite(bar) and self._chain_floor(p, m, limit, chains) + lb > bar:
                     self.stats.configs_cut += 1  # R6: no stage sequence under the cap can reach the bar
                     break
                 sol = self.stage_solver(p, epsilon=self.options.t_max_epsilon, stats=self.stats, t_limit=limit)
@@ -635,9 +684,23 @@ def plan_graph(
     search = Search(graph, cluster, training, options, costs, factors)
     _check_states_fit(search)  # fails fast, before any configuration is priced
     cands: list[Candidate] = []
-    # per schedule (``schedule_cost.best_per_schedule``'s keys), the best step so far: rule R6 skips what cannot
-    # beat it, so that each schedule's best, which the report compares, is still found
+    # per schedule (``schedule_cost.best_per_schedule``'s keys), the best step so far (rule R6, with _bar)
     incumbents: dict[str, float] = {}
+    chunks = graph.meta.get("framework") != "jax" and not graph.meta.get("no_chunks")  # no JAX chunk records;
+    # a model the torch runtime cuts with its generic splitter runs one layer range per rank (passes/pipeline.py)
+
+    def bar(schedule: str) -> float:
+        """What rule R6 lets a configuration of ``schedule`` be skipped against: a step its candidates
+        cannot beat and still matter. Its schedule's best (the report compares them); where interleaved
+        1F1B is searched, the third best of all (its bases, below); for ZB-H1 where ZB-V is, the third
+        best multi-stage ZB-H1 candidate (``_zbv_bases``)."""
+        out = incumbents.get(schedule, math.inf)
+        if "interleaved_1f1b" in options.schedules and chunks:
+            out = max(out, _third([c.step_time for c in cands]))
+        if schedule == "zb_h1" and "zbv" in options.schedules and chunks:
+            out = max(out, _third([c.step_time for c in cands if c.schedule == "zb_h1" and len(c.stages) > 1]))
+        return out
+
     # zbv is priced on its V layout below (search/v_layout.py), never per rank group
     schedules = [s for s in options.schedules if s not in ("interleaved_1f1b", "zbv")] or ["1f1b"]
     if graph.meta.get("framework") == "jax":  # no JAX runtime splits the backward (backends/jax/emit._check)
@@ -658,14 +721,12 @@ def plan_graph(
     for schedule in schedules:
         for dp, b in configs:
             search.num_configs += 1
-            found = _solve_schedule(search, dp, b, schedule, incumbents.get(schedule, math.inf))
+            found = _solve_schedule(search, dp, b, schedule, bar(schedule))
             cands.extend(found)
             if found:
                 here = min(c.step_time for c in found)
                 incumbents[schedule] = min(incumbents.get(schedule, math.inf), here)
                 say(f"dp={dp} b={b} {schedule}: {here:.4f} s")
-    chunks = graph.meta.get("framework") != "jax" and not graph.meta.get("no_chunks")  # no JAX chunk records;
-    # a model the torch runtime cuts with its generic splitter runs one layer range per rank (passes/pipeline.py)
     if "interleaved_1f1b" in options.schedules and chunks:
         base = sorted(cands, key=lambda c: c.step_time)[:3]
         for c in base:

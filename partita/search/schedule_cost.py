@@ -100,7 +100,7 @@ def _base(name: str, producers: Mapping) -> str:
     return name
 
 
-def _layer_flops(graph: Graph, env: Mapping[str, int]) -> tuple[tuple[float, float, float], ...]:
+def layer_flops(graph: Graph, env: Mapping[str, int]) -> tuple[tuple[float, float, float], ...]:
     """(forward, backward, weight-gradient) FLOPs per layer, memoised per graph object."""
     key = (id(graph), tuple(sorted(env.items())))
     hit = _WGRAD.get(key)
@@ -115,9 +115,23 @@ def _layer_flops(graph: Graph, env: Mapping[str, int]) -> tuple[tuple[float, flo
     return got
 
 
+def action_shares(rows: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
+    """``(rho, omega)`` over layers of (forward, backward, weight-gradient) FLOPs ``rows``: a share of
+    any stage's period its forward action F takes at least, and one its W takes at most
+    (:func:`action_times`: ``F = c f + (t - c) / 2`` and ``W = c w`` with ``f``, ``w`` the stage's
+    :func:`stage_split` shares, a FLOP-weighted mean of its layers', under full recompute too; a stage
+    without FLOPs: 1/3 and 0)."""
+    rho, omega = [1.0 / 3.0, 0.5], [0.0]
+    for f, b, w in rows:
+        if f + b > 0:
+            rho.append(f / (2 * f + b))
+            omega.append(w / (f + b))
+    return min(rho), max(omega)
+
+
 def stage_split(graph: Graph, env: Mapping[str, int], first: int, last: int, recompute: str) -> tuple[float, float]:
     """``(f, w)``: the forward's and the weight gradients' shares of the compute of layers ``[first, last)``."""
-    rows = _layer_flops(graph, env)[first:last]
+    rows = layer_flops(graph, env)[first:last]
     fwd = sum(r[0] for r in rows)
     bwd = sum(r[1] for r in rows)
     wg = sum(r[2] for r in rows)

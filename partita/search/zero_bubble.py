@@ -244,6 +244,9 @@ def solve_zero_bubble(search: Any, dp: int, b: int, schedule: str, incumbent: fl
     try:
         with search.sharing_stage_parts():  # each depth re-prices the same options (Search.stage_parts)
             floor = functools.partial(least_counts, schedule, m)
+            if incumbent < float("inf") and search.time_floor(dp, b, schedule, v, incumbent) > incumbent:
+                search.stats.configs_cut += 1  # not even its fastest ranges, memory aside, can win
+                return []
             if floor(1) is not None:
                 with search.pricing_in_flight(floor):
                     if not search.can_beat(dp, b, schedule, v, incumbent):  # nothing fits, or cannot win
