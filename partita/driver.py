@@ -110,13 +110,13 @@ class Traced:
 
         cl = parse_cluster(cluster, gpus_per_node) if isinstance(cluster, str) else cluster
         t0 = time.perf_counter()
+        from partita.search.hand_best import yardstick  # the report's yardstick (issue 18)
         from partita.search.memo import IntraOpMemo
 
-        memo = IntraOpMemo()  # shared: the yardstick below re-prices layers the search solved
-        plan = plan_graph(self.graph, cl, training, progress=progress, memo=memo)
-        from partita.search.hand_best import with_best_hand_layout  # the report's yardstick (issue 18)
-
-        plan = with_best_hand_layout(plan, self.graph, cl, training, memo=memo)
+        memo = IntraOpMemo()  # shared: the yardstick re-prices layers the search solved
+        plan = plan_graph(
+            self.graph, cl, training, progress=progress, memo=memo, yardstick=yardstick(self.graph, cl, memo)
+        )
         return Planned(self, cl, training, plan, time.perf_counter() - t0)
 
 

@@ -134,6 +134,18 @@ def summary(rec: dict[str, Any]) -> str:
     )
 
 
+def yardstick(graph: Graph, cluster: Cluster, memo: Any = None) -> Any:
+    """``training -> record``: :func:`best_hand_layout` in ``training``'s precision, sharing ``memo``
+    (the planner's ``IntraOpMemo``), as :func:`with_best_hand_layout` adds it to a plan;
+    ``planner.plan_graph(yardstick=...)`` runs it beside its search."""
+
+    def record(training: TrainingConfig) -> dict[str, Any] | None:
+        costs = None if memo is None else SolverCosts(graph, cluster, training, memo=memo, tp_style=tp_style_of(graph))
+        return best_hand_layout(graph, cluster, training, costs=costs)
+
+    return record
+
+
 def with_best_hand_layout(plan: Any, graph: Graph, cluster: Cluster, training: TrainingConfig, memo: Any = None) -> Any:
     """``plan`` with ``search["best_hand_layout"]`` (module docstring), priced in the plan's precision.
     ``memo``: the planner's ``IntraOpMemo`` (the same solves, keyed by all their inputs, not redone)."""

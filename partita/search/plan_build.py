@@ -244,7 +244,10 @@ def option_held(search: Any, cand: Candidate, p: Any) -> float:
     return held_weight(float(tab.ranged("held")[p.k, p.j]), float(tab.ranged("act")[p.k, p.j]), first)
 
 
-def build_plan(search: Any, cands: list[Candidate], elapsed_s: float) -> Plan:
+def build_plan(search: Any, cands: list[Candidate], elapsed_s: float, graph_hash: str | None = None) -> Plan:
+    """The Plan of the fastest of ``cands`` (ties: by summary), with its runners-up; ``graph_hash``:
+    ``search.graph.hash()`` where the caller has it already (``planner.plan_graph`` computes it beside
+    its search)."""
     order = sorted(cands, key=lambda c: (round(c.step_time, 12), c.summary()))
     best = order[0]
     g, tr = search.graph, search.training
@@ -360,7 +363,7 @@ def build_plan(search: Any, cands: list[Candidate], elapsed_s: float) -> Plan:
         model={
             "name": g.meta.get("model", g.name),
             "framework": g.meta.get("framework", ""),
-            "graph_hash": g.hash(),
+            "graph_hash": graph_hash or g.hash(),
             "num_params": g.num_params(),
             "layers": [lay.name for lay in g.layers],
         },

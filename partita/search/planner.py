@@ -42,7 +42,7 @@ from partita.search.config import SearchOptions, TrainingConfig
 from partita.search.inter_op import DPStats, chain_floor, fits_under, solve_stages, stage_problem
 from partita.search.plan_build import Candidate, StagePick, build_plan
 from partita.search.precision import choose_precision
-from partita.search.prefetch import prefetch
+from partita.search.prefetch import in_background, prefetch
 from partita.search.stage_cost import (
     SolverCosts,
     StageFactors,
@@ -671,10 +671,14 @@ def plan_graph(
     costs: SolverCosts | None = None,
     factors: StageFactors | None = None,
     memo: Any = None,
+    yardstick: Callable[[TrainingConfig], dict[str, Any] | None] | None = None,
 ) -> Plan:
     """Search the plan space (module docstring) and return the fastest plan that fits. ``memo``: an
-    ``IntraOpMemo`` to share intra-op solutions with a later pricing of the same graph (the driver's
-    hand-layout yardstick); its keys hold every input of a solve, so sharing changes no result."""
+    ``IntraOpMemo`` to share intra-op solutions with a later pricing of the same graph; its keys hold
+    every input of a solve, so sharing changes no result. ``yardstick``: a record for
+    ``plan.search["best_hand_layout"]`` from the training configuration in the plan's precision (the
+    driver's ``hand_best`` pricing), computed beside the search (``prefetch.in_background``) once the
+    layer ILPs are solved."""
     t0 = time.perf_counter()
     say = progress if callable(progress) else (print if progress else (lambda _s: None))
     if costs is None:  # fp16 when it lets GPUs without bf16 tensor cores contribute (search/precision.py)
@@ -718,6 +722,35 @@ def plan_graph(
     prefetch(search.costs, [(i, *t) for t in _pure_tables(search, configs) for i in layers])
     prefetch(search.costs, [(i, *t) for t in _mixed_tables(search, configs) for i in layers])
     configs.sort(key=lambda c: _area_floor(search, *c))
+    side = in_background(functools.partial(_side, graph, training, yardstick))
+    try:
+        plan, rec = _search(search, configs, schedules, chunks, cands, incumbents, bar, say, side, t0)
+    except BaseException:
+        side.cancel()
+        raise
+    return plan if rec is None else dataclasses.replace(plan, search={**plan.search, "best_hand_layout": rec})
+
+
+def _side(graph: Graph, training: TrainingConfig, yardstick: Any) -> tuple[str, Any]:
+    """What :func:`plan_graph` computes beside its search: the graph's hash (the plan records it) and
+    the yardstick's record."""
+    return graph.hash(), None if yardstick is None else yardstick(training)
+
+
+def _search(
+    search: Search,
+    configs: list[tuple[int, int]],
+    schedules: list[str],
+    chunks: bool,
+    cands: list[Candidate],
+    incumbents: dict[str, float],
+    bar: Callable[[str], float],
+    say: Callable[[str], None],
+    side: Any,
+    t0: float,
+) -> tuple[Plan, Any]:
+    """:func:`plan_graph`'s outer loop and what follows it; ``(plan, yardstick record)``."""
+    options = search.options
     for schedule in schedules:
         for dp, b in configs:
             search.num_configs += 1
@@ -745,11 +778,12 @@ def plan_graph(
         cands = vc if vc and set(options.schedules) == {"zbv"} else cands + vc
     if not cands:
         raise _infeasible(search)
-    plan = build_plan(search, cands, time.perf_counter() - t0)
+    graph_hash, rec = side()
+    plan = build_plan(search, cands, time.perf_counter() - t0, graph_hash)
     best = min(cands, key=lambda c: (round(c.step_time, 12), c.summary()))  # build_plan's pick
     if isinstance(best, v_layout.VCandidate) and plan.schedule == "zbv":
-        return v_layout.lay_out(search, plan, best)
-    return chunk_layout.lay_out(search, plan)
+        return v_layout.lay_out(search, plan, best), rec
+    return chunk_layout.lay_out(search, plan), rec
 
 
 def _solve_interleaved(search: Search, base: Candidate, v: int, incumbent: float = math.inf) -> list[Candidate]:

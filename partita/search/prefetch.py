@@ -1,4 +1,4 @@
-"""Layer ILPs in parallel: the intra-op solves a search is about to read, in forked worker processes.
+"""Work beside the search in forked worker processes: the layer ILPs it is about to read, and side tasks.
 
 Called by ``search/planner.plan_graph`` before the outer loop (issue 20): the unit tables of every
 pure device type, tp and micro-batch the configurations read (``Search.table``), then those of the
@@ -104,3 +104,54 @@ def _solve_group(group: list[tuple[int, str, int, int]]) -> tuple[dict, dict, li
         costs.memo.misses - m0,
     )
     return cached, solved_for, memo_entries, counts
+
+
+_TASK: Any = None  # the background task, inherited by its forked worker
+
+
+def in_background(task: Any) -> Any:
+    """``task()`` in one forked worker while the caller goes on (where :func:`workers` allows two or
+    more and ``fork`` is available); returns a function that waits for its result. Elsewhere the
+    function runs ``task()`` itself, when called: the same result either way (the task must read
+    only what exists when this is called, as the fork copies it then, and return picklable data);
+    its ``cancel()`` ends the worker where the result is not wanted.
+    ``plan_graph`` runs the compile report's yardstick and the graph's hash this way beside its
+    search (issue 20): the search runs in one process, the machine has more CPUs than that."""
+    if workers() < 2 or "fork" not in mp.get_all_start_methods():
+        return _Here(task)
+    global _TASK
+    _TASK = task
+    try:
+        pool = mp.get_context("fork").Pool(1, initializer=_ignore_interrupt)
+    finally:
+        _TASK = None
+    return _There(pool, pool.apply_async(_run_task))
+
+
+class _Here:
+    def __init__(self, task: Any) -> None:
+        self.task = task
+
+    def __call__(self) -> Any:
+        return self.task()
+
+    def cancel(self) -> None:
+        pass
+
+
+class _There:
+    def __init__(self, pool: Any, pending: Any) -> None:
+        self.pool, self.pending = pool, pending
+
+    def __call__(self) -> Any:
+        try:
+            return self.pending.get()
+        finally:
+            self.cancel()
+
+    def cancel(self) -> None:  # also on Ctrl-C or an error in the caller: the worker ignores Ctrl-C
+        self.pool.terminate()
+
+
+def _run_task() -> Any:
+    return _TASK()
