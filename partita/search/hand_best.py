@@ -135,12 +135,14 @@ def summary(rec: dict[str, Any]) -> str:
 
 
 def yardstick(graph: Graph, cluster: Cluster, memo: Any = None) -> Any:
-    """``training -> record``: :func:`best_hand_layout` in ``training``'s precision, sharing ``memo``
-    (the planner's ``IntraOpMemo``), as :func:`with_best_hand_layout` adds it to a plan;
+    """``training -> record``: :func:`best_hand_layout` in ``training``'s precision, reading ``memo``
+    (the planner's ``IntraOpMemo``; a copy), as :func:`with_best_hand_layout` adds it to a plan;
     ``planner.plan_graph(yardstick=...)`` runs it beside its search."""
 
     def record(training: TrainingConfig) -> dict[str, Any] | None:
-        costs = None if memo is None else SolverCosts(graph, cluster, training, memo=memo, tp_style=tp_style_of(graph))
+        # a copy: run beside the search or after it, the planner's memo counts (plan.search) stay its own
+        mine = None if memo is None else memo.copy()
+        costs = None if mine is None else SolverCosts(graph, cluster, training, memo=mine, tp_style=tp_style_of(graph))
         return best_hand_layout(graph, cluster, training, costs=costs)
 
     return record

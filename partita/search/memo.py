@@ -31,6 +31,13 @@ class IntraOpMemo:
         self.misses = 0
         self._store: dict[_Key, tuple[Graph, Layer, LayerSolution]] = {}
 
+    def copy(self) -> IntraOpMemo:
+        """A memo that starts with this one's solutions and counts its own hits and misses (what it
+        adds stays in it): ``hand_best.yardstick`` prices beside the search without moving its counts."""
+        out = IntraOpMemo(self.budget_bucket_bytes)
+        out._store = dict(self._store)
+        return out
+
     def __len__(self) -> int:
         return len(self._store)
 

@@ -45,6 +45,11 @@ class Candidate:
     stages: tuple[StagePick, ...]
     search: Any  # planner.Search
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without its search (a worker sends candidates to the process that has it:
+        ``planner._beside``), which the receiver sets back."""
+        return {**self.__dict__, "search": None}
+
     def _arr(self, i: int) -> Any:
         p = self.stages[i]
         return p.option.arrays[p.combo]

@@ -605,8 +605,19 @@ class Search:
                 opts.append(Option(seg, tp, tp, cls, shares, per_combo, combos, stack))
         return opts, segments, [len(c) > 1 for c in self.mixes(dp, b)]
 
-    def solve_config(self, dp: int, b: int, schedule: str, v: int = 1, incumbent: float = math.inf) -> list[Candidate]:
-        """Best plan of each family (pure / mixed) for one outer configuration.
+    def solve_config(
+        self,
+        dp: int,
+        b: int,
+        schedule: str,
+        v: int = 1,
+        incumbent: float = math.inf,
+        keep: Callable[[Candidate], bool] | None = None,
+    ) -> list[Candidate]:
+        """Best plan of each family (pure / mixed) for one outer configuration; with ``keep``, the best
+        of the candidates it keeps (the re-solves priced for one depth: interleaved 1F1B at its base's
+        and runnable as chunks, the zero-bubble depth passes; the best of all there was often of
+        another depth, or not runnable, and the configuration then gave nothing).
 
         A step is the simulated pipeline (``Candidate.pipeline``) plus the largest stage *tail*
         (exposed gradient sync and optimizer step, once per step), and the tail depends on each
@@ -649,7 +660,7 @@ class Search:
                     StagePick(k, j, fam[o], fam[o].pick_at(k, j, n - i, cap)) for i, (k, j, o) in enumerate(sol.stages)
                 ]
                 cand = Candidate(dp, b, m, schedule, v, tuple(picks), self)
-                if best is None or cand.step_time < best.step_time:
+                if (keep is None or keep(cand)) and (best is None or cand.step_time < best.step_time):
                     best = cand
                 tail = max(cand.tails)
                 if tail <= 0:
@@ -687,24 +698,8 @@ def plan_graph(
         costs = SolverCosts(graph, cluster, training, memo=memo)
     search = Search(graph, cluster, training, options, costs, factors)
     _check_states_fit(search)  # fails fast, before any configuration is priced
-    cands: list[Candidate] = []
-    # per schedule (``schedule_cost.best_per_schedule``'s keys), the best step so far (rule R6, with _bar)
-    incumbents: dict[str, float] = {}
     chunks = graph.meta.get("framework") != "jax" and not graph.meta.get("no_chunks")  # no JAX chunk records;
     # a model the torch runtime cuts with its generic splitter runs one layer range per rank (passes/pipeline.py)
-
-    def bar(schedule: str) -> float:
-        """What rule R6 lets a configuration of ``schedule`` be skipped against: a step its candidates
-        cannot beat and still matter. Its schedule's best (the report compares them); where interleaved
-        1F1B is searched, the third best of all (its bases, below); for ZB-H1 where ZB-V is, the third
-        best multi-stage ZB-H1 candidate (``_zbv_bases``)."""
-        out = incumbents.get(schedule, math.inf)
-        if "interleaved_1f1b" in options.schedules and chunks:
-            out = max(out, _third([c.step_time for c in cands]))
-        if schedule == "zb_h1" and "zbv" in options.schedules and chunks:
-            out = max(out, _third([c.step_time for c in cands if c.schedule == "zb_h1" and len(c.stages) > 1]))
-        return out
-
     # zbv is priced on its V layout below (search/v_layout.py), never per rank group
     schedules = [s for s in options.schedules if s not in ("interleaved_1f1b", "zbv")] or ["1f1b"]
     if graph.meta.get("framework") == "jax":  # no JAX runtime splits the backward (backends/jax/emit._check)
@@ -722,19 +717,66 @@ def plan_graph(
     prefetch(search.costs, [(i, *t) for t in _pure_tables(search, configs) for i in layers])
     prefetch(search.costs, [(i, *t) for t in _mixed_tables(search, configs) for i in layers])
     configs.sort(key=lambda c: _area_floor(search, *c))
-    side = in_background(functools.partial(_side, graph, training, yardstick))
+    # the zero-bubble configurations (the costliest) beside the others, where there are others
+    here = [s for s in schedules if not sched.splits_backward(s)] or schedules
+    there = [s for s in schedules if s not in here]
+    side = in_background(functools.partial(_beside, search, configs, there, chunks, yardstick))
     try:
-        plan, rec = _search(search, configs, schedules, chunks, cands, incumbents, bar, say, side, t0)
+        plan, rec = _search(search, configs, here, chunks, say, side, t0)
     except BaseException:
         side.cancel()
         raise
     return plan if rec is None else dataclasses.replace(plan, search={**plan.search, "best_hand_layout": rec})
 
 
-def _side(graph: Graph, training: TrainingConfig, yardstick: Any) -> tuple[str, Any]:
-    """What :func:`plan_graph` computes beside its search: the graph's hash (the plan records it) and
-    the yardstick's record."""
-    return graph.hash(), None if yardstick is None else yardstick(training)
+def _schedule_loop(
+    search: Search, configs: list[tuple[int, int]], schedule: str, chunks: bool
+) -> tuple[list[Candidate], list[str]]:
+    """Every configuration of one schedule: its candidates and the progress lines. Rule R6 skips
+    what cannot beat a step its candidates must beat to matter, read off this schedule's own
+    candidates only (so the schedules are searched apart, in any order, with the same results):
+    its best (the report compares the schedules' bests); where interleaved 1F1B is searched, its
+    third best (the interleaved bases are the best three of all, and the third best of all is no
+    worse); for ZB-H1 where ZB-V is, its third best multi-stage candidate (``_zbv_bases``)."""
+    options = search.options
+    own: list[Candidate] = []
+    lines = []
+    best = math.inf
+    for dp, b in configs:
+        bar = best
+        if "interleaved_1f1b" in options.schedules and chunks:
+            bar = max(bar, _third([c.step_time for c in own]))
+        if schedule == "zb_h1" and "zbv" in options.schedules and chunks:
+            bar = max(bar, _third([c.step_time for c in own if len(c.stages) > 1]))
+        search.num_configs += 1
+        found = _solve_schedule(search, dp, b, schedule, bar)
+        own.extend(found)
+        if found:
+            best = min(best, *(c.step_time for c in found))
+            lines.append(f"dp={dp} b={b} {schedule}: {min(c.step_time for c in found):.4f} s")
+    return own, lines
+
+
+def _beside(
+    search: Search, configs: list[tuple[int, int]], schedules: list[str], chunks: bool, yardstick: Any
+) -> tuple[str, Any, list[Candidate], list[str], DPStats, int]:
+    """What :func:`plan_graph` computes beside its search: the graph's hash (the plan records it), the
+    yardstick's record, and the loops of ``schedules`` with what they added to ``search``'s counts
+    (which are put back: the caller adds them, in a worker or not)."""
+    stats, num = dataclasses.replace(search.stats), search.num_configs
+    cands: list[Candidate] = []
+    lines: list[str] = []
+    for schedule in schedules:
+        got, said = _schedule_loop(search, configs, schedule, chunks)
+        cands += got
+        lines += said
+    delta = DPStats(
+        **{f.name: getattr(search.stats, f.name) - getattr(stats, f.name) for f in dataclasses.fields(stats)}
+    )
+    added = search.num_configs - num
+    search.stats, search.num_configs = stats, num
+    rec = None if yardstick is None else yardstick(search.training)
+    return search.graph.hash(), rec, cands, lines, delta, added
 
 
 def _search(
@@ -742,27 +784,34 @@ def _search(
     configs: list[tuple[int, int]],
     schedules: list[str],
     chunks: bool,
-    cands: list[Candidate],
-    incumbents: dict[str, float],
-    bar: Callable[[str], float],
     say: Callable[[str], None],
     side: Any,
     t0: float,
 ) -> tuple[Plan, Any]:
     """:func:`plan_graph`'s outer loop and what follows it; ``(plan, yardstick record)``."""
     options = search.options
+    cands: list[Candidate] = []
     for schedule in schedules:
-        for dp, b in configs:
-            search.num_configs += 1
-            found = _solve_schedule(search, dp, b, schedule, bar(schedule))
-            cands.extend(found)
-            if found:
-                here = min(c.step_time for c in found)
-                incumbents[schedule] = min(incumbents.get(schedule, math.inf), here)
-                say(f"dp={dp} b={b} {schedule}: {here:.4f} s")
+        got, lines = _schedule_loop(search, configs, schedule, chunks)
+        cands += got
+        for line in lines:
+            say(line)
+    graph_hash, rec, there, lines, delta, added = side()
+    for c in there:
+        c.search = search  # (sent without it)
+    cands += there
+    search.stats.add(delta)
+    search.num_configs += added
+    for line in lines:
+        say(line)
+    incumbents: dict[str, float] = {}  # per interleaved schedule key, its best so far (rule R6)
     if "interleaved_1f1b" in options.schedules and chunks:
         base = sorted(cands, key=lambda c: c.step_time)[:3]
+        seen: set[tuple[int, int, int]] = set()
         for c in base:
+            if (c.dp, c.b, len(c.stages)) in seen:  # re-solved already: the same configuration and depth
+                continue
+            seen.add((c.dp, c.b, len(c.stages)))
             for v in options.virtual_stages:
                 # re-solved with the interleaved objective; whether chunks hold what a rank group was priced
                 # with is decided on the new partition (chunk_layout.runnable: layers, not units)
@@ -778,7 +827,6 @@ def _search(
         cands = vc if vc and set(options.schedules) == {"zbv"} else cands + vc
     if not cands:
         raise _infeasible(search)
-    graph_hash, rec = side()
     plan = build_plan(search, cands, time.perf_counter() - t0, graph_hash)
     best = min(cands, key=lambda c: (round(c.step_time, 12), c.summary()))  # build_plan's pick
     if isinstance(best, v_layout.VCandidate) and plan.schedule == "zbv":
@@ -791,17 +839,33 @@ def _solve_interleaved(search: Search, base: Candidate, v: int, incumbent: float
     ``base``'s depth: a position's in-flight count depends on the depth too
     (``schedule.in_flight_by_stages_left``), so the DP is priced for exactly that many stages and only
     its picks of that depth are kept (as ``zero_bubble.solve_zero_bubble`` does per depth); and only
-    what the torch program runs as model chunks (``chunk_layout.runnable``)."""
+    what the torch program runs as model chunks (``chunk_layout.runnable``): the ZeRO stages and
+    classes it refuses are not searched at all."""
     depth = len(base.stages)
     try:
         table = np.array(sched.in_flight_by_stages_left("interleaved_1f1b", depth, base.m, v))
     except ConfigError:  # m micro-batches do not split into rounds (schedule.interleave_round)
         return []
+    opts = search.options
+    if base.dp > 1:  # what chunk_layout.runnable keeps: no ZeRO-2/3 over dp > 1, no uneven batch shares
+        zeros = tuple(z for z in opts.zero_stages if z < 2)
+        if not zeros:
+            return []
+        search.options = dataclasses.replace(opts, zero_stages=zeros, uneven_shares=False)
     try:
         with search.pricing_in_flight(lambda _n: table):
-            found = search.solve_config(base.dp, base.b, "interleaved_1f1b", v, incumbent=incumbent)
+            found = search.solve_config(
+                base.dp,
+                base.b,
+                "interleaved_1f1b",
+                v,
+                incumbent=incumbent,
+                keep=lambda x: len(x.stages) == depth and chunk_layout.runnable(x),
+            )
     except ConfigError:
         return []
+    finally:
+        search.options = opts
     return [x for x in found if len(x.stages) == depth and chunk_layout.runnable(x)]
 
 

@@ -269,19 +269,19 @@ def solve_zero_bubble(search: Any, dp: int, b: int, schedule: str, incumbent: fl
                     # pipelines are not priced at all (and the arrays are as narrow as the depth)
                     table = HeldCounts(lambda held, d=depth: in_flight_table(held, schedule, m, v, d))
                     with search.pricing_in_flight(lambda _n, t=table: t):
-                        found += [
-                            c
-                            for c in search.solve_config(dp, b, schedule, v, incumbent=incumbent)
-                            if len(c.stages) == depth
-                        ]
+                        found += search.solve_config(
+                            dp, b, schedule, v, incumbent=incumbent, keep=lambda c, d=depth: _kept(search, c, d)
+                        )
     finally:
         search.options = opts
         search.__dict__.pop("options_for", None)
+    return found
+
+
+def _kept(search: Any, c: Any, depth: int) -> bool:
+    """A depth pass keeps a candidate of exactly its depth whose every stage fits at its own position's
+    count, as ``Candidate.memory`` reads it (the DP's fits, checked)."""
     usable = search.factors.memory_usable
-    return [  # each stage at its own position's count, as Candidate.memory reads it (the DP's fits, checked)
-        c
-        for c in found
-        if all(
-            c.memory(i) <= min(d.memory_bytes for d, _, _ in p.option.devices) * usable for i, p in enumerate(c.stages)
-        )
-    ]
+    return len(c.stages) == depth and all(
+        c.memory(i) <= min(d.memory_bytes for d, _, _ in p.option.devices) * usable for i, p in enumerate(c.stages)
+    )

@@ -192,9 +192,12 @@ def test_r6_plan_and_schedule_bests_equal_the_unpruned_search(monkeypatch: pytes
 
 @pytest.mark.slow
 def test_prefetch_in_workers_gives_the_serial_plan(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The layer ILPs solved in two forked workers (``search/prefetch.py``) or here, one after another:
-    the same plan file, statistics included."""
+    """The layer ILPs solved in two forked workers (``search/prefetch.py``), the zero-bubble configurations
+    and the report's yardstick beside the search, or all of it here, one after another: the same plan
+    file, statistics included."""
     from partita.search import prefetch
+    from partita.search.hand_best import yardstick
+    from partita.search.memo import IntraOpMemo
 
     g, _ = _llama()
     cluster = parse_cluster("16xA100-80G+16xV100-32G")
@@ -204,8 +207,14 @@ def test_prefetch_in_workers_gives_the_serial_plan(monkeypatch: pytest.MonkeyPat
     real = prefetch.prefetch
     monkeypatch.setattr(planner, "prefetch", lambda costs, wanted: solved.append(real(costs, wanted)) or solved[-1])
     plans = {}
-    for n in ("2", "1"):
+    for n in ("2", "1"):  # the zero-bubble loop, the yardstick and the hash beside the search, or after it
         monkeypatch.setenv("PARTITA_WORKERS", n)
-        plans[n] = planner.plan_graph(g, cluster, training).to_json()
+        memo = IntraOpMemo()
+        plan = planner.plan_graph(g, cluster, training, memo=memo, yardstick=yardstick(g, cluster, memo))
+        plans[n] = plan.to_json()
     assert plans["2"] == plans["1"]
+    assert (
+        "best_hand_layout" in json.loads(plans["1"])["search"]
+        and "zb_h1" in json.loads(plans["1"])["search"]["schedules"]
+    )
     assert solved[0] > 0 and solved[:2] == solved[2:]  # the same solves, by workers and here
