@@ -37,6 +37,7 @@ from partita.errors import ConfigError, InfeasibleError
 from partita.ir import Graph
 from partita.plan import Plan
 from partita.search import chunk_layout, schedule_cost, v_layout
+from partita.search import prefetch as beside
 from partita.search import schedule as sched
 from partita.search.config import SearchOptions, TrainingConfig
 from partita.search.inter_op import DPStats, chain_floor, fits_under, solve_stages, stage_problem
@@ -714,13 +715,15 @@ def plan_graph(
     # the unit tables the configurations read, solved first (in parallel where it pays, search/prefetch.py):
     # the pure device types' (which the mixed classes' shares come from), then the mixed classes'
     layers = range(len(graph.layers))
-    prefetch(search.costs, [(i, *t) for t in _pure_tables(search, configs) for i in layers])
-    prefetch(search.costs, [(i, *t) for t in _mixed_tables(search, configs) for i in layers])
+    solves = prefetch(search.costs, [(i, *t) for t in _pure_tables(search, configs) for i in layers])
+    solves += prefetch(search.costs, [(i, *t) for t in _mixed_tables(search, configs) for i in layers])
     configs.sort(key=lambda c: _area_floor(search, *c))
     # the zero-bubble configurations (the costliest) beside the others, where there are others
     here = [s for s in schedules if not sched.splits_backward(s)] or schedules
     there = [s for s in schedules if s not in here]
-    side = in_background(functools.partial(_beside, search, configs, there, chunks, yardstick))
+    side = in_background(
+        functools.partial(_beside, search, configs, there, chunks, yardstick), solves >= beside.MIN_SOLVES
+    )
     try:
         plan, rec = _search(search, configs, here, chunks, say, side, t0)
     except BaseException:

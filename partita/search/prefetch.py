@@ -109,15 +109,17 @@ def _solve_group(group: list[tuple[int, str, int, int]]) -> tuple[dict, dict, li
 _TASK: Any = None  # the background task, inherited by its forked worker
 
 
-def in_background(task: Any) -> Any:
+def in_background(task: Any, worth: bool = True) -> Any:
     """``task()`` in one forked worker while the caller goes on (where :func:`workers` allows two or
     more and ``fork`` is available); returns a function that waits for its result. Elsewhere the
     function runs ``task()`` itself, when called: the same result either way (the task must read
     only what exists when this is called, as the fork copies it then, and return picklable data);
-    its ``cancel()`` ends the worker where the result is not wanted.
+    its ``cancel()`` ends the worker where the result is not wanted. ``worth``: False where the task is
+    too small to pay for a fork (the caller's judgement: ``plan_graph``'s, from how many layer ILPs
+    the search has).
     ``plan_graph`` runs the compile report's yardstick and the graph's hash this way beside its
     search (issue 20): the search runs in one process, the machine has more CPUs than that."""
-    if workers() < 2 or "fork" not in mp.get_all_start_methods():
+    if not worth or workers() < 2 or "fork" not in mp.get_all_start_methods():
         return _Here(task)
     global _TASK
     _TASK = task
