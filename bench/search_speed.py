@@ -88,9 +88,8 @@ def compile_case(model: str, cluster: str, batch: int, extra_env: dict[str, str]
         js = {}
     row["search_s"] = js.get("search_time_s")
     row["trace_s"] = js.get("trace_time_s")
-    row["search_cpu_s"] = js.get(
-        "search_cpu_s"
-    )  # CPU seconds in the search, its worker processes included (and the yardstick)
+    # CPU seconds in the search, its worker processes included (and the yardstick)
+    row["search_cpu_s"] = js.get("search_cpu_s")
     row["trace_cpu_s"] = js.get("trace_cpu_s")
     row["step_time_s"] = js.get("predicted_step_time_s")
     row["rss_gib"] = round(js.get("peak_rss_bytes", 0) / 2**30, 3)  # the child's own getrusage

@@ -37,10 +37,10 @@ Pruning rules (each documented, none silent; the counts are returned):
 * R6 (``planner``): a candidate's simulated step is at least ``m`` times its slowest stage's period
   plus a bound on its tail (a rank runs its ``m`` micro-batches' actions one after another), so a
   solve keeps only stages no slower than the period that could still beat the best step of its
-  schedule so far (``solve_stages``' ``t_limit``, ``planner._t_limit``): where none fits, the
-  solve, or the whole zero-bubble configuration (``Search.can_beat``), ends after one DP run. Each
+  schedule so far (``solve_stages``' ``t_limit``, ``step_bounds.t_limit``): where none fits, the
+  solve, or the whole zero-bubble configuration (``step_bounds.can_beat``), ends after one DP run. Each
   schedule's best is still found; the configurations are visited likeliest first
-  (``planner._area_floor``). The DP's closed form is no such bound: a pipeline whose slowest stage
+  (``step_bounds.area_floor``). The DP's closed form is no such bound: a pipeline whose slowest stage
   comes first simulates below it.
 * R8 (here): branch and bound over the ``t_max`` candidates instead of an ascending scan: on a
   candidate interval ``[a, b]`` the objective is at least ``alpha * G(t_b) + beta * t_a`` (``G``,
@@ -364,7 +364,7 @@ def solve_stages(
 ) -> StageSolution | None:
     """Best stage sequence for ``p`` among those whose stages all take at most ``t_limit`` (None when
     none fits, or none has an objective below ``upper``, which R1 then uses as its first cut). See
-    the module docstring; ``t_limit`` is rule R6's (``planner._t_limit``)."""
+    the module docstring; ``t_limit`` is rule R6's (``step_bounds.t_limit``)."""
     st = stats if stats is not None else DPStats()
     finite = _times_below(p, t_limit)
     st.stage_candidates += int(finite.size)

@@ -33,14 +33,15 @@ from typing import Any
 import numpy as np
 
 from partita.cluster import Cluster, DeviceType
-from partita.errors import ConfigError, InfeasibleError
+from partita.errors import ConfigError
 from partita.ir import Graph
 from partita.plan import Plan
 from partita.search import chunk_layout, schedule_cost, v_layout
 from partita.search import prefetch as beside
 from partita.search import schedule as sched
 from partita.search.config import SearchOptions, TrainingConfig
-from partita.search.inter_op import DPStats, chain_floor, fits_under, solve_stages, stage_problem
+from partita.search.infeasible import check_states_fit, infeasible
+from partita.search.inter_op import DPStats, solve_stages
 from partita.search.plan_build import Candidate, StagePick, build_plan
 from partita.search.precision import choose_precision
 from partita.search.prefetch import in_background, prefetch
@@ -54,6 +55,16 @@ from partita.search.stage_cost import (
     scatter_gather_p2p,
 )
 from partita.search.stage_ranges import StageParts, stage_parts
+from partita.search.step_bounds import (
+    area_floor,
+    chain_bound,
+    chains,
+    families,
+    problem,
+    t_limit,
+    tail_bound,
+    time_floor,
+)
 from partita.search.zero_bubble import solve_zero_bubble
 
 DEFAULT_OPTIONS = SearchOptions()
@@ -68,68 +79,9 @@ def layer_units(num_layers: int, max_units: int) -> list[tuple[int, int]]:
     return [(a, min(a + g, num_layers)) for a in range(0, num_layers, g)]
 
 
-def _tail_bound(fam: list[Option]) -> float:
-    """A lower bound on any pipeline's largest stage tail: its first stage starts at unit 0 and its
-    last one ends at unit U, on some option and combo that fits (rule R7)."""
-    first, last = math.inf, math.inf
-    for o in fam:
-        # fits with some number of stages after it: the first row and the last column of [C, U, U+1]
-        fit_first = np.isfinite(o.stack[:, 0]).any(axis=2)
-        fit_last = np.isfinite(o.stack[:, :, -1]).any(axis=2)
-        first = min(first, float(np.min(o.tails[:, 0][fit_first], initial=math.inf)))
-        last = min(last, float(np.min(o.tails[:, :, -1][fit_last], initial=math.inf)))
-    bound = max(first, last)
-    return bound if math.isfinite(bound) else 0.0
-
-
-def _least_time(tab: UnitTable) -> np.ndarray:
-    """``[U, U + 1]``: the least period any ZeRO / recompute combo of a range can take on one table
-    (forward plus backward of either precision's table; inf where ``k >= j``), :meth:`Search.time_floor`."""
-    t = tab.ranged("fwd") + tab.ranged("bwd")
-    if tab.alt is not None:
-        t = np.minimum(t, tab.alt.ranged("fwd") + tab.alt.ranged("bwd"))
-    return np.where(tab.ranged("num_layers") > 0, t, np.inf)
-
-
 def _third(steps: list[float]) -> float:
     """The third smallest of ``steps`` (inf while there are fewer)."""
     return sorted(steps)[2] if len(steps) >= 3 else math.inf
-
-
-def _families(opts: list[Option]) -> list[list[Option]]:
-    """The options solved apart: the pure ones, and the mixed (Cephalo) ones where any."""
-    mixed_segs = {o.segment for o in opts if len(o.devices) > 1}
-    families = [[o for o in opts if o.segment not in mixed_segs]]
-    if mixed_segs:
-        families.append([o for o in opts if o.segment in mixed_segs])
-    return [f for f in families if f]
-
-
-def _problem(fam: list[Option], times: list[np.ndarray], caps: list[int], alpha: float, beta: float) -> Any:
-    """The stage DP's problem of a family, with ``times`` per option, its segments renumbered."""
-    segs = sorted({o.segment for o in fam})
-    remap = {s: i for i, s in enumerate(segs)}
-    return stage_problem(
-        np.stack(times), [remap[o.segment] for o in fam], [o.width for o in fam], [caps[s] for s in segs], alpha, beta
-    )
-
-
-BOUND_SLACK = 1e-9  # relative: a rank's simulated busy time sums its F, B and W, split from t with rounding
-
-
-def _floor(m: int, t: float, tail: float) -> float:
-    """Rule R6: a lower bound on the step of any candidate whose slowest stage takes ``t`` per
-    micro-batch and whose largest tail is at least ``tail``. The simulated pipeline
-    (``schedule_cost.pipeline_time``) runs each rank's actions one after another, and a rank runs ``m``
-    micro-batches of F, B and W that add up to its period (``v`` chunks of ``t / v`` interleaved), so
-    the step is at least ``m t`` plus the tail, whatever the schedule."""
-    return m * t * (1.0 - BOUND_SLACK) + tail
-
-
-def _t_limit(m: int, tail: float, bar: float) -> float:
-    """Rule R6: the largest stage time a candidate can have and still reach ``bar`` (a tie is kept:
-    the plan's pick breaks ties by its summary), :func:`_floor` solved for ``t``; inf for no bar."""
-    return math.inf if not math.isfinite(bar) else (bar - tail) / (m * (1.0 - BOUND_SLACK))
 
 
 def _pure_tables(s: Search, configs: list[tuple[int, int]]) -> list[tuple[DeviceType, int, int]]:
@@ -153,40 +105,6 @@ def _mixed_tables(s: Search, configs: list[tuple[int, int]]) -> list[tuple[Devic
             tps = set.intersection(*[set(s.tps(d)) for d, _, _ in cls])
             out += [(d, tp, share) for tp in sorted(tps) if tp <= cap for d, _, share in cls]
     return out
-
-
-def _area_floor(s: Search, dp: int, b: int) -> float:
-    """The order rule R6 visits configurations in (the likeliest first, so that their bests cut the
-    rest early): a bound on ``sum t + (m - 1) max t`` from the pure device types' unit tables, without
-    memory. The sum is at least each unit's fastest time summed; the slowest stage takes at least the
-    work spread over the slots (an LP dual: unit ``u`` on type ``d`` costs ``w t`` slot-seconds,
-    each type's slots weighed by the inverse of the work the whole model costs on it)."""
-    m = s.training.global_batch // (b * dp)
-    segs = []
-    for d in s.types:
-        cap = s.cluster.count(d.name) // dp
-        if cap < 1:
-            continue
-        opts = []
-        for tp in s.tps(d):
-            tab = s.table(d, tp, b) if tp <= cap else None
-            if tab is None:
-                continue
-            ut = tab.fwd + tab.bwd
-            if tab.alt is not None:
-                ut = np.minimum(ut, tab.alt.fwd + tab.alt.bwd)
-            opts.append((tp, ut))
-        if opts:
-            segs.append((cap, opts))
-    if not segs:
-        return math.inf
-    allut = np.array([ut for _, opts in segs for _, ut in opts])
-    s_lb = allut.min(axis=0).sum()
-    areas = [np.min([w * ut for w, ut in opts], axis=0) for cap, opts in segs]
-    tot = [a.sum() for a in areas]
-    denom = sum(cap / at for (cap, _), at in zip(segs, tot))
-    t_lb = np.min([a / (at * denom) for a, at in zip(areas, tot)], axis=0).sum()
-    return float(s_lb + (m - 1) * t_lb)
 
 
 def powers_of_two(limit: int) -> list[int]:
@@ -409,105 +327,6 @@ class Search:
             np.copyto(stack[len(per_combo) - 1], worst.time[:, :, None], where=ok)
         return per_combo, combos, stack if stack is not None else np.stack([])  # (no combo: numpy's error)
 
-    def chains(self, dp: int, b: int, schedule: str, v: int = 1) -> list[tuple[float, float]]:
-        """``(lead, scale)`` pairs: the step of a configuration's candidate is at least ``scale`` times
-        ``inter_op.chain_floor`` with ``lead``, for each. A rank starts once the first micro-batch has
-        crossed the stages before it and then runs ``m`` periods; under 1F1B and GPipe (F, and B with
-        W, per micro-batch) its last backward crosses them back too: ``(1, 1)``; interleaved, each
-        crossing is one chunk, ``1 / v`` of a period: ``(1 / v, 1)``. A split backward leaves W out of
-        the crossings: the forwards alone, at least a share ``rho`` of a period, ``(rho / v, 1)``; and
-        F and B, at least ``1 - omega`` of every period, its last B's crossing back included,
-        ``(1, 1 - omega)`` (``schedule_cost.action_shares``, at every micro-batch size this
-        configuration runs)."""
-        vv = sched.virtual_stages(schedule, v)
-        if not sched.splits_backward(schedule):
-            return [(1.0 / vv, 1.0)]
-        shares = self._shares
-        if shares is None:  # FLOPs not affine in the micro-batch: at each size this configuration runs
-            sizes = sorted({b} | {x for cls in self.mixes(dp, b) for _, _, x in cls})
-            got = [schedule_cost.action_shares(self._flops(x)) for x in sizes]
-            shares = (min(r for r, _ in got), max(w for _, w in got))
-        rho, omega = shares
-        return [(rho / vv, 1.0)] + ([(1.0, 1.0 - omega)] if vv == 1 else [])
-
-    def _flops(self, size: int) -> Any:
-        return schedule_cost.layer_flops(self.graph, {"B": size, "S": self.training.seq_len})
-
-    @functools.cached_property
-    def _shares(self) -> tuple[float, float] | None:
-        """``schedule_cost.action_shares`` at every micro-batch size at once, where each layer's FLOPs
-        are affine in it (checked at 1, 2 and 3, float for float): a layer's shares are then monotone
-        in the size, so their extremes are at 1 or in the limit. None where they are not."""
-        if self.costs.linear_batch:
-            return schedule_cost.action_shares(self._flops(1))
-        rows = [self._flops(x) for x in (1, 2, 3)]
-        limits = []
-        for r1, r2, r3 in zip(*rows):
-            if any(c - b != b - a for a, b, c in zip(r1, r2, r3)):
-                return None
-            limits.append(tuple(b - a for a, b in zip(r1, r2)))
-        return schedule_cost.action_shares([*rows[0], *limits])
-
-    def _chain_floor(self, p: Any, m: int, limit: float, chains: list[tuple[float, float]]) -> float:
-        """The largest of :meth:`chains`' bounds (each with :func:`_floor`'s slack)."""
-        return max(_floor(1, scale * chain_floor(p, m, limit, self.stats, lead), 0.0) for lead, scale in chains)
-
-    def time_floor(self, dp: int, b: int, schedule: str, v: int = 1, bar: float = math.inf) -> float:
-        """Rule R6 before any stage option is priced: a lower bound on the step of every candidate of a
-        configuration, from the unit tables alone (every option and class, memory ignored, each range
-        at the least time any combo can take: forward plus backward without recompute, no exposed
-        traffic, no p2p, max over a class's types): :func:`inter_op.chain_floor` per family, the
-        least. Cheap (the tables' range sums and one DP run), so a configuration that cannot beat the
-        best is dropped before its arrays are built. Stage sequences with a stage too slow to reach
-        ``bar`` (:func:`_t_limit`) are left out: inf where only such sequences are left."""
-        m = self.training.global_batch // (b * dp)
-        chains = self.chains(dp, b, schedule, v)
-        num_units = len(self.units)
-        caps_pure = [self.cluster.count(d.name) // dp for d in self.types]
-        max_stages = max(1, min(num_units, sum(caps_pure)))
-        if self.graph.meta.get("no_pipeline"):
-            max_stages = 1
-        fams: dict[bool, tuple[list[np.ndarray], list[int], list[int], list[int]]] = {}
-        for cls in self.mixes(dp, b):
-            if len(cls) == 1:
-                cap = self.cluster.count(cls[0][0].name) // dp
-            else:
-                cap = min(self.cluster.count(d.name) // a for d, a, _ in cls)
-            if cap < 1:
-                continue
-            times, segs, widths, caps = fams.setdefault(len(cls) > 1, ([], [], [], []))
-            seg = len(caps)
-            caps.append(cap)
-            for tp in sorted(set.intersection(*[set(self.tps(d)) for d, _, _ in cls])):
-                got = [self.table(d, tp, share) for d, _, share in cls] if tp <= cap else [None]
-                tabs = [x for x in got if x is not None]
-                if len(tabs) < len(got):
-                    continue
-                t = np.max([_least_time(x) for x in tabs], axis=0)
-                times.append(np.broadcast_to(t[:, :, None], (*t.shape, max_stages + 1)))
-                segs.append(seg)
-                widths.append(tp)
-        out = math.inf
-        for times, segs, widths, caps in fams.values():
-            if times:
-                p = stage_problem(np.stack(times), segs, widths, caps, 1.0, m - 1.0)
-                out = min(out, self._chain_floor(p, m, _t_limit(m, 0.0, bar), chains))
-        return out
-
-    def can_beat(self, dp: int, b: int, schedule: str, v: int, bar: float) -> bool:
-        """Rule R6: can a candidate of one outer configuration, priced with the in-flight counts in
-        force (:meth:`pricing_in_flight`), fit and reach a step of ``bar``? Counts no larger than any
-        the search prices it with answer for those too (memory grows with the count). Per family, one
-        DP run: does a stage sequence fit under :func:`_t_limit`?"""
-        m = self.training.global_batch // (b * dp)
-        opts, caps, _ = self.options_for(dp, b, m, schedule, v)
-        alpha, beta = sched.coefficients(schedule, m, v)
-        for fam in _families(opts):
-            p = _problem(fam, [o.best for o in fam], caps, alpha, beta)
-            if fits_under(p, _t_limit(m, _tail_bound(fam), bar), self.stats):
-                return True
-        return False
-
     def mixes(self, dp: int, b: int) -> list[tuple[tuple[DeviceType, int, int], ...]]:
         """Device classes: each type alone, and the Cephalo mix (replicas proportional to counts)."""
         out: list[tuple[tuple[DeviceType, int, int], ...]] = [((d, dp, b),) for d in self.types]
@@ -632,8 +451,8 @@ class Search:
         exact; otherwise the result is within that fraction of the optimum's tail.
         """
         m = self.training.global_batch // (b * dp)
-        chains = self.chains(dp, b, schedule, v)  # inter_op.chain_floor bounds the simulated step with them
-        if math.isfinite(incumbent) and self.time_floor(dp, b, schedule, v, incumbent) > incumbent:
+        pairs = chains(self, dp, b, schedule, v)  # inter_op.chain_floor bounds the simulated step with them
+        if math.isfinite(incumbent) and time_floor(self, dp, b, schedule, v, incumbent) > incumbent:
             self.stats.configs_cut += 1  # R6: not even its fastest ranges, memory aside, can reach the best
             return []
         opts, caps, _ = self.options_for(dp, b, m, schedule, v)
@@ -641,16 +460,16 @@ class Search:
             return []
         alpha, beta = sched.coefficients(schedule, m, v)
         out = []
-        for fam in _families(opts):
+        for fam in families(opts):
             best: Candidate | None = None
             cap = math.inf
-            lb = _tail_bound(fam)
+            lb = tail_bound(fam)
             while True:
                 # each option's best under the cap; its pick is read only at the stages chosen (Option.pick_at)
-                p = _problem(fam, [o.capped_best(cap) for o in fam], caps, alpha, beta)
+                p = problem(fam, [o.capped_best(cap) for o in fam], caps, alpha, beta)
                 bar = min(incumbent, math.inf if best is None else best.step_time)
-                limit = _t_limit(m, lb, bar)
-                if math.isfinite(bar) and self._chain_floor(p, m, limit, chains) + lb > bar:
+                limit = t_limit(m, lb, bar)
+                if math.isfinite(bar) and chain_bound(self, p, m, limit, pairs) + lb > bar:
                     self.stats.configs_cut += 1  # R6: no stage sequence under the cap can reach the bar
                     break
                 sol = self.stage_solver(p, epsilon=self.options.t_max_epsilon, stats=self.stats, t_limit=limit)
@@ -698,7 +517,7 @@ def plan_graph(
     if costs is None and memo is not None:
         costs = SolverCosts(graph, cluster, training, memo=memo)
     search = Search(graph, cluster, training, options, costs, factors)
-    _check_states_fit(search)  # fails fast, before any configuration is priced
+    check_states_fit(search)  # fails fast, before any configuration is priced
     chunks = graph.meta.get("framework") != "jax" and not graph.meta.get("no_chunks")  # no JAX chunk records;
     # a model the torch runtime cuts with its generic splitter runs one layer range per rank (passes/pipeline.py)
     # zbv is priced on its V layout below (search/v_layout.py), never per rank group
@@ -717,7 +536,7 @@ def plan_graph(
     layers = range(len(graph.layers))
     solves = prefetch(search.costs, [(i, *t) for t in _pure_tables(search, configs) for i in layers])
     solves += prefetch(search.costs, [(i, *t) for t in _mixed_tables(search, configs) for i in layers])
-    configs.sort(key=lambda c: _area_floor(search, *c))
+    configs.sort(key=lambda c: area_floor(search, *c))
     # the zero-bubble configurations (the costliest) beside the others, where there are others
     here = [s for s in schedules if not sched.splits_backward(s)] or schedules
     there = [s for s in schedules if s not in here]
@@ -829,7 +648,7 @@ def _search(
         # zbv alone asked for: its V layouts, 1F1B (searched as their base) only when none exists
         cands = vc if vc and set(options.schedules) == {"zbv"} else cands + vc
     if not cands:
-        raise _infeasible(search)
+        raise infeasible(search)
     plan = build_plan(search, cands, time.perf_counter() - t0, graph_hash)
     best = min(cands, key=lambda c: (round(c.step_time, 12), c.summary()))  # build_plan's pick
     if isinstance(best, v_layout.VCandidate) and plan.schedule == "zbv":
@@ -890,113 +709,3 @@ def _solve_schedule(search: Search, dp: int, b: int, schedule: str, incumbent: f
     if not sched.splits_backward(schedule):
         return search.solve_config(dp, b, schedule, incumbent=incumbent)
     return solve_zero_bubble(search, dp, b, schedule, incumbent)
-
-
-def _states_bytes(search: Search) -> tuple[float, float]:
-    """(parameter + gradient + optimizer bytes of the whole model, of its largest layer), as the
-    stage costs count them, unsharded (tp = 1; one solve per layer kind, memoised)."""
-    dev = search.types[0]
-    total, largest = 0.0, 0.0
-    for i in range(len(search.graph.layers)):
-        got = search.costs.layer(i, dev, 1, 1)
-        if got is None:
-            continue
-        c = got[0]
-        here = c.param_bytes + c.grad_bytes + c.optimizer_bytes
-        total += here
-        largest = max(largest, here)
-    return total, largest
-
-
-def _check_states_fit(search: Search) -> None:
-    """R9: a proof that no plan fits, in milliseconds. Every plan keeps each parameter's weights,
-    gradients and optimizer state on some device, sharded at most over all of a stage's devices
-    (ZeRO-3 over ``dp``, tensor parallelism over ``tp``), so their total is at most the usable
-    memory of the whole cluster; a model whose states exceed it cannot fit, whatever the search."""
-    total, _ = _states_bytes(search)
-    usable = search.factors.memory_usable
-    have = sum(search.cluster.count(d.name) * d.memory_bytes * usable for d in search.types)
-    if total <= have:
-        return
-    n = search.cluster.num_devices
-    big = search.types[0]  # most memory per device
-    need_devices = math.ceil(total / (big.memory_bytes * usable))
-    per_dev = ", ".join(
-        f"each {d.name} has {_size(d.memory_bytes)} ({_size(d.memory_bytes * usable)} usable)" for d in search.types
-    )
-    params = search.graph.num_params()
-    raise InfeasibleError(
-        f"no plan fits in memory: the model's parameters, gradients and {search.training.optimizer} state take "
-        f"{_size(total)} ({_count(params)} parameters, {total / max(params, 1):.1f} bytes each); even sharded "
-        f"evenly over all {n} devices that is {_size(total / n)} per device, and {per_dev}: {_size(have)} usable "
-        f"in total, {total / have:.1f}x too little.",
-        f"add devices (at least {need_devices} x {big.name}, or as much memory in total, before activations), "
-        "use devices with more memory, or train a smaller model.",
-    )
-
-
-def _min_max_memory(mem: np.ndarray, max_stages: int) -> float:
-    """The least, over splits of the units into at most ``max_stages`` stages, of the largest stage
-    memory; ``mem[k, j, s]`` is a stage ``[k, j)`` with ``s`` stages left (1F1B: in-flight activations)."""
-    num_units = mem.shape[0]
-    best = math.inf
-    prev = np.full(num_units + 1, math.inf)  # prev[k]: min max memory of units [k, U) in s - 1 stages
-    prev[num_units] = 0.0
-    for s in range(1, min(max_stages, num_units) + 1):
-        cur = np.full(num_units + 1, math.inf)
-        for k in range(num_units):
-            cur[k] = float(np.min(np.maximum(mem[k, k + 1 :, s], prev[k + 1 :]), initial=math.inf))
-        best = min(best, cur[0])
-        prev = cur
-    return best
-
-
-def _infeasible(search: Search) -> InfeasibleError:
-    """Per device type, the least memory per device any plan on that type alone needs (its largest
-    stage, at the best dp x tp x pp split, micro-batch 1, with every ZeRO stage and recompute on
-    offer), against what the type has."""
-    need: dict[str, float] = {}
-    for dp in powers_of_two(search.cluster.num_devices):
-        if search.training.global_batch % dp:
-            continue
-        m = search.training.global_batch // dp
-        opts, caps, _ = search.options_for(dp, 1, m, "1f1b", 1)
-        for o in opts:
-            if len(o.devices) > 1:
-                continue
-            name = o.devices[0][0].name
-            pp = (
-                1
-                if search.graph.meta.get("no_pipeline")
-                else max(1, min(len(search.units), caps[o.segment] // o.width))
-            )
-            for a in o.arrays:
-                need[name] = min(need.get(name, math.inf), _min_max_memory(a.memory, pp))
-    usable = search.factors.memory_usable
-    parts = [
-        f"on {d.name} alone the plan with the least memory per device needs {_size(need[d.name])}, "
-        f"a {d.name} has {_size(d.memory_bytes)} ({_size(d.memory_bytes * usable)} usable)"
-        for d in search.types
-        if d.name in need and math.isfinite(need[d.name])
-    ]
-    why = search.graph.meta.get("no_pipeline")
-    return InfeasibleError(
-        "no plan fits in memory ("
-        + ("; ".join(parts) or "no stage option could run the model")
-        + ")"
-        + (f"; pipeline stages are not searched for this model: {why}" if why else "")
-        + ".",
-        "add devices, use devices with more memory, or lower the global batch / sequence length.",
-    )
-
-
-def _count(n: int) -> str:
-    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else str(n)
-
-
-def _size(nbytes: float) -> str:
-    """1.5 GB / 12.0 MB / 3.0 kB: enough digits that tiny devices do not read "0.0 GB vs 0.0 GB"."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes:.0f} B"

@@ -10,7 +10,7 @@ grouped so that the memo hits a worker sees are those the serial order sees).
 
 Workers fork (the graph and the cost models are inherited, nothing is re-traced) and ignore Ctrl-C:
 the parent's ``KeyboardInterrupt`` ends the pool. Where ``fork`` is not available, one CPU is, fewer
-than :data:`MIN_SOLVES` solves are left, or ``PARTITA_WORKERS=1``, the same solves run here, one after
+than :data:`MIN_SOLVES` solves are left, JAX is imported, or ``PARTITA_WORKERS=1``, the same solves run here, one after
 another: which tables are solved never depends on the machine, so neither do the plan's statistics.
 """
 
@@ -19,10 +19,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import sys
 from collections.abc import Sequence
 from typing import Any
 
-MIN_SOLVES = 24  # below this, starting workers costs more than it saves
+MIN_SOLVES = 96  # below this, starting workers costs about what it saves (a solve is ~6 ms, a fork ~0.1 s)
 MAX_WORKERS = 4
 
 _COSTS: Any = None  # the parent's SolverCosts, inherited by the forked workers
@@ -30,10 +31,12 @@ _COSTS: Any = None  # the parent's SolverCosts, inherited by the forked workers
 
 def workers() -> int:
     """Worker processes to use: ``PARTITA_WORKERS`` where set (1 = serial), else the CPUs this
-    process may run on, at most :data:`MAX_WORKERS`."""
+    process may run on, at most :data:`MAX_WORKERS` (1 once JAX is imported)."""
     env = os.environ.get("PARTITA_WORKERS", "").strip()
     if env.isdigit() and int(env) >= 1:
         return int(env)
+    if "jax" in sys.modules:  # JAX's threads make a fork unsafe (it warns of deadlocks): one process
+        return 1
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux

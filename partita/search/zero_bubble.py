@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from partita.search import schedule as sched
+from partita.search import step_bounds
 
 RUNNABLE_ZERO = (0, 1)  # ZeRO stages the torch runtime runs with a split backward (docstring)
 
@@ -217,7 +218,7 @@ def least_counts(schedule: str, m: int, max_stages: int) -> np.ndarray | None:
 def solve_zero_bubble(search: Any, dp: int, b: int, schedule: str, incumbent: float = float("inf")) -> list[Any]:
     """Best candidates of ``search.solve_config`` under ``schedule`` over the depths tried (docstring).
 
-    Rule R6 first (``planner.Search.can_beat``): priced with :func:`least_counts`, no larger than any
+    Rule R6 first (``step_bounds.can_beat``): priced with :func:`least_counts`, no larger than any
     count the passes price with, where nothing fits with stages fast enough to beat ``incumbent``
     (this schedule's best step so far; inf: where nothing fits at all), no depth can give this
     schedule's best plan, and none is tried. The depth passes skip solves that cannot beat
@@ -244,12 +245,12 @@ def solve_zero_bubble(search: Any, dp: int, b: int, schedule: str, incumbent: fl
     try:
         with search.sharing_stage_parts():  # each depth re-prices the same options (Search.stage_parts)
             floor = functools.partial(least_counts, schedule, m)
-            if incumbent < float("inf") and search.time_floor(dp, b, schedule, v, incumbent) > incumbent:
+            if incumbent < float("inf") and step_bounds.time_floor(search, dp, b, schedule, v, incumbent) > incumbent:
                 search.stats.configs_cut += 1  # not even its fastest ranges, memory aside, can win
                 return []
             if floor(1) is not None:
                 with search.pricing_in_flight(floor):
-                    if not search.can_beat(dp, b, schedule, v, incumbent):  # nothing fits, or cannot win
+                    if not step_bounds.can_beat(search, dp, b, schedule, v, incumbent):  # nothing fits, or cannot win
                         search.stats.configs_cut += 1
                         return []
             first_pass = functools.lru_cache(maxsize=None)(

@@ -1,6 +1,6 @@
 """Rule R6 (issue 20): the step bound that cuts solves and configurations, and what it must not change.
 
-The bound is ``m`` times the slowest stage's period plus a tail bound (``planner._floor``). These tests
+The bound is ``m`` times the slowest stage's period plus a tail bound (``step_bounds.floor``). These tests
 check it against the simulator it bounds, check that the zero-bubble pre-check's counts are below every
 count a depth pass prices, and check that the search with the bound finds what the search without any
 cut finds: each configuration's best, and the plan with its per-schedule bests.
@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import math
 import random
+import types
 from typing import Any
 
 import numpy as np
 import pytest
 
 from partita.cluster import parse_cluster
-from partita.search import inter_op, planner
+from partita.search import inter_op, planner, step_bounds
 from partita.search import schedule as sched
 from partita.search.config import SearchOptions, TrainingConfig
 from partita.search.pipeline_sim import simulate
@@ -43,8 +44,8 @@ def test_floor_bounds_every_simulated_step(schedule: str, v: int) -> None:
         for s in range(n):
             per_rank[sched.stage_rank(schedule, s, p, v)] += f[s] + b[s] + w[s]
         tail = rng.uniform(0.0, 1.0)
-        assert planner._floor(m, max(per_rank), tail) <= step + tail
-        assert planner._t_limit(m, tail, step + tail) >= max(per_rank)  # the limit keeps this pipeline
+        assert step_bounds.floor(m, max(per_rank), tail) <= step + tail
+        assert step_bounds.t_limit(m, tail, step + tail) >= max(per_rank)  # the limit keeps this pipeline
         if v == 1 and step < sched.pipeline_time(per_rank, schedule, m).step_s * (1 - 1e-9):
             closed_form_above += 1
     if schedule == "1f1b":  # why R6 does not bound with the DP's closed form (the old rule R7 cut did)
@@ -53,12 +54,10 @@ def test_floor_bounds_every_simulated_step(schedule: str, v: int) -> None:
 
 @pytest.mark.parametrize(("schedule", "v"), [("1f1b", 1), ("gpipe", 1), ("zb_h1", 1), ("interleaved_1f1b", 2)])
 def test_chain_floors_bound_every_simulated_step(schedule: str, v: int) -> None:
-    """``Search.chains``' bounds (``inter_op.chain_floor``'s ``max_r (lead (t_0 + .. + t_{r-1}) + m t_r)``
+    """``step_bounds.chains``' bounds (``inter_op.chain_floor``'s ``max_r (lead (t_0 + .. + t_{r-1}) + m t_r)``
     times ``scale``) against the simulator, on ranks of random F / B / W splits spread over their chunks
     as ``schedule_cost`` spreads them: below every step, and tighter than ``m t`` where the slow rank
     comes late."""
-    from partita.search.planner import Search
-
     rng = random.Random(11)
     tighter = 0
     for _ in range(300):
@@ -72,12 +71,12 @@ def test_chain_floors_bound_every_simulated_step(schedule: str, v: int) -> None:
         on = [sched.stage_rank(schedule, s, p, v) for s in range(p * v)]
         chunk = [[x[r] / v for r in on] for x in (f, b, w)]
         step = simulate(schedule, p, m, *chunk, num_virtual=v).step_s
-        search = Search.__new__(Search)  # only chains() and the shares it reads
-        search.__dict__["_shares"] = (min(x / y for x, y in zip(f, t)), max(x / y for x, y in zip(w, t)))
+        search = types.SimpleNamespace()  # only the shares chains() reads (kept on the search)
+        search.__dict__["_step_shares"] = (min(x / y for x, y in zip(f, t)), max(x / y for x, y in zip(w, t)))
         best = 0.0
-        for lead, scale in Search.chains(search, 1, 1, schedule, v):
+        for lead, scale in step_bounds.chains(search, 1, 1, schedule, v):
             chain = max(lead * sum(t[:r]) + m * t[r] for r in range(p))
-            assert planner._floor(1, scale * chain, 0.0) <= step
+            assert step_bounds.floor(1, scale * chain, 0.0) <= step
             best = max(best, scale * chain)
         tighter += best > m * max(t) * (1 + 1e-9)
     assert tighter > 50
@@ -135,8 +134,11 @@ def test_least_counts_are_below_every_depth(held: float) -> None:
 
 def _unpruned(monkeypatch: pytest.MonkeyPatch) -> None:
     """The search with no R6 cut anywhere (every stage sequence kept, every zero-bubble pass run)."""
-    monkeypatch.setattr(planner, "_t_limit", lambda m, tail, bar: math.inf)
-    monkeypatch.setattr(planner.Search, "can_beat", lambda self, *a, **k: True)
+    monkeypatch.setattr(planner, "t_limit", lambda m, tail, bar: math.inf)
+    monkeypatch.setattr(planner, "time_floor", lambda *a, **k: 0.0)
+    monkeypatch.setattr(step_bounds, "time_floor", lambda *a, **k: 0.0)
+    monkeypatch.setattr(step_bounds, "can_beat", lambda *a, **k: True)
+    monkeypatch.setattr(planner, "chain_bound", lambda *a, **k: 0.0)
 
 
 def _body(plan: Any) -> dict[str, Any]:

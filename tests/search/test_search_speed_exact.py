@@ -14,7 +14,8 @@ import pytest
 from partita.errors import ConfigError
 from partita.search import inter_op, pipeline_sim
 from partita.search import schedule as sched
-from partita.search.planner import Option, _tail_bound
+from partita.search.planner import Option
+from partita.search.step_bounds import tail_bound
 
 SHAPES = [
     (schedule, p, m, v)
@@ -136,4 +137,4 @@ def test_tail_bound(seed: int) -> None:
         stack[rng.random(stack.shape) < 0.5 + 0.1 * seed] = np.inf
         arrays = [SimpleNamespace(tail=rng.random((units, units + 1))) for _ in range(combos)]
         fam.append(Option(0, 1, 1, (), (), arrays, [(0, "none")] * combos, stack))
-    assert _tail_bound(fam) == _reference_tail_bound(fam)
+    assert tail_bound(fam) == _reference_tail_bound(fam)
