@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -494,8 +494,11 @@ def scan_stages(
     return best
 
 
-def brute_force_stages(p: StageProblem) -> StageSolution | None:
-    """Exhaustive reference for tests: every split, option and segment order allowed by ``p``."""
+def brute_force_stages(
+    p: StageProblem, objective: Callable[[tuple[float, ...]], float] | None = None
+) -> StageSolution | None:
+    """Exhaustive reference for tests: every split, option and segment order allowed by ``p``, the
+    least ``objective`` of the stage times (default ``alpha * sum + beta * max``)."""
     best: list[StageSolution | None] = [None]
     num_units = p.num_units
 
@@ -505,7 +508,7 @@ def brute_force_stages(p: StageProblem) -> StageSolution | None:
             times = tuple(float(p.times[o, a, b, n - i]) for i, (a, b, o) in enumerate(acc))
             if not all(math.isfinite(t) for t in times):
                 return
-            obj = p.alpha * sum(times) + p.beta * max(times)
+            obj = p.alpha * sum(times) + p.beta * max(times) if objective is None else objective(times)
             if best[0] is None or obj < best[0].objective:
                 best[0] = StageSolution(tuple(acc), times, obj)
             return

@@ -98,10 +98,9 @@ def _mixed_tables(s: Search, configs: list[tuple[int, int]]) -> list[tuple[Devic
     (``Search.options_for``: each replica type's share of a micro-batch, at every tp they share)."""
     out = []
     for dp, b in configs:
-        for cls in s.mixes(dp, b):
+        for cls, cap in s.classes(dp, b):
             if len(cls) < 2:
                 continue
-            cap = min(s.cluster.count(d.name) // a for d, a, _ in cls)
             tps = set.intersection(*[set(s.tps(d)) for d, _, _ in cls])
             out += [(d, tp, share) for tp in sorted(tps) if tp <= cap for d, _, share in cls]
     return out
@@ -386,22 +385,30 @@ class Search:
         self._same_layout[key] = same
         return same
 
-    def options_for(self, dp: int, b: int, m: int, schedule: str, v: int) -> tuple[list[Option], list[int], list]:
-        num_units = len(self.units)
-        caps_pure = [self.cluster.count(d.name) // dp for d in self.types]
-        max_stages = max(1, min(num_units, sum(caps_pure)))
-        if self.graph.meta.get("no_pipeline"):  # the runtime cannot cut this model (the tracer says why)
-            max_stages = 1
-        in_flight = self.in_flight(schedule, m, v, max_stages)
-        opts: list[Option] = []
-        segments: list[int] = []
+    def max_stages(self, dp: int) -> int:
+        """The most pipeline stages at ``dp``: a unit each, a slot each, 1 where the runtime cannot cut
+        the model (the tracer says why)."""
+        if self.graph.meta.get("no_pipeline"):
+            return 1
+        return max(1, min(len(self.units), sum(self.cluster.count(d.name) // dp for d in self.types)))
+
+    def classes(self, dp: int, b: int) -> list[tuple[tuple[tuple[DeviceType, int, int], ...], int]]:
+        """:meth:`mixes` with each class's capacity in slots (at least one)."""
+        out = []
         for cls in self.mixes(dp, b):
             if len(cls) == 1:
                 cap = self.cluster.count(cls[0][0].name) // dp
             else:
                 cap = min(self.cluster.count(d.name) // a for d, a, _ in cls)
-            if cap < 1:
-                continue
+            if cap >= 1:
+                out.append((cls, cap))
+        return out
+
+    def options_for(self, dp: int, b: int, m: int, schedule: str, v: int) -> tuple[list[Option], list[int], list]:
+        in_flight = self.in_flight(schedule, m, v, self.max_stages(dp))
+        opts: list[Option] = []
+        segments: list[int] = []
+        for cls, cap in self.classes(dp, b):
             seg = len(segments)
             segments.append(cap)
             tps = sorted(set.intersection(*[set(self.tps(d)) for d, _, _ in cls]))

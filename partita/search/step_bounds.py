@@ -179,19 +179,9 @@ def time_floor(search: Any, dp: int, b: int, schedule: str, v: int = 1, bar: flo
     ``bar`` (:func:`t_limit`) are left out: inf where only such sequences are left."""
     m = search.training.global_batch // (b * dp)
     pairs = chains(search, dp, b, schedule, v)
-    num_units = len(search.units)
-    caps_pure = [search.cluster.count(d.name) // dp for d in search.types]
-    max_stages = max(1, min(num_units, sum(caps_pure)))
-    if search.graph.meta.get("no_pipeline"):
-        max_stages = 1
+    max_stages = search.max_stages(dp)
     fams: dict[bool, tuple[list[np.ndarray], list[int], list[int], list[int]]] = {}
-    for cls in search.mixes(dp, b):
-        if len(cls) == 1:
-            cap = search.cluster.count(cls[0][0].name) // dp
-        else:
-            cap = min(search.cluster.count(d.name) // a for d, a, _ in cls)
-        if cap < 1:
-            continue
+    for cls, cap in search.classes(dp, b):
         times, segs, widths, caps = fams.setdefault(len(cls) > 1, ([], [], [], []))
         seg = len(caps)
         caps.append(cap)

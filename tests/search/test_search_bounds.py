@@ -82,32 +82,6 @@ def test_chain_floors_bound_every_simulated_step(schedule: str, v: int) -> None:
     assert tighter > 50
 
 
-def _chain_brute_force(p: Any, m: int) -> float:
-    """The least ``max_r (t_0 + ... + t_{r-1} + m t_r)`` over every stage sequence of ``p`` (the
-    sequences ``inter_op.brute_force_stages`` enumerates)."""
-    best = [math.inf]
-
-    def rec(k: int, seg: int, left: list[int], acc: list[tuple[int, int, int]]) -> None:
-        if k == p.num_units:
-            times = [float(p.times[o, a, b, len(acc) - i]) for i, (a, b, o) in enumerate(acc)]
-            if all(math.isfinite(x) for x in times):
-                best[0] = min(best[0], max(sum(times[:r]) + m * times[r] for r in range(len(times))))
-            return
-        if len(acc) >= p.max_stages:
-            return
-        for o, sg in enumerate(p.option_segment):
-            w = p.option_width[o]
-            if sg < seg or w > left[sg]:
-                continue
-            for j in range(k + 1, p.num_units + 1):
-                left[sg] -= w
-                rec(j, sg, left, [*acc, (k, j, o)])
-                left[sg] += w
-
-    rec(0, 0, list(p.capacities), [])
-    return best[0]
-
-
 @pytest.mark.parametrize("seed", range(3))
 def test_chain_floor_equals_brute_force(seed: int) -> None:
     from tests.search.test_inter_op import _random_problem
@@ -116,8 +90,9 @@ def test_chain_floor_equals_brute_force(seed: int) -> None:
     for _ in range(30):
         p = _random_problem(rng)
         m = int(p.beta) + 1
-        got, ref = inter_op.chain_floor(p, m), _chain_brute_force(p, m)
-        assert got == pytest.approx(ref, rel=1e-12) if math.isfinite(ref) else got == math.inf
+        sol = inter_op.brute_force_stages(p, lambda ts, m=m: max(sum(ts[:r]) + m * ts[r] for r in range(len(ts))))
+        got = inter_op.chain_floor(p, m)
+        assert got == math.inf if sol is None else got == pytest.approx(sol.objective, rel=1e-12)
 
 
 @pytest.mark.parametrize("held", [1.0, 1.3, 2.0, 3.5])
