@@ -4,7 +4,10 @@ Called by ``driver.py``. For every outer configuration (data-parallel degree ``d
 per-replica micro-batch ``b``, hence ``m = global_batch / (b * dp)`` micro-batches) it prices every
 stage option with ``stage_cost.py`` (per-layer LayerSolutions from the intra-op ILP, memoised by
 layer kind), runs the stage DP of ``inter_op.py`` and keeps the best plans; the winner is written
-as a :class:`~partita.plan.Plan` with its runners-up and why they lost.
+as a :class:`~partita.plan.Plan` with its runners-up and why they lost. Before the loop the layer
+ILPs are solved (``search/prefetch.py``, in worker processes where it pays); the zero-bubble
+loop runs beside the others there, and each schedule skips what cannot beat its own bar
+(:func:`_schedule_loop`, ``search/step_bounds.py``).
 
 Families of stage options (pruning rules R3-R6 are in ``inter_op``'s docstring):
 
@@ -451,11 +454,13 @@ class Search:
         stage's ZeRO / recompute combo. Rule R7: solve with every combo allowed, then again with only
         the combos whose tail is below ``(1 - tail_epsilon)`` times the last solution's largest tail,
         and so on; keep the best total; stop when nothing fits or when no stage sequence that fits
-        under the cap can beat that total or ``incumbent`` (the best step of the configurations
-        searched before): rule R6, :func:`_t_limit`, whose bound holds for the simulated step (the
-        DP's closed form does not bound it: a pipeline whose slowest stage comes first simulates
-        faster than ``sum + (m - 1) max``, by up to 22% on random 1F1B stages). ``tail_epsilon=0`` is
-        exact; otherwise the result is within that fraction of the optimum's tail.
+        under the cap can beat that total or ``incumbent`` (what the configurations searched before
+        leave it to beat): rule R6 (``search/step_bounds.py``), whose bounds hold for the simulated
+        step (the DP's closed form does not bound it: a pipeline whose slowest stage comes first
+        simulates faster than ``sum + (m - 1) max``, by up to 22% on random 1F1B stages). The DP keeps
+        to stages fast enough to reach the bar (``step_bounds.t_limit``); a configuration whose unit
+        tables alone cannot reach it is not priced at all (``step_bounds.time_floor``).
+        ``tail_epsilon=0`` is exact; otherwise the result is within that fraction of the optimum's tail.
         """
         m = self.training.global_batch // (b * dp)
         pairs = chains(self, dp, b, schedule, v)  # inter_op.chain_floor bounds the simulated step with them
