@@ -121,3 +121,12 @@ class SearchOptions:
                 "max_tp and max_micro_batch must be >= 1, t_max_epsilon >= 0 and 0 <= tail_epsilon < 1.",
                 "fix the option.",
             )
+
+
+def powers_of_two(limit: int) -> list[int]:
+    """1, 2, 4, ... up to ``limit``: the dp, tp and micro-batch sizes the search tries."""
+    out, x = [], 1
+    while x <= limit:
+        out.append(x)
+        x *= 2
+    return out

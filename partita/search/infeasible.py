@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from partita.errors import InfeasibleError
+from partita.search.config import powers_of_two
 
 
 def _states_bytes(search: Any) -> tuple[float, float]:
@@ -80,7 +81,7 @@ def infeasible(search: Any) -> InfeasibleError:
     stage, at the best dp x tp x pp split, micro-batch 1, with every ZeRO stage and recompute on
     offer), against what the type has."""
     need: dict[str, float] = {}
-    for dp in (1 << k for k in range(search.cluster.num_devices.bit_length())):  # the planner's dp degrees
+    for dp in powers_of_two(search.cluster.num_devices):
         if search.training.global_batch % dp:
             continue
         m = search.training.global_batch // dp

@@ -42,7 +42,7 @@ from partita.plan import Plan
 from partita.search import chunk_layout, schedule_cost, v_layout
 from partita.search import prefetch as beside
 from partita.search import schedule as sched
-from partita.search.config import SearchOptions, TrainingConfig
+from partita.search.config import SearchOptions, TrainingConfig, powers_of_two
 from partita.search.infeasible import check_states_fit, infeasible
 from partita.search.inter_op import DPStats, solve_stages
 from partita.search.plan_build import Candidate, StagePick, build_plan
@@ -106,14 +106,6 @@ def _mixed_tables(s: Search, configs: list[tuple[int, int]]) -> list[tuple[Devic
                 continue
             tps = set.intersection(*[set(s.tps(d)) for d, _, _ in cls])
             out += [(d, tp, share) for tp in sorted(tps) if tp <= cap for d, _, share in cls]
-    return out
-
-
-def powers_of_two(limit: int) -> list[int]:
-    out, x = [], 1
-    while x <= limit:
-        out.append(x)
-        x *= 2
     return out
 
 
