@@ -43,11 +43,11 @@ from partita.driver import Traced, _write_outputs, trace_handle
 from partita.models import resolve_model
 from partita.plan import Plan
 from partita.profile.profiler import calibrated_cluster
-from partita.search import schedule as sched
-from partita.search.config import SearchOptions, TrainingConfig
-from partita.search.evaluate import megatron_split
-from partita.search.plan_build import Candidate, StagePick, build_plan
-from partita.search.planner import Option, Search
+from partita.search.entry.evaluate import megatron_split
+from partita.search.entry.planner import Option, Search
+from partita.search.pipeline import schedule as sched
+from partita.search.pricing.config import SearchOptions, TrainingConfig
+from partita.search.program.plan_build import Candidate, StagePick, build_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "partita" / "data" / "profiles" / "cpu-4rank-example.json"

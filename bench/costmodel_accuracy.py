@@ -39,10 +39,10 @@ from gpt_graphs import gpt_graph  # noqa: E402
 
 from partita.cluster import Cluster, parse_cluster  # noqa: E402
 from partita.ir import Graph  # noqa: E402
-from partita.search.config import TrainingConfig  # noqa: E402
-from partita.search.cost_model import CostModel, Efficiency  # noqa: E402
-from partita.search.evaluate import Evaluation, evaluate_config  # noqa: E402
-from partita.search.stage_cost import SolverCosts  # noqa: E402
+from partita.search.entry.evaluate import Evaluation, evaluate_config  # noqa: E402
+from partita.search.pipeline.stage_cost import SolverCosts  # noqa: E402
+from partita.search.pricing.config import TrainingConfig  # noqa: E402
+from partita.search.pricing.cost_model import CostModel, Efficiency  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CSV = ROOT / "partita" / "data" / "a100_megatron_measured.csv"

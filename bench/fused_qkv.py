@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gpt_graphs import gpt_graph  # noqa: E402
 
 from partita.cluster import parse_cluster  # noqa: E402
-from partita.search.config import SearchOptions, TrainingConfig  # noqa: E402
-from partita.search.evaluate import evaluate_config  # noqa: E402
-from partita.search.planner import plan_graph  # noqa: E402
+from partita.search.entry.evaluate import evaluate_config  # noqa: E402
+from partita.search.entry.planner import plan_graph  # noqa: E402
+from partita.search.pricing.config import SearchOptions, TrainingConfig  # noqa: E402
 
 OUT = Path(__file__).parent / "results" / "fused_qkv.json"
 MODELS = {"gpt3-1.3b": (2048, 16, 24), "gpt3-6.7b": (4096, 32, 32), "gpt3-13b": (5120, 40, 40)}

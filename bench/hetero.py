@@ -4,7 +4,7 @@ For GPT-3 13B and 39B on ``mixed-lab`` (16 A100-80G + 16 V100-32G + 8 L4) and 16
 V100-32G, global batch 256 x 2048, all priced by the planner's own cost path:
 
 * ``partita``: ``plan_graph`` with the defaults (a bf16 request trains in fp16 when the cluster has
-  GPUs without bf16 tensor cores, ``search/precision.py``); ``bf16``: the same search held to bf16;
+  GPUs without bf16 tensor cores, ``search/pricing/precision.py``); ``bf16``: the same search held to bf16;
 * ``best subset``: the best plan on any single device type of the cluster (same search, same dtype
   rule); speedup = its step time / ours;
 * heterogeneity gap = 1 - MFU(mixed plan, vs the whole cluster's peak) / MFU(plan on a homogeneous
@@ -29,9 +29,9 @@ from gpt_graphs import gpt_graph  # noqa: E402
 
 from partita.cluster import DEVICE_PRESETS, Cluster, parse_cluster  # noqa: E402
 from partita.errors import InfeasibleError  # noqa: E402
-from partita.search.baselines import subset  # noqa: E402
-from partita.search.config import SearchOptions, TrainingConfig  # noqa: E402
-from partita.search.planner import plan_graph  # noqa: E402
+from partita.search.entry.baselines import subset  # noqa: E402
+from partita.search.entry.planner import plan_graph  # noqa: E402
+from partita.search.pricing.config import SearchOptions, TrainingConfig  # noqa: E402
 
 OUT = Path(__file__).parent / "results" / "hetero.json"
 CLUSTERS = ["mixed-lab", "16xA100-80G+16xV100-32G"]

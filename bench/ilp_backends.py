@@ -1,7 +1,7 @@
-"""Benchmark the OR-Tools backends on the strategy-selection ILP (``partita/search/ilp.py``).
+"""Benchmark the OR-Tools backends on the strategy-selection ILP (``partita/search/layer/ilp.py``).
 
 Run: ``python bench/ilp_backends.py [--quick]``. Problems: the real GPT-3 175B block on an (8, 8)
-mesh (as built by ``search/intra_op.py``) and synthetic Alpa-style problems (N vertices x 6
+mesh (as built by ``search/layer/intra_op.py``) and synthetic Alpa-style problems (N vertices x 6
 strategies, chain + skip edges every 4 vertices, memory knapsack at 60% of the replicated total).
 Prints objective, bound, gap, status and time per backend; writes ``bench/results/ilp_backends.json``.
 """
@@ -20,9 +20,9 @@ sys.path.insert(0, str(ROOT))
 
 from partita.cluster import DEVICE_PRESETS  # noqa: E402
 from partita.search import ilp  # noqa: E402
-from partita.search.cost_model import CostModel  # noqa: E402
-from partita.search.intra_op import _LayerProblem  # noqa: E402
-from partita.search.mesh import LogicalMesh  # noqa: E402
+from partita.search.layer.intra_op import _LayerProblem  # noqa: E402
+from partita.search.pricing.cost_model import CostModel  # noqa: E402
+from partita.search.pricing.mesh import LogicalMesh  # noqa: E402
 from tests.search import builders  # noqa: E402
 
 BACKENDS = ("highs", "scip", "cbc", "cpsat")

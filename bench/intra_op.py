@@ -16,10 +16,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from partita.cluster import DEVICE_PRESETS  # noqa: E402
-from partita.search.cost_model import CostModel  # noqa: E402
-from partita.search.intra_op import solve_layer  # noqa: E402
-from partita.search.memo import IntraOpMemo  # noqa: E402
-from partita.search.mesh import LogicalMesh  # noqa: E402
+from partita.search.layer.intra_op import solve_layer  # noqa: E402
+from partita.search.layer.memo import IntraOpMemo  # noqa: E402
+from partita.search.pricing.cost_model import CostModel  # noqa: E402
+from partita.search.pricing.mesh import LogicalMesh  # noqa: E402
 from tests.search import builders  # noqa: E402
 
 CASES = [

@@ -26,7 +26,7 @@ from typing import Any
 from partita.driver import compile_to_dir, trace_model
 from partita.errors import PartitaError
 from partita.models import families, resolve_model
-from partita.search.config import TrainingConfig
+from partita.search.pricing.config import TrainingConfig
 
 OUT = Path(__file__).parent / "results" / "models.json"
 CLUSTER = "8xA100-80G+8xV100-32G"

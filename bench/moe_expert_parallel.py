@@ -24,8 +24,8 @@ from partita.cluster import parse_cluster
 from partita.frontends.trace import trace_handle
 from partita.models import resolve_model
 from partita.passes.pipeline import PassOptions
-from partita.search.config import SearchOptions, TrainingConfig
-from partita.search.planner import plan_graph
+from partita.search.entry.planner import plan_graph
+from partita.search.pricing.config import SearchOptions, TrainingConfig
 
 OUT = Path(__file__).parent / "results" / "moe_expert_parallel.json"
 MODEL, CLUSTER, BATCH, SEQ = "mixtral-8x7b", "64xH100-80G", 256, 4096

@@ -1,7 +1,7 @@
 """Rehearse real-size plans (issue 15's list) and print, per plan and stage, match or the exact mismatches.
 
 Each row compiles a plan (the search, ``partita compile``; or a hand Megatron layout priced by the
-same model, ``search/hand_plan.py``) into a directory under ``bench/.cache/rehearse/`` and runs
+same model, ``search/entry/hand_plan.py``) into a directory under ``bench/.cache/rehearse/`` and runs
 ``partita rehearse`` on it (``backends/torch/rehearse.py``): the emitted program at the plan's full
 world size and model size, on fake tensors and a fake process group, compared with the plan's
 records. Writes ``bench/results/rehearse.json`` with wall and CPU seconds per rehearsal (the CPU time
@@ -39,7 +39,7 @@ ROWS: dict[str, tuple[str, str, int, int, dict[str, Any] | None]] = {
 
 def make_dir(name: str, model: str, cluster: str, batch: int, seq: int, layout: dict[str, Any] | None) -> Path:
     """Compile one row into ``OUT/name`` (plan.json + program_torch.py)."""
-    from partita.search.config import TrainingConfig
+    from partita.search.pricing.config import TrainingConfig
 
     out = OUT / name
     training = TrainingConfig(global_batch=batch, seq_len=seq)
@@ -62,7 +62,7 @@ def write_hand_plan(out: Path, model: str, cluster: str, training: Any, **layout
     from partita.driver import trace_model
     from partita.frontends.trace import TRACE_BATCH
     from partita.plan import Plan
-    from partita.search.hand_plan import hand_plan
+    from partita.search.entry.hand_plan import hand_plan
 
     traced = trace_model(model, batch=TRACE_BATCH, seq=training.seq_len)
     plan = hand_plan(traced.graph, parse_cluster(cluster), training, **layout)
@@ -79,7 +79,7 @@ def megatron_llama_plan(model: str, cluster: str, batch: int, seq: int, *, tp: i
     o and down row-parallel (``S(1)``), the LM head column-parallel. For the closed-form checks of
     the runtime's tensor-parallel traffic at full size (``tests/runtime/test_rehearse.py``); it is no
     row of the table: a plan written by hand has no tensor-parallel, memory or FLOPs records to
-    compare (the ``llama-7b-megatron-*`` rows are the same layouts priced by ``search/hand_plan.py``)."""
+    compare (the ``llama-7b-megatron-*`` rows are the same layouts priced by ``search/entry/hand_plan.py``)."""
     from partita.cluster import parse_cluster
     from partita.models.zoo import resolve_model
     from partita.plan import Collective, Plan, Stage

@@ -3,18 +3,18 @@
 For GPT-3 13B (seq 2048) on 32 A100-80G and on 16 A100-80G + 16 V100-32G, at global batches 32 and
 256, the planner runs once per family with ``SearchOptions(schedules=(family,))`` (max micro-batch
 8) and the winner's predicted step time, bubble, peak memory per device and layout are recorded.
-Every step is the family's action list simulated (``search/pipeline_sim.py``) on the stages' F, B, W
+Every step is the family's action list simulated (``search/pipeline/pipeline_sim.py``) on the stages' F, B, W
 times, plus the exposed gradient-sync / optimizer tail. Zero-bubble families (``zb_h1``, ``zbv``)
 search only ZeRO-0 stages without recompute (what the torch runtime runs with a split backward); the
 row ``1f1b same space`` holds 1F1B to that space too, so the schedule's own effect reads apart from
 the ZeRO / recompute options it gives up. ``runs`` says whether ``emit_torch`` accepts the plan.
-``zbv`` is priced on the V layout the runtime runs (``search/v_layout.py``: from the best ZB-H1
+``zbv`` is priced on the V layout the runtime runs (``search/program/v_layout.py``: from the best ZB-H1
 candidates of the best configurations, the model cut into ``2p`` chunks, chunk ``s`` on rank group
 ``s`` or ``2p - 1 - s``, each chunk priced on its own layers); ``zbv same space`` holds it to ZeRO-0
 without recompute like ``1f1b same space``; ``default - zbv`` is the default search without ZB-V (the
 default searched every family but ZB-V until its rehearsal matched its plan). ``interleaved_1f1b``
 only refines the best 1F1B plans that have several stages, and keeps the candidates the torch
-program runs as model chunks (ZeRO-0/1 over dp > 1, layer kinds kept: ``search/chunk_layout.py``);
+program runs as model chunks (ZeRO-0/1 over dp > 1, layer kinds kept: ``search/program/chunk_layout.py``);
 where none qualifies it returns a 1F1B plan (column ``got``); ``interleaved same space`` searches it
 in the ZeRO-0 / no-recompute space, where it can. A chunked plan's layout lists its rank groups, each
 with its chunks' layer counts. The row ``default search`` is ``partita compile``'s search (its
@@ -37,8 +37,8 @@ from gpt_graphs import gpt_graph  # noqa: E402
 
 from partita.cluster import parse_cluster  # noqa: E402
 from partita.errors import PartitaError  # noqa: E402
-from partita.search.config import SearchOptions, TrainingConfig  # noqa: E402
-from partita.search.planner import plan_graph  # noqa: E402
+from partita.search.entry.planner import plan_graph  # noqa: E402
+from partita.search.pricing.config import SearchOptions, TrainingConfig  # noqa: E402
 
 OUT = Path(__file__).parent / "results" / "schedules.json"
 MODEL = ("gpt3-13b", (5120, 40, 40))

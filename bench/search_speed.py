@@ -115,8 +115,8 @@ def _timed(fn: Any) -> tuple[Any, dict[str, float]]:
 
 def _plan(graph: Any, cluster: str, batch: int, solver: Any, exact: bool) -> Any:
     from partita.cluster import parse_cluster
-    from partita.search.config import SearchOptions, TrainingConfig
-    from partita.search.planner import Search, plan_graph, solve_stages
+    from partita.search.entry.planner import Search, plan_graph, solve_stages
+    from partita.search.pricing.config import SearchOptions, TrainingConfig
 
     opts = SearchOptions(t_max_epsilon=0.0, tail_epsilon=0.0) if exact else SearchOptions()
     Search.stage_solver = staticmethod(solver)
@@ -136,7 +136,7 @@ def _body(plan: Any) -> str:
 def exactness_small() -> list[dict[str, Any]]:
     from partita.frontends.trace import trace_handle
     from partita.models import resolve_model
-    from partita.search.inter_op import scan_stages, solve_stages
+    from partita.search.pipeline.inter_op import scan_stages, solve_stages
 
     rows = []
     for model in ("gpt2-tiny", "llama-tiny"):
@@ -162,7 +162,7 @@ def exactness_small() -> list[dict[str, Any]]:
 def exactness_trace() -> dict[str, Any]:
     from partita.frontends.trace import trace_handle
     from partita.models.zoo import _hf_handle
-    from partita.search.inter_op import solve_stages
+    from partita.search.pipeline.inter_op import solve_stages
 
     h = _hf_handle("gpt2-6", "gpt2", "bench", n_embd=256, n_layer=6, n_head=4, vocab_size=1024, n_positions=2048)
     full = trace_handle(h, seq=2048, repeat=False)
@@ -198,7 +198,7 @@ def exact_large() -> dict[str, Any]:
     """The slow reference: 175B on 1024 GPUs of 3 types, exact settings, the scan (before R8)."""
     from partita.frontends.trace import trace_handle
     from partita.models import resolve_model
-    from partita.search.inter_op import scan_stages
+    from partita.search.pipeline.inter_op import scan_stages
 
     g = trace_handle(resolve_model("gpt3-175b"), seq=2048)
     c0, t0 = time.process_time(), time.perf_counter()

@@ -44,7 +44,7 @@ def _is_torch_module(obj: Any) -> bool:
 
 
 def training_config(global_batch: int | None, seq_len: int | None, plan: Plan | None, **kw: Any) -> Any:
-    from partita.search.config import TrainingConfig
+    from partita.search.pricing.config import TrainingConfig
 
     if plan is not None:
         global_batch = global_batch or int(plan.training["global_batch"])

@@ -116,7 +116,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 
 def _training(args: argparse.Namespace) -> Any:
-    from partita.search.config import TrainingConfig
+    from partita.search.pricing.config import TrainingConfig
 
     dtype = {"fp16": "f16", "fp32": "f32"}.get(args.dtype, args.dtype)  # --precision spells them fp16 / fp32
     return TrainingConfig(global_batch=args.global_batch, seq_len=args.seq, dtype=dtype, optimizer=args.optimizer)

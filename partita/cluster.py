@@ -6,7 +6,7 @@ ranks) and its own :class:`Network` (all compute NICs of a node together). Every
 type has a :data:`REFERENCE_NODES` entry (DGX A100: 8 x 200 Gb/s; DGX H100/H200: 8 x 400 Gb/s;
 DGX-1 V100: 4 x 100 Gb/s; cloud L4/T4 nodes: 1 x 100 Gb/s) that shorthand clusters get. The link
 between two node groups is the slower side unless ``links`` says otherwise; a collective that spans
-nodes is priced at the slowest link it crosses (``search/mesh.py``, ``search/cost_model.py``).
+nodes is priced at the slowest link it crosses (``search/pricing/mesh.py``, ``search/pricing/cost_model.py``).
 
 Three ways to name a cluster (:func:`parse_cluster`):
 
@@ -54,7 +54,7 @@ from typing import Any
 
 from partita.errors import ClusterSpecError
 
-# Calibration profile format (``partita profile``); ``search/cost_model.py`` re-exports these.
+# Calibration profile format (``partita profile``); ``search/pricing/cost_model.py`` re-exports these.
 PROFILE_FORMAT = "partita.efficiency"
 PROFILE_VERSION = 1
 PROFILE_OVERRIDES = ("peak_flops", "hbm_bandwidth", "intra_node_bandwidth", "intra_node_latency")

@@ -106,12 +106,12 @@ class Traced:
     def plan(
         self, cluster: str | Cluster, training: Any, *, gpus_per_node: int | None = None, progress: bool = False
     ) -> Planned:
-        from partita.search.planner import plan_graph
+        from partita.search.entry.planner import plan_graph
 
         cl = parse_cluster(cluster, gpus_per_node) if isinstance(cluster, str) else cluster
         t0 = time.perf_counter()
-        from partita.search.hand_best import yardstick  # the report's yardstick (issue 18)
-        from partita.search.memo import IntraOpMemo
+        from partita.search.entry.hand_best import yardstick  # the report's yardstick (issue 18)
+        from partita.search.layer.memo import IntraOpMemo
 
         memo = IntraOpMemo()  # shared: the yardstick re-prices layers the search solved
         plan = plan_graph(
@@ -306,7 +306,7 @@ class CachedPlan:
 
 def _peak_rss_bytes() -> int:
     """The largest peak resident set size of this process and of the worker processes it waited for
-    (``search/prefetch.py``'s forks; ``resource.getrusage``; Linux reports KiB)."""
+    (``search/entry/prefetch.py``'s forks; ``resource.getrusage``; Linux reports KiB)."""
     try:
         import resource
         import sys
@@ -525,7 +525,7 @@ def evaluate_model(
 ) -> Any:
     _check_training(training)
     cl = parse_cluster(cluster, gpus_per_node)  # validate the cheap inputs before tracing
-    from partita.search.evaluate import check_sequence_parallel, evaluate_config
+    from partita.search.entry.evaluate import check_sequence_parallel, evaluate_config
 
     check_sequence_parallel(sequence_parallel)
 
@@ -555,14 +555,14 @@ def compile_layout(
     gpus_per_node: int | None = None,
 ) -> Compiled:
     """``partita compile MODEL --tp T --pp P --dp D --micro-batch b ...``: the Plan and program of one
-    hand-made layout (``search/hand_plan.py``), priced as ``evaluate`` prices it; no search, no cache.
+    hand-made layout (``search/entry/hand_plan.py``), priced as ``evaluate`` prices it; no search, no cache.
     A layout that cannot be built raises ``ConfigError`` before anything is written."""
     t0 = time.perf_counter()
     _check_training(training)
     cl = parse_cluster(cluster, gpus_per_node)  # validate the cheap inputs before tracing
-    from partita.search import sequence_parallel
-    from partita.search.hand_plan import hand_plan
-    from partita.search.precision import choose_precision
+    from partita.search.entry.hand_plan import hand_plan
+    from partita.search.pricing.precision import choose_precision
+    from partita.search.program import sequence_parallel
 
     if layout.get("sequence_parallel"):  # what the runtime does not build with it, refused before tracing
         keys = ("tp", "dp", "zero_stage", "recompute", "schedule", "num_virtual")

@@ -15,7 +15,7 @@ Every node has a :class:`Prim` from a small closed set and an einsum-like :class
   reshape creates);
 * labels that appear only on some operands are broadcast.
 
-That one description lets ``search/strategies.py`` enumerate the sharding strategies of every op
+That one description lets ``search/layer/strategies.py`` enumerate the sharding strategies of every op
 with a single generic rule. Shapes are tuples of sympy expressions so batch and sequence can stay
 symbolic (``B``, ``S``); :func:`dim_size` evaluates one.
 """

@@ -298,7 +298,7 @@ def along(in_ranks: Sequence[int], out_ranks: Sequence[int], dim: int) -> DimSig
 def cross_entropy(logits_rank: int) -> DimSig:
     """``logits[..., v]`` with integer ``labels[...]`` -> scalar loss. Batch dims are reduced (a
     sharded batch gives a partial loss); the class dim is fixed for the generic rule (vocab-parallel
-    cross entropy is an explicit rule in ``search/strategies.py``)."""
+    cross entropy is an explicit rule in ``search/layer/strategies.py``)."""
     lab = _Labels("v")
     batch = lab.many(logits_rank - 1)
     return DimSig((batch + "v", batch), ("",), batch, "v")

@@ -96,7 +96,7 @@ def test_shorthand_gets_the_reference_node_network(spec: str, nics: int, gbps: f
 
 
 def test_dgx_h100_dp_ring_gets_one_nic_per_gpu() -> None:
-    from partita.search.mesh import LogicalMesh
+    from partita.search.pricing.mesh import LogicalMesh
 
     c = parse_cluster("64xH100-80G")
     dev = c.groups[0].device
@@ -147,7 +147,7 @@ def test_network_file_errors(tmp_path, text: str, match: str) -> None:
 
 
 def test_shipped_a100_calibration_is_applied_by_default_and_can_be_turned_off(tmp_path, monkeypatch) -> None:
-    from partita.search.cost_model import CostModel, Efficiency
+    from partita.search.pricing.cost_model import CostModel, Efficiency
 
     on = parse_cluster("16xA100-80G")
     dev = on.groups[0].device

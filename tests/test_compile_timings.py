@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from partita.driver import compile_to_dir
-from partita.search.config import TrainingConfig
+from partita.search.pricing.config import TrainingConfig
 
 
 def test_json_has_timings_and_plans_stay_identical(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

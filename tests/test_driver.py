@@ -6,7 +6,7 @@ import pytest
 
 from partita.driver import compile_to_dir, trace_model
 from partita.plan import Plan
-from partita.search.config import TrainingConfig
+from partita.search.pricing.config import TrainingConfig
 
 
 @pytest.fixture(autouse=True)
@@ -57,7 +57,7 @@ def test_cache_hit_in_a_fresh_process_imports_no_torch(tmp_path) -> None:
     code = (
         "import sys, json\n"
         "from partita.driver import compile_to_dir\n"
-        "from partita.search.config import TrainingConfig\n"
+        "from partita.search.pricing.config import TrainingConfig\n"
         f"c = compile_to_dir('mlp', '4xCPU', TrainingConfig(global_batch=16, seq_len=32, dtype='f32'), {str(tmp_path / 'b')!r})\n"
         "print(json.dumps({'hit': c.cache_hit, 'torch': 'torch' in sys.modules, 's': c.elapsed_s}))\n"
     )

@@ -256,9 +256,9 @@ def test_search_never_pipelines_a_model_the_runtime_refuses(tmp_path) -> None:
     from partita.frontends.trace import trace_handle
     from partita.frontends.trace_torch import trace_module
     from partita.passes.pipeline import run_passes
-    from partita.search.config import TrainingConfig
-    from partita.search.hand_plan import hand_plan
-    from partita.search.planner import plan_graph
+    from partita.search.entry.hand_plan import hand_plan
+    from partita.search.entry.planner import plan_graph
+    from partita.search.pricing.config import TrainingConfig
 
     graph = trace_handle(resolve_model(str(families.write_config(tmp_path / "t5", families.tiny("t5")))), seq=16)
     assert "no_pipeline" not in graph.meta

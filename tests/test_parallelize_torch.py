@@ -129,7 +129,7 @@ class Chain(torch.nn.Module):
 def test_module_handle_traces_a_weightless_copy_and_keys_the_cache() -> None:
     from partita.cluster import parse_cluster
     from partita.driver import cache_key
-    from partita.search.config import TrainingConfig
+    from partita.search.pricing.config import TrainingConfig
 
     m = Chain()
     h = module_handle(m, torch.randn(3, 8))

@@ -389,7 +389,7 @@ def test_partita_run_writes_run_log_and_report_reads_it(tmp_path, monkeypatch) -
     import json
 
     from partita.driver import compile_to_dir, report, run_plan
-    from partita.search.config import TrainingConfig
+    from partita.search.pricing.config import TrainingConfig
 
     monkeypatch.setenv("PARTITA_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")

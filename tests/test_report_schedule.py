@@ -9,15 +9,15 @@ import pytest
 from partita.cluster import parse_cluster
 from partita.plan import Plan
 from partita.report.html import _KINDS, _schedule, timeline_html
-from partita.search.config import TrainingConfig
-from partita.search.schedule import pipeline_actions, splits_backward
+from partita.search.pipeline.schedule import pipeline_actions, splits_backward
+from partita.search.pricing.config import TrainingConfig
 
 
 @pytest.fixture(scope="module")
 def plans() -> dict[str, Plan]:
     from partita.frontends.trace import trace_handle
     from partita.models import resolve_model
-    from partita.search.hand_plan import hand_plan
+    from partita.search.entry.hand_plan import hand_plan
 
     graph = trace_handle(resolve_model("gpt2-tiny"), batch=1, seq=32)
     cl, tr = parse_cluster("2xA100-80G"), TrainingConfig(global_batch=8, seq_len=32)

@@ -74,7 +74,7 @@ def test_cold_compile_of_a_stored_model_imports_no_framework(tmp_path) -> None:
     transformers: the emitter builds the model on meta only for a tp stage without roles."""
     out = tmp_path / "out"
     code = (
-        "import sys; from partita.driver import compile_to_dir; from partita.search.config import TrainingConfig; "
+        "import sys; from partita.driver import compile_to_dir; from partita.search.pricing.config import TrainingConfig; "
         f"compile_to_dir('llama-7b', '64xH100-80G', TrainingConfig(global_batch=8, seq_len={stored.STORED_SEQ}), "
         f"{str(out)!r}); print(sorted(m for m in ('torch', 'transformers', 'jax') if m in sys.modules))"
     )

@@ -1,6 +1,6 @@
 """What crosses a pipeline cut: the live tensors between two layers, from the traced graph's data flow.
 
-Read by the search (``search/stage_cost.py`` prices a cut's p2p bytes, ``search/records.py`` records
+Read by the search (``search/pipeline/stage_cost.py`` prices a cut's p2p bytes, ``search/program/records.py`` records
 them) and by the tracer (``frontends/trace_torch.py`` marks a graph the runtime cannot cut), after the
 passes of ``passes/pipeline.py`` have grouped the nodes into layers. Pure functions of a ``Graph``.
 

@@ -16,7 +16,7 @@ input) with the new group label fixed, and lets the split's outputs keep the ``n
 ILP can then shard ``n``: the heads of each chunk, no collective before the split.
 
 ``graph.meta["strided_params"]`` maps each rewritten parameter tensor to ``[dim, g]`` (its real
-dim and group count); ``search/intra_op.py`` writes the placement of the IR's ``n`` dim as
+dim and group count); ``search/layer/intra_op.py`` writes the placement of the IR's ``n`` dim as
 ``"SS(dim,g)"`` in the plan, which ``backends/torch/tp.py`` applies as ``_StridedShard(dim, g)``.
 FLOPs, bytes and parameter counts are unchanged (the dims multiply to the old one).
 

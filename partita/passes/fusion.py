@@ -7,7 +7,7 @@ way: XLA and Inductor fuse chains of pointwise ops (and pointwise prologues into
 as softmax and layer norm), and Megatron-LM ships the same fusions by hand (bias-GeLU,
 scale-mask-softmax, bias-dropout-add). Eager PyTorch (what ``backends/torch/parallel.py`` runs)
 does not. So this pass only marks what *can* be fused; the pricing decides how much is:
-``search/intra_op.py`` removes ``Efficiency.pointwise_fusion`` (0 = eager, 1 = fused) of the
+``search/layer/intra_op.py`` removes ``Efficiency.pointwise_fusion`` (0 = eager, 1 = fused) of the
 marked bytes, and all of them for JAX graphs (XLA always fuses).
 
 Rule: a tensor written by a pointwise node (``ELEMENTWISE``, ``DROPOUT``) whose only real

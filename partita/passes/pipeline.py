@@ -50,7 +50,7 @@ def pipeline_cuts(graph: Graph) -> Graph:
     """Mark a torch graph that no pipeline cut can run (``passes/boundaries.pipeline_refusal``): the
     search then keeps it to one stage and says why (``graph.meta["no_pipeline"]``). A graph the
     runtime pipelines but not in model chunks gets ``graph.meta["no_chunks"]``: the search leaves
-    interleaved 1F1B with ``v > 1`` and ZB-V out for it (``search/planner.py``)."""
+    interleaved 1F1B with ``v > 1`` and ZB-V out for it (``search/entry/planner.py``)."""
     if graph.meta.get("no_pipeline") or graph.meta.get("framework", "torch") != "torch":
         return graph  # a reason given before (kept), or a JAX graph (its runtime cuts by its own rules)
     cls = graph.meta.get("model_class", graph.name)

@@ -5,7 +5,7 @@ Called by ``profile/profiler.profile`` through :func:`run_ranks`, which spawns `
 fed by rank 0 and returns rank 0's raw tables. Every rank runs the same compute benchmarks at the
 same time, so a CPU rank is timed while its siblings load the shared cores, as in a training run.
 
-Collectives are timed with the cost model's size convention (``search/cost_model.py``): ``bytes``
+Collectives are timed with the cost model's size convention (``search/pricing/cost_model.py``): ``bytes``
 is the per-rank size of the larger buffer (all-gather output, reduce-scatter input, all-reduce
 buffer, all-to-all send buffer). A sample is the slowest rank's time of one call after a barrier
 and, on CPU, ~2 ms of compute (``_burst``: as a training step issues it); the table keeps the
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from partita.profile import step_probe
 from partita.profile.measure import measure
-from partita.search.cost_model import ProfileError
+from partita.search.pricing.cost_model import ProfileError
 
 Report = Callable[[str, int], None]
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}

@@ -9,7 +9,7 @@ once, so a CPU "device" (one gloo rank) is measured while its siblings share the
 real run; then training-step probes (``profile/step_probe.py``); collectives run across the same
 ranks (``profile/collectives_bench.py``).
 
-Fits, against the cost model's formulas (``search/cost_model.py``, :func:`micro_profile`):
+Fits, against the cost model's formulas (``search/pricing/cost_model.py``, :func:`micro_profile`):
 
 * GEMM ``t = (F + h) / P + k`` (log-space least squares): ``P`` the saturated FLOP/s, ``h`` =
   ``matmul_half_flops``, ``k`` the eager per-call time;
@@ -55,7 +55,7 @@ from partita.cluster import (
     read_profile,
 )
 from partita.profile.measure import measure, nnls_fit  # noqa: F401 - re-exported for the benches
-from partita.search.cost_model import PROFILE_FORMAT, PROFILE_VERSION, Efficiency, ProfileError
+from partita.search.pricing.cost_model import PROFILE_FORMAT, PROFILE_VERSION, Efficiency, ProfileError
 
 PROFILER_VERSION = 2  # 2: training-step probes, Adam grid, overlap probe
 OVERRIDE_FIELDS = PROFILE_OVERRIDES
@@ -275,7 +275,7 @@ def apply_step_fits(prof: dict[str, Any]) -> dict[str, Any]:
     would pass 1); Adam's ``t = n * c + bytes * d`` sets ``optimizer_tensor_s`` and
     ``optimizer_memory``; the overlap probe sets ``comm_overlap``."""
     from partita.profile.step_probe import fit_optimizer, fit_step
-    from partita.search.stage_cost import StageFactors
+    from partita.search.pipeline.stage_cost import StageFactors
 
     tables, eff, ov, fits = prof["tables"], prof["efficiency"], prof["device_overrides"], prof["fit"]
     preset = DEVICE_PRESETS.get(prof["device"])

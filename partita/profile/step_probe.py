@@ -165,8 +165,8 @@ def probe_terms(prelim: Mapping[str, Any], device_name: str, rows: Sequence[Mapp
     from partita.cluster import DEVICE_PRESETS, Cluster, NodeGroup, apply_profile
     from partita.frontends.trace import trace_handle
     from partita.models import resolve_model
-    from partita.search.config import SearchOptions, TrainingConfig
-    from partita.search.planner import Search
+    from partita.search.entry.planner import Search
+    from partita.search.pricing.config import SearchOptions, TrainingConfig
 
     base = DEVICE_PRESETS[device_name]
     opts = SearchOptions(zero_stages=(0,), recompute=("none",), max_layer_units=0, max_tp=1)

@@ -31,9 +31,9 @@ from partita.report.fmt import (
 from partita.report.run_log import gap_causes
 from partita.report.run_log_view import collective_rows
 from partita.report.terminal import compare_text, plan_text, schedule_losses
-from partita.search.pipeline_sim import simulate
-from partita.search.schedule import Action, pipeline_actions, splits_backward, virtual_stages
-from partita.search.schedule_cost import simulate_stages
+from partita.search.pipeline.pipeline_sim import simulate
+from partita.search.pipeline.schedule import Action, pipeline_actions, splits_backward, virtual_stages
+from partita.search.pipeline.schedule_cost import simulate_stages
 
 _STAGE_COLORS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#9c755f"]
 _FWD, _BWD, _WGT = "#4e79a7", "#f28e2b", "#59a14f"
@@ -96,7 +96,7 @@ def _schedule(plan: Plan) -> tuple[list[tuple[int, Action, float, float]], float
             m -= 1
     chunks = sorted(plan.stages, key=lambda s: s.index)
     if plan.chunked and all(float(s.predicted.get("f_action_s") or 0.0) > 0 for s in chunks):
-        # each chunk's own times (ZB-V's V layout prices its chunks unevenly: search/v_layout.py)
+        # each chunk's own times (ZB-V's V layout prices its chunks unevenly: search/program/v_layout.py)
         f_c, b_c, w_c = (
             [float(s.predicted.get(k) or 0.0) for s in chunks] for k in ("f_action_s", "b_action_s", "w_action_s")
         )

@@ -49,7 +49,7 @@ BYTES_TOL = 0.02  # measured bytes per kind@axis within this fraction of the pla
 
 def predicted_collectives(plan: Plan) -> dict[int, dict[str, dict[str, float]]]:
     """stage -> ``kind@axis`` -> {count, bytes} per step: the plan's ``Stage.collectives``
-    (``search/records.py``), the one prediction the torch program also carries."""
+    (``search/program/records.py``), the one prediction the torch program also carries."""
     out: dict[int, dict[str, dict[str, float]]] = {}
     for s in plan.stages:
         keys: dict[str, dict[str, float]] = {}
@@ -136,7 +136,7 @@ def build(
     runtime_says = bool(result.get("predicted_collectives"))
     if runtime_says:
         # the program carries a prediction and did the comparison itself: torch's is the plan's records
-        # (search/records.py); JAX's is the plan's records as its program issues them (backends/jax/fidelity.py)
+        # (search/program/records.py); JAX's is the plan's records as its program issues them (backends/jax/fidelity.py)
         predicted = _per_stage(result["predicted_collectives"])
     stages = []
     for s in plan.stages:

@@ -31,7 +31,7 @@ from partita.report.fmt import (
 )
 from partita.report.run_log_view import run_log_tables
 from partita.report.tables import render, table
-from partita.search.schedule import splits_backward
+from partita.search.pipeline.schedule import splits_backward
 
 ONE_TABLE_WIDTH = 150  # at least this wide: the stages fit one table; narrower: two
 
@@ -167,7 +167,7 @@ def alternatives_table(plan: Plan) -> Table:
 
 def hand_layout_table(plan: Plan) -> Table | None:
     """The chosen plan against the best Megatron-style hand layout over every device of the cluster's
-    first type (``search/hand_best.py``: tp within a node x pp x dp, ZeRO and recompute chosen)."""
+    first type (``search/entry/hand_best.py``: tp within a node x pp x dp, ZeRO and recompute chosen)."""
     h = plan.search.get("best_hand_layout")
     if not h:
         return None
@@ -214,7 +214,9 @@ def hand_layout_table(plan: Plan) -> Table | None:
             f"the chosen plan leaves {have - busy} of {have} {h['device']} idle because using them does not pay: {why}"
         )
     others = {k: v for k, v in (plan.predicted.get("idle_reasons") or {}).items() if k != h["device"]}
-    why += "".join(f"; {k}: {v}" for k, v in others.items())  # idle devices of other types (search/precision.py)
+    why += "".join(
+        f"; {k}: {v}" for k, v in others.items()
+    )  # idle devices of other types (search/pricing/precision.py)
     return table(
         "Against the best hand layout (every device of one type)",
         ["plan", "layout", "step time", "memory / device", "devices"],

@@ -407,7 +407,7 @@ CASES: list[Case] = [
         _C["bad_profile"][1],
         ("p.json", "does not exist", "partita profile"),
         _C["bad_profile"][0],
-        before="misleading: 'no plan fits in memory' (search/stage_cost.py swallows the ProfileError)",
+        before="misleading: 'no plan fits in memory' (search/pipeline/stage_cost.py swallows the ProfileError)",
     ),
     Case(
         "malformed-profile",

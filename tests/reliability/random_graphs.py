@@ -22,8 +22,8 @@ from partita.errors import InfeasibleError
 from partita.ir import DimSig, Graph, GraphBuilder, Prim, Role
 from partita.passes.pipeline import run_passes
 from partita.plan import Plan, shares
-from partita.search.config import SearchOptions, TrainingConfig
-from partita.search.planner import plan_graph
+from partita.search.entry.planner import plan_graph
+from partita.search.pricing.config import SearchOptions, TrainingConfig
 
 B, S = sympy.Symbol("B"), sympy.Symbol("S")
 OPS = ("linear", "gelu", "norm", "residual", "softmax")

@@ -58,6 +58,6 @@ def test_random_graphs_verify_and_repeat(spec: GraphSpec) -> None:
 @given(st.sampled_from(["4xCPU", "8xA100-80G", "2xA100-80G+2xV100-32G"]), graph_specs)
 def test_shorthand_clusters(cluster: str, spec: GraphSpec) -> None:
     from partita.cluster import parse_cluster
-    from partita.search.config import SearchOptions, TrainingConfig
+    from partita.search.pricing.config import SearchOptions, TrainingConfig
 
     check_search(build(spec), parse_cluster(cluster), TrainingConfig(global_batch=32, seq_len=64), SearchOptions())

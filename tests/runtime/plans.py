@@ -1,9 +1,9 @@
 """Hand-made Plans for the runtime tests: the layouts the brief lists, for the zoo's tiny models.
 
 The plans are test inputs (the search is not involved); their ``Stage.collectives`` are the search's
-own records for the layout (``search/records.py`` via :func:`with_records`), without tensor-parallel
+own records for the layout (``search/program/records.py`` via :func:`with_records`), without tensor-parallel
 ones (those come from the layer ILP). :func:`expected` derives, from first principles and independently
-of ``search/records.py``, the collective counts the torch runtime must issue per step for each layout;
+of ``search/program/records.py``, the collective counts the torch runtime must issue per step for each layout;
 the plan's records and the collectives counted under torchrun must both equal it.
 """
 
@@ -14,7 +14,7 @@ import functools
 
 from partita.cluster import parse_shorthand
 from partita.plan import Plan, Stage
-from partita.search import records
+from partita.search.program import records
 
 LAYERS = {
     "gpt2-tiny": ["embed", "transformer.h.0", "transformer.h.1", "head"],
@@ -114,7 +114,7 @@ def _graph(model: str):  # noqa: ANN202
 
 
 def with_records(plan: Plan, model: str) -> Plan:
-    """``plan`` with the search's own records (``search/records.py``: data parallel, pipeline, tied
+    """``plan`` with the search's own records (``search/program/records.py``: data parallel, pipeline, tied
     weights, clipping; per step, with bytes) for its layout. The tensor-parallel part of a plan's
     records comes from the layer ILP, which these hand placements skip: a tp stage has no tp records
     (the tests check its tp counts against :func:`expected`)."""

@@ -1,5 +1,5 @@
 """The tensors a pipeline cut carries: the traced graph's rule (``passes/boundaries.py``, what the search
-prices and ``search/records.py`` records) and the running model's (``backends/torch/boundary.py``, what
+prices and ``search/program/records.py`` records) and the running model's (``backends/torch/boundary.py``, what
 the stage sends) agree at every cut, and the plan's p2p records are the bytes of the tensor sent.
 """
 
@@ -16,7 +16,7 @@ from partita.frontends.trace import trace_handle
 from partita.models import families, resolve_model
 from partita.passes import boundaries
 from partita.plan import shares
-from partita.search import records
+from partita.search.program import records
 from tests.runtime.test_model_matrix import make_plan
 
 SEQ = 16  # the seq_len of make_plan's plans, which the records evaluate shapes at

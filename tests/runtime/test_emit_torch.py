@@ -13,7 +13,7 @@ from partita.backends.torch.emit import emit_torch
 from partita.backends.torch.parallel import check_launch, parse_placement
 from partita.errors import PlanError
 from partita.models.zoo import resolve_model
-from partita.search import records
+from partita.search.program import records
 from tests.runtime.plans import expected, layout, tp_placements
 
 GOLDEN = Path(__file__).parent.parent / "golden" / "emit_torch"

@@ -176,8 +176,8 @@ def test_clipping_all_reduce_in_plan_records_and_program() -> None:
     program's predicted collectives (the plan's records); a config without it keeps the plan's training
     record as before."""
     from partita.driver import trace_model
-    from partita.search.config import TrainingConfig
-    from partita.search.records import summary, world_axis
+    from partita.search.pricing.config import TrainingConfig
+    from partita.search.program.records import summary, world_axis
 
     plain = TrainingConfig(global_batch=8, seq_len=1, dtype="f32")
     assert set(plain.to_dict()) == {"global_batch", "seq_len", "dtype", "optimizer"}

@@ -32,7 +32,7 @@ from partita.backends.torch.emit import emit_torch
 from partita.backends.torch.optim import LossScaler
 from partita.backends.torch.train import reference_run
 from partita.plan import Plan
-from partita.search.records import world_axis
+from partita.search.program.records import world_axis
 from tests.runtime.plans import expected, layout, with_records
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -82,8 +82,8 @@ def test_scaler_unscales_exactly_backs_off_and_grows() -> None:
 def test_f16_plans_record_the_overflow_check() -> None:
     from partita.cluster import parse_cluster
     from partita.passes.annotate import annotate
-    from partita.search.config import SearchOptions, TrainingConfig
-    from partita.search.planner import plan_graph
+    from partita.search.entry.planner import plan_graph
+    from partita.search.pricing.config import SearchOptions, TrainingConfig
     from tests.search.builders import gpt
 
     g0 = gpt(4, 1024, 16)

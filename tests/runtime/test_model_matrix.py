@@ -152,10 +152,10 @@ def expert_plan(spec: str, layers: list[str]) -> Plan:
     ``search/records.complete`` adds the rest, as ``plan_build`` does. Embedding and head replicated."""
     from partita.cluster import DEVICE_PRESETS
     from partita.driver import trace_model
-    from partita.search import records
-    from partita.search.cost_model import CostModel
-    from partita.search.intra_op import solve_layer
-    from partita.search.mesh import LogicalMesh
+    from partita.search.layer.intra_op import solve_layer
+    from partita.search.pricing.cost_model import CostModel
+    from partita.search.pricing.mesh import LogicalMesh
+    from partita.search.program import records
 
     plan = make_plan(layers, "dp2tp2")
     graph = trace_model(spec, batch=plan.micro_batch_size, seq=int(plan.training["seq_len"])).graph
@@ -186,7 +186,7 @@ COUNTED_PIPELINES = {"t5"}
 def counted_plan(spec: str, plan: Plan) -> Plan:
     """``plan`` with the records ``search/records.complete`` derives from the traced graph."""
     from partita.driver import trace_model
-    from partita.search import records
+    from partita.search.program import records
 
     graph = trace_model(spec, batch=plan.micro_batch_size, seq=int(plan.training["seq_len"])).graph
     return records.complete(plan, graph)
@@ -311,7 +311,7 @@ def test_every_architecture_trains_like_one_device(tmp_path: Path) -> None:
     assert {j.split("-")[0] for j in got if j.endswith("-ep2")} == EXPERT_PARALLEL & names
     for job in (j for j in todo if j.get("count") and j["id"].endswith("-pp2")):  # several boundary tensors
         # the counted step's p2p (count and bytes per stage) is the plan's record: the packed tensors' bytes
-        from partita.search import records
+        from partita.search.program import records
 
         plan, measured = Plan.from_json(job["plan"], job["id"]), got[job["id"]]["collectives"]
         for i, s in enumerate(plan.stages):
@@ -330,7 +330,7 @@ def check_expert_parallel(job: dict[str, Any], r: dict[str, Any]) -> None:
     step equal the plan's (``fidelity.compare``; all_to_all by count, its bytes follow the routing);
     for those, each rank ran the plan's count every step and each tp group moved, summed over its two
     ranks, exactly twice the plan's balanced bytes (every routed pair goes somewhere once)."""
-    from partita.search import records
+    from partita.search.program import records
 
     plan = Plan.from_json(job["plan"], job["id"])
     want = records.summary(plan.stages[0].collectives)

@@ -29,8 +29,8 @@ from partita.profile.profiler import (
     profile_fingerprint,
 )
 from partita.profile.step_probe import ADAM_STATE_BYTES, fit_optimizer, fit_step
-from partita.search.cost_model import CostModel, Efficiency, ProfileError
-from partita.search.mesh import AxisLink
+from partita.search.pricing.cost_model import CostModel, Efficiency, ProfileError
+from partita.search.pricing.mesh import AxisLink
 
 pytestmark = pytest.mark.serial  # profiles within a time budget: scripts/test.sh runs this file alone
 
@@ -228,7 +228,7 @@ def test_cluster_file_profile_prices_like_the_calibrated_device(tmp_path: Path) 
     """``profile:`` in a cluster file applies the overrides too (the old path applied only the
     efficiency block), the plan's cluster fingerprint follows the profile's content, and a profile
     of another device type, kind or format version is refused with a clear error."""
-    from partita.search.stage_cost import SolverCosts
+    from partita.search.pipeline.stage_cost import SolverCosts
 
     prof = _with_probes(_synthetic_profile(), 0.5, 1.2e-5, 2e-5, 3e-10, overlap=0.0)
     path = tmp_path / "p.json"
@@ -257,7 +257,7 @@ def test_cluster_file_profile_prices_like_the_calibrated_device(tmp_path: Path) 
     # the stage formulas see the profile's optimizer and overlap terms; defaults leave GPUs unchanged
     from partita.frontends.trace import trace_handle
     from partita.models import resolve_model
-    from partita.search.config import TrainingConfig
+    from partita.search.pricing.config import TrainingConfig
 
     path.write_text(json.dumps(prof))
     graph = trace_handle(resolve_model("gpt2-tiny"), batch=2, seq=16)

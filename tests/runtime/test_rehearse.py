@@ -5,7 +5,7 @@ What these tests prove:
 * the rehearsal sees every collective the program issues: per stage, its counts equal the counts
   derived from first principles for each hand layout (``tests/runtime/plans.expected``, the same
   table the multi-process gloo tests check real runs against), and every non-tensor-parallel one
-  equals the plan's own records (``search/records.py``: kind, axis, count, bytes within 2%);
+  equals the plan's own records (``search/program/records.py``: kind, axis, count, bytes within 2%);
 * bytes and memory follow closed forms written here: Megatron's tensor parallelism moves one
   ``b*s*h`` activation per all-reduce (4 per block and micro-batch: Narayanan et al. 2021, sec.
   3.2; the program trains fp32, 4 bytes); parameters, gradients and AdamW's two moments per device
@@ -17,7 +17,7 @@ What these tests prove:
 
 The slow real-size tests compile searched plans (gpt3-6.7b on mixed-lab, gpt3-13b on A100s + V100s,
 rows of ``bench/rehearse.py``) and rehearse every stage: collectives equal the plan's records, FLOPs
-within 5%, and peak memory within 10% (``search/saved.py``: saved activations in the dtype the
+within 5%, and peak memory within 10% (``search/layer/saved.py``: saved activations in the dtype the
 precision mode keeps; ``stage_cost.static_memory``: f32 parameters, gradients and moments, FSDP2's
 gathered copies; a zero-bubble ZeRO-1 stage's deferred-W bf16 gradient copy beside the f32 ones; a
 ZeRO-2/3 unit's gradients in flight to the reduce-scatter). The zb_h1 ZeRO-1 bf16 case, which the
@@ -100,7 +100,7 @@ def test_rehearsed_counts_follow_the_layout(work: Path, model: str, name: str) -
         assert s["ranks_rehearsed"][0] == plan.stages[s["index"]].ranks[0]
         assert _kinds(s["collectives"]) == want[s["index"]], (name, s["index"], s["mismatches"])
         assert s["flops"] > 0 and s["peak_memory_bytes"] > 0
-        # the plan's own records (search/records.py; a hand plan has no ILP tp records): same keys,
+        # the plan's own records (search/program/records.py; a hand plan has no ILP tp records): same keys,
         # counts, bytes within 2%
         tp = plan.stages[s["index"]].tp > 1
         assert not [m for m in s["mismatches"] if "@" in m and not (tp and "@tp:" in m)], s["mismatches"]
@@ -183,7 +183,7 @@ def test_comparison_tolerances_and_words() -> None:
 
 def test_searched_plan_carries_what_the_rehearsal_compares(tmp_path: Path, monkeypatch) -> None:
     from partita.driver import compile_to_dir
-    from partita.search.config import TrainingConfig
+    from partita.search.pricing.config import TrainingConfig
 
     monkeypatch.setenv("PARTITA_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "plan"
@@ -301,7 +301,7 @@ def _real_size(work: Path, name: str) -> dict:
         from rehearse import ROWS  # bench/rehearse.py
 
         from partita.driver import compile_to_dir
-        from partita.search.config import TrainingConfig
+        from partita.search.pricing.config import TrainingConfig
 
         model, cluster, batch, seq, _ = ROWS[name]
         out = work / name
@@ -331,7 +331,7 @@ def test_real_size_searched_plan_issues_its_records(work: Path, name: str) -> No
     [
         "gpt3-13b-search",
         "gpt3-6.7b-search",  # a 2-stage ZB-H1 ZeRO-1 f16 plan (its first stage holds no deferred-W copy)
-        "llama-7b-search",  # ZB-V, one micro-batch, bf16 ZeRO-1: gradients stay bf16 copies (search/v_layout.py)
+        "llama-7b-search",  # ZB-V, one micro-batch, bf16 ZeRO-1: gradients stay bf16 copies (search/program/v_layout.py)
     ],
 )
 def test_real_size_searched_plan_peak_memory(work: Path, name: str) -> None:

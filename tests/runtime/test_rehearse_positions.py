@@ -2,7 +2,7 @@
 
 What these tests prove, each on a small hand layout rehearsed at its full world size:
 
-* ZB-H1 (``search/zero_bubble.py``): the stage at pipeline position ``i`` runs rank ``i``'s action
+* ZB-H1 (``search/pipeline/zero_bubble.py``): the stage at pipeline position ``i`` runs rank ``i``'s action
   list, which holds ``p - i`` forwards and defers ``i`` W's; the plan prices each position at that
   list's own count (``schedule.peak_in_flight(...)[i]``), not every stage at the most loaded rank's.
   Every stage's rehearsed peak is within 10% of its plan, and between two stages of the same layers

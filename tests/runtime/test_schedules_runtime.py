@@ -25,7 +25,7 @@ groups (ZB-V, the tied pair on one rank, one module), and two dp=2 ZeRO-1 rank g
 (FSDP2's reduce-scatter once per unit, after the rank's last action), checked the same way (losses,
 gradients, collectives per rank group: the p2p of every chunk, no message for a hand-off between
 chunks of one rank). One ZB-V plan comes from the search, not by hand (``searched_plan``: gpt2-tiny on
-4 CPU ranks with only zbv allowed, priced on its V layout by ``search/v_layout.py``: two dp=2 rank
+4 CPU ranks with only zbv allowed, priced on its V layout by ``search/program/v_layout.py``: two dp=2 rank
 groups, embed + head on the first) and runs in the 4-rank launch, checked the same way. And both
 chunked schedules on a heterogeneous pipeline (``hetero_chunked_plan``: a hand layout ``--tp 2,1,1 --pp
 3`` of a 6-block GPT-2, 6 chunks on rank groups of tp 2, 1 and 1): losses and gradients as above, every
@@ -53,7 +53,7 @@ from partita.backends.torch.train import reference_run
 from partita.cluster import parse_shorthand
 from partita.errors import PlanError
 from partita.plan import Plan, Stage, chunk_position
-from partita.search.schedule import pipeline_actions
+from partita.search.pipeline.schedule import pipeline_actions
 from tests.runtime import plans
 from tests.runtime.plans import LAYERS, layout, make_plan
 
@@ -99,9 +99,9 @@ def chunked_plan(model: str, name: str, schedule: str) -> Plan:
 @functools.lru_cache(maxsize=4)
 def searched_plan(model: str, schedule: str) -> Plan:
     """The planner's own plan (not hand-made) on 4 CPU ranks, global batch 16, only ``schedule`` allowed:
-    for zbv the V layout priced chunk by chunk (``search/v_layout.py``): dp=2 rank groups, 4 micro-batches."""
-    from partita.search.config import SearchOptions, TrainingConfig
-    from partita.search.planner import plan_graph
+    for zbv the V layout priced chunk by chunk (``search/program/v_layout.py``): dp=2 rank groups, 4 micro-batches."""
+    from partita.search.entry.planner import plan_graph
+    from partita.search.pricing.config import SearchOptions, TrainingConfig
 
     training = TrainingConfig(global_batch=16, seq_len=16, dtype="f32")
     opts = SearchOptions(schedules=(schedule,), max_micro_batch=2)
@@ -190,8 +190,8 @@ def hetero_chunked_plan(config: Path, schedule: str) -> Plan:
     """``partita compile CONFIG --tp 2,1,1 --pp 3 --schedule S`` on 4 CPU ranks (8 micro-batches of 1)."""
     from partita.cluster import parse_cluster
     from partita.driver import trace_model
-    from partita.search.config import TrainingConfig
-    from partita.search.hand_plan import hand_plan
+    from partita.search.entry.hand_plan import hand_plan
+    from partita.search.pricing.config import TrainingConfig
 
     if not config.exists():
         config.write_text(json.dumps(HETERO_CHUNKED))
@@ -436,7 +436,7 @@ def test_schedules_match_single_device(tmp_path: Path, world: int) -> None:
             # runs on the first job's equal tp mesh, whose group the counter cannot name (``@group:N``;
             # torch_shim.reset_dtensor_caches does not clear that).
             # And p2p bytes are checked above: the records price the boundary after "embed" larger than
-            # the hidden states that cross it (GPT-2 by 25%, Llama by 75%; search/records.py to fix).
+            # the hidden states that cross it (GPT-2 by 25%, Llama by 75%; search/program/records.py to fix).
             left = [
                 x
                 for x in res["collective_mismatches"].get(k, [])

@@ -1,8 +1,8 @@
 """Megatron sequence parallelism (issue 15) runs as the plan says, on gloo ranks.
 
 Llama (tiny config, ``families.tiny("llama")``) at tp=2, micro-batch 4, seq 16, compiled as a hand
-layout with ``sequence_parallel=True`` (``search/hand_plan.py`` ->
-``search/sequence_parallel.py``): the plan's roles are ``colwise_sp`` / ``rowwise_sp`` in the blocks and
+layout with ``sequence_parallel=True`` (``search/entry/hand_plan.py`` ->
+``search/program/sequence_parallel.py``): the plan's roles are ``colwise_sp`` / ``rowwise_sp`` in the blocks and
 ``sequence_parallel`` on each block, written literally into the program, which the runtime applies
 (``backends/torch/tp.py``: the residual stream between the first and last block holds this rank's 8 of
 16 rows, the attention / MLP inputs are all-gathered, the row outputs reduce-scattered, the norms'
@@ -46,9 +46,9 @@ def test_sequence_parallel_plan_matches_single_device_and_its_records(
     from partita.driver import trace_model
     from partita.models import families
     from partita.plan import Plan
-    from partita.search import records
-    from partita.search.config import TrainingConfig
-    from partita.search.hand_plan import hand_plan
+    from partita.search.entry.hand_plan import hand_plan
+    from partita.search.pricing.config import TrainingConfig
+    from partita.search.program import records
 
     spec = str(families.write_config(tmp_path / "llama", families.tiny("llama")))
     tr = TrainingConfig(global_batch=4 * dp, seq_len=16, dtype=dtype)

@@ -3,7 +3,7 @@
 One launch per (model, layout) checks, together: losses of 3 steps, full gradients after optimizer
 steps 1 and 3 (rtol 1e-4, atol 1e-5), and, per stage and kind, the collectives counted in the last
 step: per kind equal to the counts derived from the layout (``plans.expected``), and per
-``kind@axis`` (counts, bytes within 2%) equal to the plan's own records (``search/records.py``), as
+``kind@axis`` (counts, bytes within 2%) equal to the plan's own records (``search/program/records.py``), as
 the run's own check (``fidelity.compare``) reports. The DCP test saves at step 2, resumes, and compares step 3.
 
 ``*_bf16`` layouts train in the plan's bf16 (issue 15 item 2) against a reference computing in bf16
@@ -29,7 +29,7 @@ import torch
 from partita.backends.torch import launch as torch_launch
 from partita.backends.torch.emit import emit_torch
 from partita.backends.torch.train import reference_run
-from partita.search import records
+from partita.search.program import records
 from tests.runtime.plans import expected, layout
 
 pytestmark = pytest.mark.multiprocess

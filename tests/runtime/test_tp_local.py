@@ -25,8 +25,8 @@ import torch
 def _plan(spec: str) -> tuple[dict[str, str], dict[str, str]]:
     from partita.cluster import parse_shorthand
     from partita.driver import trace_model
-    from partita.search.config import TrainingConfig
-    from partita.search.stage_cost import SolverCosts
+    from partita.search.pipeline.stage_cost import SolverCosts
+    from partita.search.pricing.config import TrainingConfig
 
     g = trace_model(spec, seq=16).graph
     cl = parse_shorthand("2xCPU")

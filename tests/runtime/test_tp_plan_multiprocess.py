@@ -34,9 +34,9 @@ def test_searched_tp_plan_matches_single_device_and_its_records(tmp_path: Path) 
     from partita.driver import trace_model
     from partita.models import families
     from partita.plan import Plan
-    from partita.search import records
-    from partita.search.config import TrainingConfig
-    from partita.search.hand_plan import hand_plan
+    from partita.search.entry.hand_plan import hand_plan
+    from partita.search.pricing.config import TrainingConfig
+    from partita.search.program import records
 
     spec = str(families.write_config(tmp_path / "phi3", families.tiny("phi3")))
     tr = TrainingConfig(global_batch=16, seq_len=16, dtype="f32")

@@ -21,7 +21,7 @@ def test_searched_llama7b_plan_rehearses_its_tp_records(tmp_path: Path) -> None:
     from partita.backends.torch import rehearse
     from partita.driver import compile_to_dir
     from partita.plan import Plan
-    from partita.search.config import TrainingConfig
+    from partita.search.pricing.config import TrainingConfig
 
     out = tmp_path / "llama7b"
     compile_to_dir("llama-7b", "64xH100-80G", TrainingConfig(global_batch=8, seq_len=2048), out)

@@ -37,7 +37,7 @@ from partita.backends.torch.schedule import replica_ranges
 from partita.backends.torch.train import reference_run
 from partita.cluster import parse_shorthand
 from partita.plan import Plan
-from partita.search.records import world_axis
+from partita.search.program.records import world_axis
 from tests.runtime.plans import layout, with_records
 
 pytestmark = pytest.mark.multiprocess

@@ -3,7 +3,7 @@
 ``partita compile`` picks one plan per (model, cluster, batch); to test every layout the search can
 emit, :func:`searched_plan` runs the planner's own machinery (``Search`` prices the layers with the
 intra-op ILP, ``Candidate`` + ``build_plan`` write the Plan) for one fixed outer configuration, the
-way ``search/evaluate.py`` prices a hand-written configuration. Placements, op strategies and the
+way ``search/entry/evaluate.py`` prices a hand-written configuration. Placements, op strategies and the
 predicted collectives therefore all come from the search, not from the test.
 """
 
@@ -15,11 +15,11 @@ from partita.cluster import parse_cluster
 from partita.driver import trace_model
 from partita.ir import Graph
 from partita.plan import Plan
-from partita.search import schedule as sched
-from partita.search.config import SearchOptions, TrainingConfig
-from partita.search.evaluate import megatron_split
-from partita.search.plan_build import Candidate, StagePick, build_plan
-from partita.search.planner import Option, Search
+from partita.search.entry.evaluate import megatron_split
+from partita.search.entry.planner import Option, Search
+from partita.search.pipeline import schedule as sched
+from partita.search.pricing.config import SearchOptions, TrainingConfig
+from partita.search.program.plan_build import Candidate, StagePick, build_plan
 
 _GRAPHS: dict[tuple[str, int], Graph] = {}
 

@@ -1,4 +1,4 @@
-"""Unit tests of the JAX fidelity side: HLO collective parsing and the plan's JAX records (search/jax_records.py)."""
+"""Unit tests of the JAX fidelity side: HLO collective parsing and the plan's JAX records (search/program/jax_records.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from partita.backends.jax import fidelity as fid
 from partita.backends.jax import parallel as jp
 from partita.backends.jax.train import _axis_dim
 from partita.plan import Collective, Stage
-from partita.search import jax_records as jr
+from partita.search.program import jax_records as jr
 
 HLO = """
   %all-reduce.10 = (f32[256]{0}, /*index=1*/f32[64,256]{1,0}, f32[]) all-reduce(%a, %b, %c), channel_id=2, replica_groups=mesh['axis_0'=4,'axis_1'=1] {'axis_0'}, use_global_device_ids=true, to_apply=%add, metadata={op_name="jit(step)/(transpose(jvp(MLP))/fc1/reduce_sum:transpose(jvp(MLP))/fc1/dot_general:jvp()/reduce_sum)"}
@@ -55,7 +55,7 @@ def _held(zero: int, dp: int = 4, tp: int = 2) -> list[jr.HeldParam]:
 
 
 def test_records_follow_zero_stage() -> None:
-    """The JAX records (search/jax_records.py) per ZeRO stage: one record per HLO op and tensor, bytes of
+    """The JAX records (search/program/jax_records.py) per ZeRO stage: one record per HLO op and tensor, bytes of
     the tp shard (the whole tensor a dp collective moves), folded by ``fidelity.planned`` per step."""
     w_bytes, b_bytes, m = 64 * 128 * 4, 3 * 4, 2
 

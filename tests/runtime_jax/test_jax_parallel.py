@@ -77,7 +77,7 @@ def test_split_model_stage_order_must_follow_layers() -> None:
 def test_pipeline_schedule_runs_the_plans_action_lists(kind: str, p: int, m: int) -> None:
     """The dispatch order holds every stage's action list of ``search/schedule.pipeline_actions`` (the list
     the cost model simulates) in its own order, merged causally; zero-bubble lists are refused."""
-    from partita.search.schedule import pipeline_actions
+    from partita.search.pipeline.schedule import pipeline_actions
 
     acts = jp.pipeline_schedule(kind, p, m)
     expected = {(k, s, i) for s in range(p) for i in range(m) for k in "FB"}

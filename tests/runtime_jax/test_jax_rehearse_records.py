@@ -3,13 +3,13 @@
 The search's own plans (``searched_plans.searched_plan``: ZeRO-3 over dp 8 in bf16, a 2-stage pipeline
 with dp 2 x tp 2 in bf16, plain dp in bf16, tp 8 at seq 32) are emitted and rehearsed
 (``backends/jax/rehearse.py``: every stage function lowered and compiled by XLA at 8 devices on abstract
-inputs; all in one subprocess) and compared with ``Stage.collectives`` (``search/jax_records.py``) by the rule of
+inputs; all in one subprocess) and compared with ``Stage.collectives`` (``search/program/jax_records.py``) by the rule of
 ``partita rehearse`` (``backends/torch/rehearse.compare_stage``: counts equal, bytes within 2%). Every
 ``kind@axis`` must match: the ZeRO-3 parameter all-gathers and per-tensor reduce-scatters are recorded,
 a bf16 plan's gradient sync is recorded in f32, the dtype the program's gradients have, and a tp
 stage's collectives are the ILP's, per micro-batch (the f32 tp plans at seq 16 are checked against the
 HLO of their real run by ``test_jax_train.test_searched_plan_collectives_equal_hlo``). Memory and
-FLOPs are compared too but not asserted here: they are the cost model's (``search/stage_cost.py``).
+FLOPs are compared too but not asserted here: they are the cost model's (``search/pipeline/stage_cost.py``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ RUNS = {
 # At seq 32 the ILP shards the loss region over the sequence on tp; XLA's SPMD partitioner realizes it with
 # other collectives than the ILP's resharding (a scalar all-reduce of the partial loss in place of the
 # ILP's all-gather of the per-token loss, and one more backward all-gather of the logits' gradient per
-# micro-batch), so the records miss them (search/jax_records.py says so). Strict: it fails once they agree.
+# micro-batch), so the records miss them (search/program/jax_records.py says so). Strict: it fails once they agree.
 GAPS = {"tp_seq32"}
 
 

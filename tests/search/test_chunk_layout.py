@@ -1,4 +1,4 @@
-"""A hand-made interleaved 1F1B layout laid out as model chunks (``search/chunk_layout.py``), in process.
+"""A hand-made interleaved 1F1B layout laid out as model chunks (``search/program/chunk_layout.py``), in process.
 
 ``partita compile MODEL --pp 2 --schedule interleaved_1f1b --virtual-stages 2`` prices the layout per
 rank group and lays it out as 4 virtual stages (loop placement). Checked here on a 4-block GPT-2 from a
@@ -21,10 +21,11 @@ from partita.cluster import parse_shorthand
 from partita.driver import trace_model
 from partita.errors import ConfigError
 from partita.plan import Plan, chunk_position
-from partita.search import records, schedule_cost
-from partita.search.chunk_layout import piece_sizes
-from partita.search.config import SearchOptions, TrainingConfig
-from partita.search.hand_plan import hand_plan
+from partita.search.entry.hand_plan import hand_plan
+from partita.search.pipeline import schedule_cost
+from partita.search.pricing.config import SearchOptions, TrainingConfig
+from partita.search.program import records
+from partita.search.program.chunk_layout import piece_sizes
 
 CFG = {"model_type": "gpt2", "n_embd": 32, "n_layer": 4, "n_head": 2, "vocab_size": 64, "n_positions": 16}
 
@@ -99,7 +100,7 @@ def test_search_picks_interleaved_as_model_chunks() -> None:
     held to ZeRO-0 without recompute) the plan is laid out as chunks, each rank group keeping the
     layer kinds it was priced with, and its step is the simulated action list on those groups."""
     from partita.backends.torch.emit import emit_torch
-    from partita.search.planner import plan_graph
+    from partita.search.entry.planner import plan_graph
     from tests.search import builders
 
     g = builders.gpt(16, 4096, 16)
@@ -119,13 +120,13 @@ def test_search_picks_interleaved_as_model_chunks() -> None:
     assert 'chunks=PROGRAM["chunks"]' in src and f"{len(plan.stages)} virtual stages" in src
 
 
-# ---- ZB-V: the V layout priced chunk by chunk (search/v_layout.py) ----------------------------------
+# ---- ZB-V: the V layout priced chunk by chunk (search/program/v_layout.py) ----------------------------------
 def _check_v_plan(plan: Plan, names: list[str]) -> None:
     """A searched ZB-V plan is the chunked V layout, priced on its chunks: the step is the ZB-V action list
     simulated on the chunks' own F/B/W plus the largest rank-group tail, memory per device is each rank
     group's (both chunks), split into categories that add up."""
     from partita.backends.torch.emit import check_schedule
-    from partita.search.pipeline_sim import step_time
+    from partita.search.pipeline.pipeline_sim import step_time
 
     p = plan.num_positions
     assert plan.schedule == "zbv" and plan.chunked and plan.num_virtual_stages == 2 and len(plan.stages) == 2 * p
@@ -153,7 +154,7 @@ def test_search_picks_zbv_on_its_v_layout() -> None:
     per device type), each as the chunked V layout, and says by how much the other families lose."""
     from partita.report import html
     from partita.report.terminal import plan_text
-    from partita.search.planner import plan_graph
+    from partita.search.entry.planner import plan_graph
     from tests.search import builders
 
     g = builders.gpt(16, 4096, 16)
@@ -176,7 +177,7 @@ def test_search_says_by_how_much_zbv_loses() -> None:
     """gpt2-tiny on 4 CPU ranks: replicas win; the V layout is priced and the report names its loss."""
     from partita.report import html
     from partita.report.terminal import plan_text
-    from partita.search.planner import plan_graph
+    from partita.search.entry.planner import plan_graph
 
     g = trace_model("gpt2-tiny", seq=16).graph
     training = TrainingConfig(global_batch=16, seq_len=16, dtype="f32")
@@ -224,7 +225,7 @@ def test_models_on_the_generic_splitter_get_no_chunks(tmp_path: Path) -> None:
     from partita.backends.torch.parallel import ADAPTERS
     from partita.models import families
     from partita.passes.pipeline import CHUNKED_CLASSES
-    from partita.search.planner import plan_graph
+    from partita.search.entry.planner import plan_graph
 
     assert set(ADAPTERS) == CHUNKED_CLASSES
     spec = str(families.write_config(tmp_path / "mistral", {**families.tiny("mistral"), "num_hidden_layers": 4}))

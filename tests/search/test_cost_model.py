@@ -6,8 +6,8 @@ import pytest
 
 from partita.cluster import DEVICE_PRESETS, Network
 from partita.ir import Prim
-from partita.search.cost_model import CostModel, Efficiency, ProfileError, state_bytes_per_param
-from partita.search.mesh import LogicalMesh
+from partita.search.pricing.cost_model import CostModel, Efficiency, ProfileError, state_bytes_per_param
+from partita.search.pricing.mesh import LogicalMesh
 
 A100 = DEVICE_PRESETS["A100-80G"]
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from partita.cluster import parse_cluster
-from partita.search.cost_model import CostModel, Efficiency
+from partita.search.pricing.cost_model import CostModel, Efficiency
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))

@@ -7,8 +7,8 @@ import pytest
 from partita.cli import main
 from partita.cluster import parse_cluster
 from partita.errors import ConfigError
-from partita.search.config import TrainingConfig
-from partita.search.evaluate import MEMORY_CATEGORIES, check_layout, evaluate_config, tp_dims
+from partita.search.entry.evaluate import MEMORY_CATEGORIES, check_layout, evaluate_config, tp_dims
+from partita.search.pricing.config import TrainingConfig
 from tests.search.builders import gpt
 
 TR = TrainingConfig(global_batch=16, seq_len=512)
@@ -109,7 +109,7 @@ def test_v100_layout_is_priced_in_fp16_and_says_so(g12) -> None:  # noqa: ANN001
     cl = parse_cluster("8xV100-32G")
     ev = evaluate_config(g12, cl, TR, tp=1, pp=1, dp=8, micro_batch=2)
     assert ev.layout["dtype"] == "f16" and any("no bf16 tensor cores" in n for n in ev.notes), ev.notes
-    from partita.search.stage_cost import SolverCosts
+    from partita.search.pipeline.stage_cost import SolverCosts
 
     held = evaluate_config(
         g12, cl, TR, tp=1, pp=1, dp=8, micro_batch=2, costs=SolverCosts(g12, cl, TR, tp_style="megatron")
@@ -120,12 +120,12 @@ def test_v100_layout_is_priced_in_fp16_and_says_so(g12) -> None:  # noqa: ANN001
 def test_zb_h1_prices_each_stage_with_its_own_deferred_weight_gradients() -> None:
     """Under zb_h1 a micro-batch between its B and its W weighs its stage's own output gradients: the stage
     with the head (logits) holds relatively more than the blocks' stage, and the activations differ from
-    1F1B's by exactly the per-stage counts, each position's own (search/zero_bubble.py)."""
+    1F1B's by exactly the per-stage counts, each position's own (search/pipeline/zero_bubble.py)."""
     from partita.frontends.trace import trace_handle
     from partita.models import resolve_model
-    from partita.search import schedule as sched
-    from partita.search.stage_cost import SolverCosts
-    from partita.search.zero_bubble import costs_held
+    from partita.search.pipeline import schedule as sched
+    from partita.search.pipeline.stage_cost import SolverCosts
+    from partita.search.pipeline.zero_bubble import costs_held
 
     g = trace_handle(resolve_model("gpt2-tiny"), batch=1, seq=32)
     tr = TrainingConfig(global_batch=16, seq_len=32)
@@ -161,7 +161,7 @@ def test_zb_h1_prices_each_stage_with_its_own_deferred_weight_gradients() -> Non
 
 
 def _stage_layers(g, pp: int, i: int) -> set[str]:  # noqa: ANN001
-    from partita.search.evaluate import megatron_split
+    from partita.search.entry.evaluate import megatron_split
 
     a, b = megatron_split(g, pp)[i]
     return {lay.name for lay in g.layers[a:b]}

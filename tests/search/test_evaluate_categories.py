@@ -13,8 +13,8 @@ import pytest
 
 from partita.cluster import parse_cluster
 from partita.ir import Graph
-from partita.search.config import TrainingConfig
-from partita.search.evaluate import evaluate_config
+from partita.search.entry.evaluate import evaluate_config
+from partita.search.pricing.config import TrainingConfig
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +47,10 @@ def test_interleaved_positions_are_priced_for_the_pipelines_depth(tmp_path) -> N
     import json
 
     from partita.driver import trace_model
-    from partita.search import schedule as sched
-    from partita.search.config import SearchOptions
-    from partita.search.evaluate import memory_by_category
-    from partita.search.planner import Search, _solve_interleaved
+    from partita.search.entry.evaluate import memory_by_category
+    from partita.search.entry.planner import Search, _solve_interleaved
+    from partita.search.pipeline import schedule as sched
+    from partita.search.pricing.config import SearchOptions
 
     cfg = tmp_path / "gpt2.json"
     cfg.write_text(json.dumps({"model_type": "gpt2", "n_embd": 128, "n_layer": 6, "n_head": 4, "vocab_size": 256}))

@@ -19,9 +19,9 @@ from partita.driver import trace_model
 from partita.errors import PlanError
 from partita.ir import Graph, Layer, dim_size
 from partita.models import families, resolve_model
-from partita.search.cost_model import CostModel
-from partita.search.intra_op import LayerSolution, solve_layer
-from partita.search.mesh import LogicalMesh
+from partita.search.layer.intra_op import LayerSolution, solve_layer
+from partita.search.pricing.cost_model import CostModel
+from partita.search.pricing.mesh import LogicalMesh
 
 CPU = DEVICE_PRESETS["CPU"]
 

@@ -37,9 +37,9 @@ def test_hand_layout_is_emitted_and_recorded(tmp_path: Path, capsys) -> None:  #
     # priced as the search prices (the tp the program builds): evaluate_config with that style agrees
     from partita.cluster import parse_cluster
     from partita.driver import trace_model
-    from partita.search.config import TrainingConfig
-    from partita.search.evaluate import evaluate_config
-    from partita.search.hand_best import tp_style_of
+    from partita.search.entry.evaluate import evaluate_config
+    from partita.search.entry.hand_best import tp_style_of
+    from partita.search.pricing.config import TrainingConfig
 
     graph = trace_model("gpt2-tiny", seq=32).graph
     tr = TrainingConfig(global_batch=8, seq_len=32, dtype="f32")
@@ -79,9 +79,9 @@ def test_compile_report_compares_with_the_best_hand_layout(tmp_path: Path, capsy
     from partita.cluster import parse_cluster
     from partita.driver import trace_model
     from partita.errors import ConfigError
-    from partita.search.config import TrainingConfig
-    from partita.search.evaluate import evaluate_config
-    from partita.search.hand_best import tp_style_of
+    from partita.search.entry.evaluate import evaluate_config
+    from partita.search.entry.hand_best import tp_style_of
+    from partita.search.pricing.config import TrainingConfig
 
     args = ["gpt2-tiny", "--cluster", "4xA100-80G", "--global-batch", "8", "--seq", "32", "--force"]
     assert main(["compile", *args, "--out", str(tmp_path / "o"), "--json"]) == 0

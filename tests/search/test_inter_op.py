@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from partita.search.inter_op import (
+from partita.search.pipeline.inter_op import (
     DPStats,
     StageProblem,
     brute_force_stages,
@@ -151,7 +151,7 @@ def test_restricted_product_equals_the_full_product(seed: int) -> None:
     """``_run`` computes only the corner ``s`` stages can reach and, under a tight ``t_max``, only
     stages as long as the longest that fits (a band): its tables equal the full product's, float
     for float (inf where inf), at every ``t_max`` candidate; so the plans are the same."""
-    from partita.search.inter_op import _run
+    from partita.search.pipeline.inter_op import _run
 
     rng = np.random.default_rng(seed)
     bands = set()

@@ -11,11 +11,11 @@ from hypothesis import strategies as st
 
 from partita.cluster import DEVICE_PRESETS
 from partita.errors import InfeasibleError
-from partita.search import ilp
-from partita.search.cost_model import CostModel
-from partita.search.intra_op import solve_layer
-from partita.search.memo import IntraOpMemo
-from partita.search.mesh import LogicalMesh
+from partita.search.layer import ilp
+from partita.search.layer.intra_op import solve_layer
+from partita.search.layer.memo import IntraOpMemo
+from partita.search.pricing.cost_model import CostModel
+from partita.search.pricing.mesh import LogicalMesh
 from tests.search import builders
 
 A100 = DEVICE_PRESETS["A100-80G"]
@@ -174,7 +174,7 @@ def test_pointwise_fusion_share_prices_marked_traffic() -> None:
     from partita.ir import GraphBuilder, Prim, Role
     from partita.passes.fusion import fuse_pointwise
     from partita.passes.layers import group_layers
-    from partita.search.cost_model import Efficiency
+    from partita.search.pricing.cost_model import Efficiency
 
     B, S = sympy.Symbol("B"), sympy.Symbol("S")
     gb = GraphBuilder("chain")
@@ -204,8 +204,8 @@ def test_gpt2_fused_qkv_is_split_per_head() -> None:
     """
     from partita.cluster import parse_shorthand
     from partita.driver import trace_model
-    from partita.search.config import TrainingConfig
-    from partita.search.stage_cost import SolverCosts
+    from partita.search.pipeline.stage_cost import SolverCosts
+    from partita.search.pricing.config import TrainingConfig
 
     g = trace_model("gpt2-tiny").graph
     cl = parse_shorthand("2xCPU")
@@ -220,7 +220,7 @@ def test_gpt2_fused_qkv_is_split_per_head() -> None:
 
 
 def test_real_placement_maps_the_factored_dim() -> None:
-    from partita.search.intra_op import real_placement
+    from partita.search.layer.intra_op import real_placement
 
     assert real_placement(("R", "S(1)"), None) == ("R", "S(1)")
     assert real_placement(("S(0)", "S(2)"), (1, 3)) == ("S(0)", "SS(1,3)")

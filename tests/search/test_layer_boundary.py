@@ -1,6 +1,6 @@
 """A layer's outputs leave it in the boundary layout, in every graph the ILP solves.
 
-Regression: the torch graphs' activation-memory rules (``search/saved.py``) moved the layer-output
+Regression: the torch graphs' activation-memory rules (``search/layer/saved.py``) moved the layer-output
 pricing under a branch only JAX/test graphs take, so a torch layer could end in a column-parallel
 (tp-sharded) output with no gather: the mlp's ``fc1`` as ``colwise`` on its own, the next layer
 reading a local shard as a whole tensor ("mat1 and mat2 shapes cannot be multiplied" under torchrun).
@@ -12,9 +12,9 @@ import warnings
 
 from partita.cluster import parse_shorthand
 from partita.driver import trace_model
-from partita.search.cost_model import CostModel
-from partita.search.intra_op import solve_layer
-from partita.search.mesh import LogicalMesh
+from partita.search.layer.intra_op import solve_layer
+from partita.search.pricing.cost_model import CostModel
+from partita.search.pricing.mesh import LogicalMesh
 
 
 def test_torch_layer_output_is_gathered_or_replicated_at_its_boundary() -> None:

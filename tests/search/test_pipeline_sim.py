@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from partita.errors import ConfigError
-from partita.search import schedule as sched
-from partita.search.pipeline_sim import ScheduleDeadlock, simulate
-from partita.search.schedule import Action, pipeline_actions
+from partita.search.pipeline import schedule as sched
+from partita.search.pipeline.pipeline_sim import ScheduleDeadlock, simulate
+from partita.search.pipeline.schedule import Action, pipeline_actions
 
 FAMILIES = (("gpipe", 1), ("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3), ("zbv", 2))
 
@@ -130,8 +130,8 @@ def test_step_time_equals_the_simulation_to_the_last_bit() -> None:
     """The planner's table-driven ``step_time`` is ``simulate(...).step_s`` exactly, for every schedule."""
     import random
 
-    from partita.search import pipeline_sim as ps
-    from partita.search.schedule import SCHEDULE_FAMILIES
+    from partita.search.pipeline import pipeline_sim as ps
+    from partita.search.pipeline.schedule import SCHEDULE_FAMILIES
 
     rng = random.Random(0)
     checked = 0

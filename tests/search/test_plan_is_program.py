@@ -13,7 +13,7 @@ the torch program really does is what the search prices. Each test failed on the
   shards tokens over tp;
 * item 7 (slow): a stage mixing device types is searched only where every type's ILP chose the
   same layout (the emitted stage has one layout for all its replicas);
-* item 8: the plan's collective records (``search/records.py``) are what the emitted program issues,
+* item 8: the plan's collective records (``search/program/records.py``) are what the emitted program issues,
   kind, axis, count and bytes, checked by rehearsing the program (``partita rehearse``), and the
   records describe the pipeline runner the emitter picks.
 """
@@ -30,9 +30,9 @@ from partita.cluster import DEVICE_PRESETS, parse_shorthand
 from partita.driver import trace_model
 from partita.errors import PlanError
 from partita.ir import label_sizes
-from partita.search.config import SearchOptions, TrainingConfig
-from partita.search.planner import Search
-from partita.search.stage_cost import SolverCosts, affine, dp_link
+from partita.search.entry.planner import Search
+from partita.search.pipeline.stage_cost import SolverCosts, affine, dp_link
+from partita.search.pricing.config import SearchOptions, TrainingConfig
 
 _GRAPHS: dict[tuple[str, int], object] = {}
 
@@ -45,7 +45,7 @@ def _graph(model: str, seq: int):  # noqa: ANN202
 
 def test_interleaved_is_searched_only_as_model_chunks() -> None:
     """Interleaved 1F1B is searched (issue 19) and emitted only laid out as model chunks
-    (search/chunk_layout.py; run by tests/runtime/test_schedules_runtime.py); a plan priced with
+    (search/program/chunk_layout.py; run by tests/runtime/test_schedules_runtime.py); a plan priced with
     virtual stages but one layer range per rank group is refused."""
     assert "interleaved_1f1b" in SearchOptions().schedules
     from partita.backends.torch.emit import emit_torch
@@ -159,7 +159,7 @@ def test_mixed_stage_needs_one_layout_for_all_replica_types() -> None:
 def test_records_runner_is_the_emitters() -> None:
     """``search/records.runner_kind`` (which p2p protocol the records describe) is the emitter's choice."""
     from partita.backends.torch.emit import _runner_kind
-    from partita.search.records import runner_kind
+    from partita.search.program.records import runner_kind
     from tests.runtime.plans import layout
 
     names = ("dp", "tp", "zero3", "pp_1f1b", "pp_gpipe", "pp_tp", "pp_zero2", "hetero", "uneven")
@@ -192,7 +192,7 @@ def _rehearse_plan(tmp: Path, name: str, plan) -> dict:  # noqa: ANN001
 def _hand(model: str, cluster: str, **layout):  # noqa: ANN003, ANN202
     from partita.cluster import parse_shorthand
     from partita.plan import Plan
-    from partita.search.hand_plan import hand_plan
+    from partita.search.entry.hand_plan import hand_plan
 
     tr = TrainingConfig(global_batch=8, seq_len=16)  # bf16: f32 gradients, bf16 activations and gathers
     plan = hand_plan(_graph(model, 16), parse_shorthand(cluster), tr, **layout)

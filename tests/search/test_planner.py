@@ -11,10 +11,10 @@ from partita.cluster import cluster_from_dict, parse_cluster
 from partita.errors import InfeasibleError
 from partita.ir import Graph
 from partita.plan import Plan
-from partita.search.baselines import brute_force, megatron_grid, subset
-from partita.search.config import SearchOptions, TrainingConfig
-from partita.search.planner import plan_graph
-from partita.search.stage_cost import StageFactors
+from partita.search.entry.baselines import brute_force, megatron_grid, subset
+from partita.search.entry.planner import plan_graph
+from partita.search.pipeline.stage_cost import StageFactors
+from partita.search.pricing.config import SearchOptions, TrainingConfig
 
 TRAIN = TrainingConfig(global_batch=64, seq_len=32)
 
@@ -132,8 +132,8 @@ def test_shared_intra_op_memo_changes_nothing_and_is_used(graph: Graph) -> None:
     """The driver shares the planner's intra-op memo with the hand-layout yardstick (issue 20): the
     plan, yardstick included, is byte-identical to pricing them apart, and the yardstick's solves
     are memo hits (an empty memo is still that memo, not replaced by a fresh one)."""
-    from partita.search.hand_best import with_best_hand_layout
-    from partita.search.memo import IntraOpMemo
+    from partita.search.entry.hand_best import with_best_hand_layout
+    from partita.search.layer.memo import IntraOpMemo
 
     cl, tr = parse_cluster("4xA100-80G+4xV100-32G"), TrainingConfig(global_batch=32, seq_len=32)
     apart = with_best_hand_layout(plan_graph(graph, cl, tr), graph, cl, tr)

@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from partita.cluster import parse_cluster
-from partita.search.config import SearchOptions, TrainingConfig
-from partita.search.precision import choose_precision, idle_reasons, precision_note
+from partita.search.pricing.config import SearchOptions, TrainingConfig
+from partita.search.pricing.precision import choose_precision, idle_reasons, precision_note
 
 TR = TrainingConfig(global_batch=16, seq_len=512)
 
@@ -39,7 +39,7 @@ def test_notes_give_the_numbers() -> None:
 
 def test_planner_records_precision_and_mfu_sanity() -> None:
     from partita.passes.annotate import annotate
-    from partita.search.planner import plan_graph
+    from partita.search.entry.planner import plan_graph
     from tests.search.builders import gpt
 
     g0 = gpt(4, 1024, 16)

@@ -11,7 +11,7 @@ activations category the rehearsal's memory tracker measures at the step's peak.
 What it proves: the three policies differ in predicted activation memory and step time in the
 order the runtime shows (none > selective > full in memory; the reverse in time), and each
 policy's prediction carries the same relative error as the no-recompute one, within 10%. The
-absolute count of the no-recompute activations (``search/intra_op.py``: every input of an op whose
+absolute count of the no-recompute activations (``search/layer/intra_op.py``: every input of an op whose
 backward reads it) over-counts this model by about 38% (no-op f32 casts, rotate_half's slices and
 negation are counted as saved), so the policies are compared against that common base rather
 than each against the tracker alone.
@@ -31,8 +31,8 @@ from partita.cluster import parse_cluster
 from partita.driver import trace_model
 from partita.frontends.trace import TRACE_BATCH
 from partita.plan import Plan
-from partita.search.config import SearchOptions, TrainingConfig
-from partita.search.hand_plan import hand_plan
+from partita.search.entry.hand_plan import hand_plan
+from partita.search.pricing.config import SearchOptions, TrainingConfig
 
 POLICIES = ("none", "selective", "full")
 
@@ -84,7 +84,7 @@ def test_selective_is_searched_by_default() -> None:
 
 
 def test_selective_prices_zero_for_layers_never_checkpointed(tmp_path: Path) -> None:
-    from partita.search.stage_cost import SolverCosts
+    from partita.search.pipeline.stage_cost import SolverCosts
 
     training = TrainingConfig(global_batch=4, seq_len=32)
     graph = trace_model("llama-tiny", batch=TRACE_BATCH, seq=32).graph

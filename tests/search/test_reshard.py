@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from partita.cluster import DEVICE_PRESETS
-from partita.search.cost_model import CostModel
-from partita.search.mesh import LogicalMesh
-from partita.search.reshard import reshard_cost, reshard_steps
+from partita.search.layer.reshard import reshard_cost, reshard_steps
+from partita.search.pricing.cost_model import CostModel
+from partita.search.pricing.mesh import LogicalMesh
 
 A100 = DEVICE_PRESETS["A100-80G"]
 M1 = LogicalMesh((8,), ("tp",), A100, 8)

@@ -19,9 +19,9 @@ import torch
 from partita.cluster import parse_cluster
 from partita.driver import trace_model
 from partita.models.zoo import resolve_model
-from partita.search.cost_model import CostModel
-from partita.search.intra_op import solve_layer
-from partita.search.mesh import LogicalMesh
+from partita.search.layer.intra_op import solve_layer
+from partita.search.pricing.cost_model import CostModel
+from partita.search.pricing.mesh import LogicalMesh
 
 B, S = 2, 32
 

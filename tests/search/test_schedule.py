@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from partita.errors import ConfigError
-from partita.search import schedule as sched
+from partita.search.pipeline import schedule as sched
 
 
 def test_1f1b_latency_and_bubble() -> None:
@@ -124,7 +124,7 @@ def test_the_plan_knows_every_family() -> None:
 def test_chunk_placement_is_one_definition() -> None:
     """The placement the simulator prices (``stage_rank``) is the one a chunked Plan records."""
     from partita.plan import chunk_position
-    from partita.search.schedule import stage_rank
+    from partita.search.pipeline.schedule import stage_rank
 
     for p in (2, 3, 4):
         assert [stage_rank("zbv", s, p, 2) for s in range(2 * p)] == [chunk_position("zbv", s, p) for s in range(2 * p)]

@@ -18,11 +18,12 @@ import numpy as np
 import pytest
 
 from partita.cluster import parse_cluster
-from partita.search import inter_op, planner, step_bounds
-from partita.search import schedule as sched
-from partita.search.config import SearchOptions, TrainingConfig
-from partita.search.pipeline_sim import simulate
-from partita.search.zero_bubble import counts, least_counts
+from partita.search.entry import planner
+from partita.search.pipeline import inter_op, step_bounds
+from partita.search.pipeline import schedule as sched
+from partita.search.pipeline.pipeline_sim import simulate
+from partita.search.pipeline.zero_bubble import counts, least_counts
+from partita.search.pricing.config import SearchOptions, TrainingConfig
 
 
 @pytest.mark.parametrize(("schedule", "v"), [("1f1b", 1), ("gpipe", 1), ("zb_h1", 1), ("interleaved_1f1b", 2)])
@@ -169,12 +170,12 @@ def test_r6_plan_and_schedule_bests_equal_the_unpruned_search(monkeypatch: pytes
 
 @pytest.mark.slow
 def test_prefetch_in_workers_gives_the_serial_plan(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The layer ILPs solved in two forked workers (``search/prefetch.py``), the zero-bubble configurations
+    """The layer ILPs solved in two forked workers (``search/entry/prefetch.py``), the zero-bubble configurations
     and the report's yardstick beside the search, or all of it here, one after another: the same plan
     file, statistics included."""
-    from partita.search import prefetch
-    from partita.search.hand_best import yardstick
-    from partita.search.memo import IntraOpMemo
+    from partita.search.entry import prefetch
+    from partita.search.entry.hand_best import yardstick
+    from partita.search.layer.memo import IntraOpMemo
 
     g, _ = _llama()
     cluster = parse_cluster("16xA100-80G+16xV100-32G")

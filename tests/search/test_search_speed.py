@@ -11,10 +11,10 @@ import pytest
 
 from partita.cluster import parse_cluster
 from partita.ir import Graph
-from partita.search.config import SearchOptions, TrainingConfig
-from partita.search.plan_build import Candidate
-from partita.search.planner import Option, Search, plan_graph
-from partita.search.stage_cost import UnitTable, _range_max, _range_sum
+from partita.search.entry.planner import Option, Search, plan_graph
+from partita.search.pipeline.stage_cost import UnitTable, _range_max, _range_sum
+from partita.search.pricing.config import SearchOptions, TrainingConfig
+from partita.search.program.plan_build import Candidate
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +64,8 @@ def test_graph_node_index_follows_changes(graph: Graph) -> None:
 def test_hand_best_prunes_without_changing_the_winner(graph: Graph) -> None:
     """The yardstick simulates only picks whose lower bound can still win; its record equals the one
     of simulating every (layout, combo), computed here the long way."""
-    from partita.search import hand_best
-    from partita.search.plan_build import Candidate
+    from partita.search.entry import hand_best
+    from partita.search.program.plan_build import Candidate
 
     cl, tr = parse_cluster("8xA100-80G"), TrainingConfig(global_batch=64, seq_len=32)
     simulated: list[float] = []
@@ -87,13 +87,13 @@ def test_hand_best_prunes_without_changing_the_winner(graph: Graph) -> None:
 
 def _every_layout(graph: Graph, cl, tr) -> list[tuple]:  # noqa: ANN001
     """Every (layout, combo) priced through the planner's own arrays over all layer ranges."""
-    from partita.search import schedule as sched
-    from partita.search.config import SearchOptions
-    from partita.search.evaluate import megatron_split
-    from partita.search.hand_best import SCHEDULE, _layouts, tp_style_of
-    from partita.search.plan_build import Candidate, StagePick
-    from partita.search.planner import Search
-    from partita.search.stage_cost import SolverCosts
+    from partita.search.entry.evaluate import megatron_split
+    from partita.search.entry.hand_best import SCHEDULE, _layouts, tp_style_of
+    from partita.search.entry.planner import Search
+    from partita.search.pipeline import schedule as sched
+    from partita.search.pipeline.stage_cost import SolverCosts
+    from partita.search.pricing.config import SearchOptions
+    from partita.search.program.plan_build import Candidate, StagePick
 
     dev = cl.device_types()[0]
     costs = SolverCosts(graph, cl, tr, tp_style=tp_style_of(graph))
@@ -167,7 +167,7 @@ def test_ranged_is_read_only_and_matches(graph: Graph) -> None:
 def test_premasked_tables_give_the_same_dp(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """``inter_op._run`` with small tables masked whole (``_premasked``) fills the same ``G`` as with
     every table masked slice by slice, for every t_max candidate (ties and infinities included)."""
-    from partita.search import inter_op
+    from partita.search.pipeline import inter_op
 
     rng = np.random.default_rng(seed)
     units, depth = 9, 6
@@ -221,8 +221,8 @@ def test_stage_parts_key_holds_every_input(graph: Graph) -> None:
     check can fail)."""
     import dataclasses
 
-    from partita.search.stage_cost import StageFactors
-    from partita.search.stage_ranges import stage_parts
+    from partita.search.pipeline.stage_cost import StageFactors
+    from partita.search.pipeline.stage_ranges import stage_parts
 
     cl = parse_cluster("8xA100-80G")
     search = Search(graph, cl, TrainingConfig(global_batch=64, seq_len=32), SearchOptions())
@@ -293,9 +293,9 @@ def test_shared_layer_pieces_give_the_same_solutions(graph: Graph, monkeypatch: 
     import dataclasses
 
     from partita.cluster import DEVICE_PRESETS
-    from partita.search import intra_op, layer_strategies
-    from partita.search.cost_model import CostModel
-    from partita.search.mesh import LogicalMesh
+    from partita.search.layer import intra_op, layer_strategies
+    from partita.search.pricing.cost_model import CostModel
+    from partita.search.pricing.mesh import LogicalMesh
     from tests.search import builders
 
     a100, v100 = DEVICE_PRESETS["A100-80G"], DEVICE_PRESETS["V100-32G"]

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from partita.errors import ConfigError
-from partita.search import inter_op, pipeline_sim
-from partita.search import schedule as sched
-from partita.search.planner import Option
-from partita.search.step_bounds import tail_bound
+from partita.search.entry.planner import Option
+from partita.search.pipeline import inter_op, pipeline_sim
+from partita.search.pipeline import schedule as sched
+from partita.search.pipeline.step_bounds import tail_bound
 
 SHAPES = [
     (schedule, p, m, v)

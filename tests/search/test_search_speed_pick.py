@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from partita.search.planner import Option
+from partita.search.entry.planner import Option
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -1,4 +1,4 @@
-"""Megatron sequence parallelism written into a hand layout's Plan (``search/sequence_parallel.py``), in-process.
+"""Megatron sequence parallelism written into a hand layout's Plan (``search/program/sequence_parallel.py``), in-process.
 
 Tiny Llama (h = 64, 2 blocks, 4 heads), seq s = 16, micro-batch b = 4 on tp = t = 2, bf16 (autocast),
 compiled with and without ``sequence_parallel``. What the Plan must say, from Korthikanti et al. 2022,
@@ -32,8 +32,8 @@ def plans(tmp_path_factory: pytest.TempPathFactory) -> tuple:
     from partita.driver import trace_model
     from partita.models import families
     from partita.plan import Plan
-    from partita.search.config import TrainingConfig
-    from partita.search.hand_plan import hand_plan
+    from partita.search.entry.hand_plan import hand_plan
+    from partita.search.pricing.config import TrainingConfig
 
     spec = str(families.write_config(tmp_path_factory.mktemp("llama") / "llama", families.tiny("llama")))
     graph = trace_model(spec, seq=S).graph
@@ -61,7 +61,7 @@ def test_roles_are_written_literally(plans: tuple) -> None:
 
 
 def test_records_follow_megatron_sequence_parallel_traffic(plans: tuple) -> None:
-    from partita.search import records
+    from partita.search.program import records
 
     _, plain, sp = plans
     m, sbh = sp.num_micro_batches, S * B * H
@@ -101,8 +101,8 @@ def test_unbuilt_sequence_parallel_layouts_are_refused(
 ) -> None:
     from partita.cluster import parse_shorthand
     from partita.driver import trace_model
-    from partita.search.config import TrainingConfig
-    from partita.search.hand_plan import hand_plan
+    from partita.search.entry.hand_plan import hand_plan
+    from partita.search.pricing.config import TrainingConfig
 
     spec, seq = (plans[0], S) if model == "llama" else (model, 32)
     graph = trace_model(spec, seq=seq).graph

@@ -5,8 +5,8 @@ from __future__ import annotations
 from partita import prims
 from partita.cluster import DEVICE_PRESETS
 from partita.ir import DimSig, Node, Prim
-from partita.search.mesh import LogicalMesh
-from partita.search.strategies import enumerate_strategies
+from partita.search.layer.strategies import enumerate_strategies
+from partita.search.pricing.mesh import LogicalMesh
 
 MESH = LogicalMesh((8,), ("tp",), DEVICE_PRESETS["A100-80G"], 8)
 MESH2 = LogicalMesh((2, 4), ("dp", "tp"), DEVICE_PRESETS["A100-80G"], 8)
@@ -65,7 +65,7 @@ def test_torch_tp_roles_of_a_linear_and_what_other_ops_may_shard() -> None:
     """``torch_tp_strategies``: a linear gets the runtime's four roles (each with its own collective and
     layouts on tp), a token label never goes on tp, a norm keeps its weight replicated on tp, and
     GPT-2's ``addmm`` bias (first operand) gets a replicated gradient under row parallelism."""
-    from partita.search.strategies import torch_tp_strategies
+    from partita.search.layer.strategies import torch_tp_strategies
 
     n = Node("fc", Prim.MATMUL, ("x", "w", "b"), ("y",), prims.linear(3, has_bias=True), target="aten.linear.default")
     sizes = {"a": 8, "b": 2048, "k": 1024, "n": 4096}

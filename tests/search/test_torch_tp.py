@@ -18,14 +18,14 @@ import pytest
 from partita.cluster import DEVICE_PRESETS, parse_shorthand
 from partita.errors import PlanError
 from partita.ir import Role
-from partita.search.config import TrainingConfig
-from partita.search.cost_model import CostModel
-from partita.search.intra_op import solve_layer
-from partita.search.layer_strategies import needs_grad
-from partita.search.mesh import LogicalMesh
-from partita.search.reshard import grad_requirement
-from partita.search.stage_cost import SolverCosts
-from partita.search.strategies import TP_ROLES
+from partita.search.layer.intra_op import solve_layer
+from partita.search.layer.layer_strategies import needs_grad
+from partita.search.layer.reshard import grad_requirement
+from partita.search.layer.strategies import TP_ROLES
+from partita.search.pipeline.stage_cost import SolverCosts
+from partita.search.pricing.config import TrainingConfig
+from partita.search.pricing.cost_model import CostModel
+from partita.search.pricing.mesh import LogicalMesh
 from tests.search import builders
 
 
@@ -43,7 +43,7 @@ def _tp_records(sol) -> list[tuple[str, str, float, int]]:  # noqa: ANN001
 def _edges_agree_on_tp(graph, layer, sol, tp: int) -> None:  # noqa: ANN001
     """Every tensor crosses every edge of the solved layer with one layout on the tp axis (the runtime
     reshards nothing between ops), except a column module's partial input gradient."""
-    from partita.search.strategies import enumerate_strategies  # noqa: F401 - names only
+    from partita.search.layer.strategies import enumerate_strategies  # noqa: F401 - names only
 
     nodes = {n: graph.node(n) for n in layer.nodes}
     strat = sol.op_strategies
@@ -65,7 +65,7 @@ def _edges_agree_on_tp(graph, layer, sol, tp: int) -> None:  # noqa: ANN001
 
 def _strategies(graph, layer, sol):  # noqa: ANN001, ANN202
     """The chosen Strategy objects, rebuilt by name from the same enumeration the ILP used."""
-    from partita.search.intra_op import _LayerProblem
+    from partita.search.layer.intra_op import _LayerProblem
 
     mesh = LogicalMesh(sol.mesh_shape, ("dp", "tp"), DEVICE_PRESETS[sol.device_type], 8)
     cm = CostModel.for_device(mesh.device)
@@ -92,7 +92,9 @@ def test_gpt_block_tp8_is_what_the_runtime_builds(micro_batch: int) -> None:
     pl = {k: v[1] for k, v in sol.param_placements.items()}
     assert pl[f"{h}.ln_1.weight"] == pl[f"{h}.ln_2.weight"] == "R" and pl[f"{h}.attn.c_proj.bias"] == "R"
     _edges_agree_on_tp(g, g.layers[1], sol, 1)
-    act = micro_batch * 2048 * 2048 * 4.0  # [b, s, h] in the traced f32 (search/records.py prices the plan's dtype)
+    act = (
+        micro_batch * 2048 * 2048 * 4.0
+    )  # [b, s, h] in the traced f32 (search/program/records.py prices the plan's dtype)
     assert _tp_records(sol) == [("all_reduce", "backward", act, 1)] * 2 + [("all_reduce", "forward", act, 1)] * 2
     # the runtime: the plan's roles applied as given after checking them against the placements
     model = resolve_model("gpt3-1.3b").build("meta")

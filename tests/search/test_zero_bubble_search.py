@@ -10,12 +10,12 @@ import pytest
 from partita.cluster import Cluster, cluster_from_dict
 from partita.errors import InfeasibleError
 from partita.ir import Graph
-from partita.search import schedule as sched
-from partita.search.config import SearchOptions, TrainingConfig
-from partita.search.pipeline_sim import simulate
-from partita.search.planner import plan_graph
-from partita.search.schedule_cost import stage_split, weight_grad_flops
-from partita.search.zero_bubble import costs_held
+from partita.search.entry.planner import plan_graph
+from partita.search.pipeline import schedule as sched
+from partita.search.pipeline.pipeline_sim import simulate
+from partita.search.pipeline.schedule_cost import stage_split, weight_grad_flops
+from partita.search.pipeline.zero_bubble import costs_held
+from partita.search.pricing.config import SearchOptions, TrainingConfig
 
 TRAIN = TrainingConfig(global_batch=16, seq_len=32)
 # ZeRO-0, no recompute, no tp: the model only fits split into pipeline stages on these devices
@@ -47,7 +47,7 @@ def _layer_range(graph: Graph, layers: tuple[str, ...]) -> tuple[int, int]:
 def _option_held(graph: Graph, cl: Cluster, st: Any, mb: int) -> float:
     """The weight of stage ``st``'s deferred W as its option priced it: its layers' own held output
     gradients over their saved activations (``LayerCost``, in the stage's precision mode and tp)."""
-    from partita.search.stage_cost import SolverCosts
+    from partita.search.pipeline.stage_cost import SolverCosts
 
     a, b = _layer_range(graph, st.layers)
     dev = cl.device_types()[0]
@@ -110,14 +110,16 @@ def test_search_picks_zb_h1_where_it_wins_and_prices_it_by_simulation(graph: Gra
 def test_zero_bubble_search_keeps_to_what_the_runtime_runs(graph: Graph) -> None:
     plan = plan_graph(graph, _tiny(), TRAIN, options=SearchOptions(schedules=("zb_h1",), max_tp=1, max_micro_batch=1))
     assert all(s.zero_stage in (0, 1) and s.recompute == "none" for s in plan.stages)  # emit_torch.check_schedule
-    assert {"zb_h1", "zbv"} <= set(SearchOptions().schedules)  # both run and rehearse as priced (search/config.py)
+    assert {"zb_h1", "zbv"} <= set(
+        SearchOptions().schedules
+    )  # both run and rehearse as priced (search/pricing/config.py)
     jax_graph = dataclasses.replace(graph, meta={**graph.meta, "framework": "jax"})
     plan = plan_graph(jax_graph, _tiny(), TRAIN, options=SearchOptions(**PIPELINED))
     assert plan.schedule == "1f1b"  # no JAX runtime splits the backward
 
 
 def test_zbv_prices_two_chunks_per_rank(graph: Graph) -> None:
-    """ZB-V is priced on the V layout the runtime runs (search/v_layout.py): rank group 0 holds the
+    """ZB-V is priced on the V layout the runtime runs (search/program/v_layout.py): rank group 0 holds the
     model's first and last layers, which do not fit together on the 2.5 MB devices (no ZB-V plan:
     zbv alone falls back to 1F1B); with 4 MB they do, and the plan is the chunked V layout."""
     tight = plan_graph(graph, _tiny(), TRAIN, options=SearchOptions(schedules=("zbv",), **PIPELINED))
@@ -133,7 +135,7 @@ def test_zbv_prices_two_chunks_per_rank(graph: Graph) -> None:
 
 def test_emitters_refuse_what_they_cannot_run(graph: Graph) -> None:
     """zb_h1 runs on torch (ZeRO-0, no recompute); no JAX program splits the backward; the searched zbv
-    plan (its V layout, search/v_layout.py) runs on torch."""
+    plan (its V layout, search/program/v_layout.py) runs on torch."""
     from partita.backends.jax.emit import emit_jax
     from partita.backends.torch.emit import check_schedule
     from partita.errors import PlanError
@@ -190,7 +192,7 @@ def test_in_flight_envelope_equals_the_action_lists(schedule: str) -> None:
     loaded rank's peak that ``schedule.peak_in_flight`` counts on the action lists, at any B-to-W weight."""
     import numpy as np
 
-    from partita.search.zero_bubble import counts
+    from partita.search.pipeline.zero_bubble import counts
 
     v = 2 if schedule == "zbv" else 1
     for p in range(1, 9):
@@ -217,7 +219,7 @@ def test_held_counts_share_a_table_only_between_equal_weights() -> None:
     """Options whose ranges weigh alike share one count table (issue 20); others never do."""
     import numpy as np
 
-    from partita.search.zero_bubble import HeldCounts, in_flight_table
+    from partita.search.pipeline.zero_bubble import HeldCounts, in_flight_table
 
     counts = HeldCounts(lambda held: in_flight_table(held, "zb_h1", 8, 1, 3))
     a = _Table([[1.0, 2.0], [1.0, 4.0]], [[0.5, 1.0], [0.5, 2.0]])

@@ -257,7 +257,7 @@ def emit_jax(plan: Plan, model_spec: str) -> str:
     ]
     dtypes = sorted({str(x.dtype) for x in abstract.values()})
     if str(plan.training.get("dtype", "f32")) not in ("f32", "float32") and dtypes == ["float32"]:
-        notes.append(  # search/jax_records.py records the gradients and their sync in the parameters' dtype
+        notes.append(  # search/program/jax_records.py records the gradients and their sync in the parameters' dtype
             f"the plan trains in {plan.training['dtype']}; this program applies no mixed precision: it computes "
             "and syncs gradients in the model's float32 parameters (the plan's collectives and memory say so)"
         )
@@ -381,7 +381,7 @@ def _source(
         "# Where this program departs from the plan (printed at start-up and kept in the result).",
         *(["NOTES = ["] + [f"    {_q(n)}," for n in notes] + ["]"] if notes else ["NOTES = []"]),
         "",
-        "# The plan's collectives per stage and step (its records, search/jax_records.py, by kind@axis);",
+        "# The plan's collectives per stage and step (its records, search/program/jax_records.py, by kind@axis);",
         "# the run compares them with the compiled HLO.",
         "PREDICTED_COLLECTIVES = {",
     ]

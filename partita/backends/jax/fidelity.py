@@ -11,7 +11,7 @@ Used by ``backends/jax/train.py`` (which compiles every stage function and reads
   groups. Stage-to-stage transfers (``jax.device_put`` between sub-meshes) are no HLO op: the
   program counts them and adds them as ``p2p@pp``.
 * planned (:func:`planned`): the plan's records (``Stage.collectives``), which
-  ``search/jax_records.py`` builds as the program issues them, one record per HLO op and tensor,
+  ``search/program/jax_records.py`` builds as the program issues them, one record per HLO op and tensor,
   folded the same way. Nothing here models the runtime a second time.
 """
 
@@ -171,7 +171,7 @@ def measured_summary(counts: Mapping[str, Any], transfers: Mapping[str, float] |
 
 # ---- plan side -------------------------------------------------------------------------------
 def planned(stage: Any) -> dict[str, Any]:
-    """The stage's records (``Stage.collectives``, built by ``search/jax_records.py``) folded to
+    """The stage's records (``Stage.collectives``, built by ``search/program/jax_records.py``) folded to
     ``{"kind@axis": {"ops", "bytes", "why"}}`` per step in HLO kind names: read, not re-derived."""
     out: dict[str, Any] = {}
     for c in stage.collectives:

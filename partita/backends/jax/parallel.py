@@ -15,7 +15,7 @@ activation pins, schedule) are literal data in the generated file.
   segments, and each stage becomes a function of (its parameters, its boundary inputs). Segments
   are evaluated equation by equation, so values crossing layer boundaries and the outputs of named
   modules can be pinned to a layout.
-* :func:`pipeline_schedule` merges the plan's per-rank action lists (``search/schedule.py``, GPipe /
+* :func:`pipeline_schedule` merges the plan's per-rank action lists (``search/pipeline/schedule.py``, GPipe /
   1F1B / interleaved 1F1B over model chunks) into the order the program dispatches.
 
 HLO collective counting and the plan's predictions live in ``backends/jax/fidelity.py``.
@@ -37,7 +37,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from partita.errors import ModelError, PlanError
-from partita.search.schedule import pipeline_actions, splits_backward
+from partita.search.pipeline.schedule import pipeline_actions, splits_backward
 
 AXES = ("dp", "tp")
 _SHARD = re.compile(r"S\((-?\d+)\)")

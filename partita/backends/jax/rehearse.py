@@ -21,7 +21,7 @@ compiled by XLA exactly as the program compiles them. Per stage and training ste
 * FLOPs per device (XLA's ``cost_analysis``), times the calls.
 
 ``driver._rehearse_jax`` sets them beside the plan's records (``Stage.collectives``, which
-``search/jax_records.py`` builds one per HLO op; ``Stage.predicted`` memory and FLOPs) with the torch
+``search/program/jax_records.py`` builds one per HLO op; ``Stage.predicted`` memory and FLOPs) with the torch
 rehearsal's rule (``backends/torch/rehearse.compare_stage``).
 """
 

@@ -16,7 +16,7 @@ PartitionSpec per parameter, activation pins, schedule -- in a :class:`Program`,
   layout, in a ``shard_map``. ZeRO-2/3 reduce-scatter every micro-batch; ZeRO-3 all-gathers
   each parameter per micro-batch (its transpose is the reduce-scatter). XLA's CPU all-reduce
   combiner is off (``NO_COMBINE``): every collective the program asks for stays one HLO op, one
-  record of the plan (``search/jax_records.py``). The loss is weighted per
+  record of the plan (``search/program/jax_records.py``). The loss is weighted per
   replica (``share / samples``), which also makes uneven shares exact: each replica's share is
   padded to the largest one and the model runs per sample with weight 0 on the padding.
 * per stage a jitted forward (returns its ``jax.vjp`` residuals, so the backward recomputes
@@ -54,7 +54,7 @@ from partita.backends.jax import parallel as jp
 
 # XLA's CPU all-reduce combiner merges neighbouring all-reduces of a compiled function by adjacency, which
 # neither the plan nor its cost model (one latency per collective) knows: the programs keep every all-reduce
-# they ask for as its own op, so each plan record is one HLO op (search/jax_records.py). Set before the
+# they ask for as its own op, so each plan record is one HLO op (search/program/jax_records.py). Set before the
 # backend starts (the program, the run and the rehearsal import this module first).
 NO_COMBINE = "cpu-all-reduce-combiner"
 
@@ -111,7 +111,7 @@ def _without(spec: P, axis: str) -> P:
 def _flat_psum(local: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
     """One all-reduce over dp per dtype of every local gradient (``(1, *shape)`` per replica), flattened
     into one buffer and split back: a ``psum`` of several arrays lowers to one HLO all-reduce each, so
-    the program buckets them itself, as the plan records (``search/jax_records.py``) and prices them."""
+    the program buckets them itself, as the plan records (``search/program/jax_records.py``) and prices them."""
     out: dict[str, jax.Array] = {}
     by_dtype: dict[Any, list[str]] = {}
     for f, g in local.items():

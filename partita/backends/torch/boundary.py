@@ -3,7 +3,7 @@
 Sits under ``backends/torch/stages.py``, which probes a model once (the order its modules run in,
 what each returns, which module reads which tensor) and asks :func:`cut_layout` what crosses the cut
 after a plan layer. The rule is the graph side's (``passes/boundaries.py``, which the search prices
-and ``search/records.py`` records): a cut carries every tensor a module before it produced, a module
+and ``search/program/records.py`` records): a cut carries every tensor a module before it produced, a module
 after it reads, and that depends on a parameter (it needs a gradient back). Tensors that depend on no
 parameter (masks, rotary tables, constant biases) are rebuilt by the later stage's own forward.
 

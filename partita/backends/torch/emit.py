@@ -6,7 +6,7 @@ one ``setup_stage_<i>`` per stage with the per-parameter placements written out,
 with the schedule, ``lr_lambda``, and a ``__main__`` that hands these to
 ``partita.backends.torch.train.main``. Same plan -> byte-identical program (golden-tested).
 
-The predicted collectives are the plan's own records (``search/records.py``: per stage and step, by
+The predicted collectives are the plan's own records (``search/program/records.py``: per stage and step, by
 kind, mesh axis and bytes), written as ``PROGRAM["predicted_collectives"]``; nothing here predicts.
 For tensor parallelism the emitter derives the module roles (``backends/torch/tp.py``) on the model
 built on the meta device and writes them into the program; the program re-derives them and refuses to
@@ -71,8 +71,8 @@ from typing import Any
 from partita.backends.torch import chunks as vchunks
 from partita.errors import PartitaError, PlanError
 from partita.plan import Plan, Stage, shares
-from partita.search import records
-from partita.search.schedule import pipeline_actions, splits_backward
+from partita.search.pipeline.schedule import pipeline_actions, splits_backward
+from partita.search.program import records
 
 _HEADER = '''"""Partita program: {model} on {cluster} ({world} ranks), {num_stages} stage(s), schedule {schedule}.
 
@@ -200,7 +200,7 @@ def _program(plan: Plan, model_spec: str, facts: list[StageFacts]) -> dict[str, 
         "runner": _runner_kind(plan),
         "layers": [name for s in plan.stages for name in s.layers],
         "stages": [_stage_dict(plan, s) for s in plan.stages],
-        # the plan's own records (search/records.py), the program's one prediction: train.py compares its
+        # the plan's own records (search/program/records.py), the program's one prediction: train.py compares its
         # first and last counted steps with them (kinds, axes, counts, bytes)
         "predicted_collectives": {f"stage{s.index}": records.summary(s.collectives) for s in plan.stages},
         "predicted_step_time_s": plan.predicted.get("step_time_s"),

@@ -3,7 +3,7 @@
 Used by ``backends/torch/train.py`` around each counted step (:class:`CollectiveCounter`) and by
 ``backends/torch/rehearse.py`` (:func:`collective_event`, :func:`op_bytes`), so a run and its
 rehearsal count alike. There is no runtime-side prediction: the program carries the Plan's
-``Stage.collectives`` (``search/records.py``, complete per step with bytes) folded to ``kind@axis``
+``Stage.collectives`` (``search/program/records.py``, complete per step with bytes) folded to ``kind@axis``
 as ``PROGRAM["predicted_collectives"]``, and :func:`compare` checks a counted step against them:
 the same kinds and mesh axes, equal counts, total bytes within :data:`BYTES_TOL`.
 

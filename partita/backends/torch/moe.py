@@ -1,7 +1,7 @@
 """Expert parallelism of Hugging Face MoE layers over the ``tp`` axis: the ``expert`` tp role.
 
 Called by ``backends/torch/tp.py`` (``tensor_parallel``) for every module the plan gives the role
-``expert`` (``Stage.tp_plan``; the search's strategy ``e@tp:expert``, ``search/strategies.py``): a
+``expert`` (``Stage.tp_plan``; the search's strategy ``e@tp:expert``, ``search/layer/strategies.py``): a
 transformers experts module (``MixtralExperts``, ``Qwen2MoeExperts``: 3-D ``gate_up_proj`` /
 ``down_proj`` stacked over experts) whose parameters the plan places ``S(0)`` on ``tp``. Each of the
 ``p`` ranks of the tp group holds ``num_experts / p`` consecutive experts (a DTensor shard).
@@ -270,7 +270,7 @@ def experts_in_autocast_dtype(module: nn.Module) -> None:
     cast: on f32 master weights the CUDA kernel (and its meta function, which ``partita rehearse``
     runs under fake tensors) refuses anything but bf16, so a tp = 1 mixtral stage could neither run
     on a GPU nor rehearse; the plan prices those matmuls and their saved copies in the low dtype
-    (``search/saved.py``'s autocast mode). The expert-parallel forward casts its rows itself."""
+    (``search/layer/saved.py``'s autocast mode). The expert-parallel forward casts its rows itself."""
     mod: Any
     for mod in module.modules():
         if is_experts_module(mod) and not hasattr(mod, "_partita_ep") and not hasattr(mod, "_partita_low"):

@@ -13,7 +13,7 @@ from ``PROGRAM["training"]``, which is the plan's ``training`` record written ou
   float64 all-reduce over every rank (:func:`global_grad_norm`): each rank adds the squares of its
   local gradient shards, divided by the number of ranks that hold the same values, so every
   gradient element counts once. That all-reduce is a collective of the step: the plan records it
-  (``search/records.py``), and the program's first counted step is compared with that record.
+  (``search/program/records.py``), and the program's first counted step is compared with that record.
 * ``dtype == "f16"``: dynamic loss scaling (:class:`LossScaler`, ``torch.amp.GradScaler`` semantics done
   by hand, since gradients are DTensors / FSDP2 shards): ``init_loss_scale`` (2**16) and
   ``loss_scale_growth_interval`` (2000). The overflow check is one float64 all-reduce over every rank,

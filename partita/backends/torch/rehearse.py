@@ -55,7 +55,7 @@ from partita.backends.torch.schedule import replica_ranges
 from partita.errors import PlanError
 from partita.frontends import torch_shim
 from partita.plan import Plan, Stage
-from partita.search import records
+from partita.search.program import records
 
 BYTES_TOL, MEMORY_TOL, FLOPS_TOL = 0.02, 0.10, 0.05
 MEMORY_CATEGORIES = {

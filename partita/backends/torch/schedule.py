@@ -11,7 +11,7 @@ Called by ``torch_train.py``; built by the generated program (``backends/torch/e
   rank), ZeRO-2/3 stages, and every schedule beyond GPipe / 1F1B: ``torch.distributed.pipelining``
   assumes one stage per rank of a pp group with equal shapes, so this runner moves boundary
   activations with explicit ``dist.isend`` / ``dist.recv``, re-slicing samples between replicas of
-  different data-parallel widths, and executes the rank's action list (``search/schedule.py``'s
+  different data-parallel widths, and executes the rank's action list (``search/pipeline/schedule.py``'s
   ``pipeline_actions``, printed in the program): the same list the cost model simulates. A
   schedule that splits the backward (``zb_h1``, ``zbv``) runs B and W apart (``wsplit.py``); a plan
   with model chunks (interleaved 1F1B with ``v > 1``, ZB-V) runs every chunk of the rank from the one
@@ -182,7 +182,7 @@ class P2PPipeline:
                 "recompile with a schedule without virtual stages (1f1b or zb_h1).",
             )
         if actions is None:
-            from partita.search.schedule import pipeline_actions
+            from partita.search.pipeline.schedule import pipeline_actions
 
             num_virtual = len(self.chunks) // len(stages)
             per_rank = pipeline_actions(schedule, len(stages), num_micro_batches, num_virtual)

@@ -667,7 +667,7 @@ def boundary_shapes(
 
 
 def cut_elems(model: nn.Module, stage_layers: Sequence[Sequence[str]], x: torch.Tensor) -> list[list[tuple[str, int]]]:
-    """Per cut: (tensor, elements per sample) of what crosses it (what ``search/records.py`` prices)."""
+    """Per cut: (tensor, elements per sample) of what crosses it (what ``search/program/records.py`` prices)."""
     all_layers = [n for layers in stage_layers for n in layers]
     info = probe(model, all_layers, x)
     out, c = [], -1

@@ -8,7 +8,7 @@ the emitter itself (:func:`module_roles` on the model built on the meta device, 
 Activations between modules stay plain local tensors, as in Megatron-LM and torchtitan; DTensor
 runs only inside the modules whose parameters the plan shards over ``tp``. Each such module has a
 *role*, the ILP's choice for it: a searched plan carries them as data (``Stage.tp_plan``, written by
-``search/intra_op.py`` from the strategies of ``search/strategies.torch_tp_strategies``, which
+``search/layer/intra_op.py`` from the strategies of ``search/strategies.torch_tp_strategies``, which
 are exactly the roles below), the program writes them literally (``roles={...}``) and
 :func:`module_roles` checks each against the module's parameter placements (``nn.Linear`` keeps
 weight ``[out, in]``, transformers' ``Conv1D`` ``[in, out]``). The roles and their ParallelStyle
@@ -307,7 +307,7 @@ class _Hooks:
         dev = x.device.type
         if x.is_floating_point() and torch.is_autocast_enabled(dev):
             # cast before the DTensor boundary, as autocast would inside the matmul: the input gradient's
-            # all-reduce then moves the compute dtype, as Megatron's (and the plan's records, search/records.py)
+            # all-reduce then moves the compute dtype, as Megatron's (and the plan's records, search/program/records.py)
             d = DTensor.from_local(x.to(torch.get_autocast_dtype(dev)), self.mesh, [Replicate()], run_check=False)
             cache[id(x)] = (x, d)
             return d

@@ -1,0 +1,474 @@
+"""Price one hand-written (Megatron-style) configuration with the planner's own cost path.
+
+Used by ``partita evaluate``, the Megatron-grid baseline (``search/entry/baselines.py``) and the
+cost-model accuracy benchmark (``bench/costmodel_accuracy.py``). Stages split the repeated blocks
+evenly (Megatron's rule); the first stage also holds the layers before the first block (embedding),
+the last the layers after the last block (head). Every stage runs on the cluster's first device type.
+
+A layout that cannot be built is refused with one :class:`~partita.errors.ConfigError` before
+anything is priced (:func:`check_layout`): attention heads, key/value heads or block weight dims
+not divisible by ``tp``; ``dp * tp * pp`` above the devices of the type that runs it; blocks that do not split into ``pp``
+stages (times ``num_virtual`` chunks); virtual stages without the interleaved schedule; a
+zero-bubble schedule (``zb_h1``) with ZeRO-2/3 or recompute, which no runtime runs
+(:func:`check_split_backward`). Under ``zb_h1`` each stage's deferred weight gradients are priced
+with its own layers (``search/pipeline/zero_bubble.py``), as the planner prices them.
+A ``tp`` wider than a node is priced over the network and said so in the notes (the planner
+itself never searches it, rule R1). Sequence parallelism (``sequence_parallel=True``) is refused here: it is
+no dimension of the search and ``evaluate`` does not price it; a hand layout's ``partita compile
+--sequence-parallel`` builds it (``search/program/sequence_parallel.py``, ``backends/torch/tp.py``).
+
+The :class:`Evaluation` carries memory per device by category (parameters, gradients, optimizer
+state, activations: the same terms ``search/stage_ranges.StageParts`` sums), whether it fits, the
+devices left idle and the model FLOPs utilization against the peak of the devices used and of the
+whole cluster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from partita.cluster import Cluster
+from partita.errors import ConfigError
+from partita.ir import Graph, Prim, dim_size
+from partita.search.entry.planner import Option, Search
+from partita.search.pipeline import schedule as sched
+from partita.search.pipeline.stage_cost import (
+    SolverCosts,
+    StageFactors,
+    copies_deferred_gradients,
+    reduce_scatter_in_flight,
+    static_memory,
+)
+from partita.search.pipeline.stage_ranges import grad_transient
+from partita.search.pipeline.zero_bubble import RUNNABLE_ZERO, HeldCounts, counts, held_weight, in_flight_table
+from partita.search.pricing.config import SearchOptions, TrainingConfig
+from partita.search.pricing.precision import choose_precision, precision_note
+from partita.search.program.plan_build import Candidate, StagePick
+
+MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    predicted_step_time_s: float
+    pipeline_s: float
+    bubble_s: float
+    tail_s: float
+    stage_times_s: tuple[float, ...]
+    memory_per_device: tuple[float, ...]  # per stage, bytes
+    memory_capacity: float
+    fits: bool
+    tokens_per_s: float
+    memory_by_category: tuple[dict[str, float], ...] = ()  # per stage, MEMORY_CATEGORIES -> bytes
+    layout: dict[str, Any] = dataclasses.field(default_factory=dict)  # degrees, schedule, device, devices used
+    mfu: float = 0.0  # model FLOPs / (step x peak of the devices used)
+    mfu_cluster: float = 0.0  # model FLOPs / (step x peak of every device in the cluster)
+    notes: tuple[str, ...] = ()  # what the prediction assumes that a reader may not expect
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def block_kind(graph: Graph) -> str:
+    """The most repeated layer kind (the transformer block)."""
+    kinds = [lay.kind for lay in graph.layers]
+    return max(set(kinds), key=lambda k: (kinds.count(k), -kinds.index(k)))
+
+
+def megatron_split(graph: Graph, pp: int) -> list[tuple[int, int]]:
+    """Layer-index ranges of ``pp`` stages: blocks split evenly, pre/post layers on the ends."""
+    kinds = [lay.kind for lay in graph.layers]
+    block = block_kind(graph)
+    idx = [i for i, k in enumerate(kinds) if k == block]
+    first, last, n = idx[0], idx[-1], len(idx)
+    if n % pp:
+        divisors = [d for d in range(1, n + 1) if n % d == 0]
+        raise ConfigError(f"{n} blocks do not split into pp={pp} stages.", f"use a divisor of {n}: {divisors}.")
+    per = n // pp
+    bounds = [first + i * per for i in range(pp)] + [last + 1]
+    bounds[0], bounds[-1] = 0, len(kinds)
+    return [(bounds[i], bounds[i + 1]) for i in range(pp)]
+
+
+def tp_dims(graph: Graph) -> tuple[dict[str, set[int]], int | None]:
+    """What tensor parallelism must divide, by name (attention heads, key/value heads, block weight
+    dims), and the vocabulary size (rows of the embedding table) or None."""
+    env = {"B": 1, "S": 1}
+    block = block_kind(graph)
+    names = {n for lay in graph.layers if lay.kind == block for n in lay.nodes}
+    need: dict[str, set[int]] = {"attention heads": set(), "key/value heads": set(), "block weight dims": set()}
+    vocab = None
+    strided = graph.meta.get("strided_params") or {}
+    for node in graph.nodes:
+        if node.prim is Prim.ATTENTION and node.name in names and len(node.inputs) >= 2:
+            q, k = (graph.tensors.get(x) for x in node.inputs[:2])
+            if q is not None and len(q.shape) == 4:
+                need["attention heads"].add(dim_size(q.shape[1], env))
+            if k is not None and len(k.shape) == 4:
+                need["key/value heads"].add(dim_size(k.shape[1], env))
+        if node.prim is Prim.EMBEDDING:
+            for x in node.inputs:
+                t = graph.tensors.get(x)
+                if t is not None and t.role.value == "parameter" and len(t.shape) == 2:
+                    vocab = max(vocab or 0, dim_size(t.shape[0], env))
+    for lay in graph.layers:
+        if lay.kind != block:
+            continue
+        for p in lay.params:
+            t = graph.tensors.get(p)
+            if t is not None and len(t.shape) >= 2:
+                dims = [dim_size(d, env) for d in t.shape]
+                fused = strided.get(p)  # passes/fused_split: q|k|v chunk dim, never split by tp
+                if isinstance(fused, (list, tuple)) and len(fused) == 2 and fused[1] in dims:
+                    dims.remove(int(fused[1]))
+                need["block weight dims"].update(dims)
+    return {k: v for k, v in need.items() if v}, vocab
+
+
+def check_sequence_parallel(sequence_parallel: bool) -> None:
+    """Refuse Megatron sequence parallelism here (module docstring): ``partita evaluate`` and the
+    search price programs without it; a hand layout's compile builds it (``search/program/sequence_parallel.py``)."""
+    if sequence_parallel:
+        raise ConfigError(
+            "sequence parallelism is not priced by `partita evaluate` or the search: only a hand-made layout's "
+            "compile builds it (search/program/sequence_parallel.py writes its roles, records and memory into the plan).",
+            "run `partita compile MODEL --tp T --pp P --dp D --micro-batch B --sequence-parallel` instead "
+            "(its report and plan.json carry the prediction), or drop --sequence-parallel.",
+        )
+
+
+def check_layout(
+    graph: Graph,
+    cluster: Cluster,
+    training: TrainingConfig,
+    *,
+    tp: int | Sequence[int],
+    pp: int,
+    dp: int,
+    micro_batch: int,
+    schedule: str = "1f1b",
+    num_virtual: int = 1,
+    sequence_parallel: bool = False,
+    dims: tuple[dict[str, set[int]], int | None] | None = None,
+) -> list[str]:
+    """Refuse a layout that cannot be built (module docstring); return notes on one that can.
+    ``tp``: one degree for every stage, or one per stage (:func:`stage_tps`). ``dims``:
+    ``tp_dims(graph)`` when the caller checks many layouts of one graph (computed once)."""
+    check_sequence_parallel(sequence_parallel)
+    for name, val in (("pp", pp), ("dp", dp), ("micro_batch", micro_batch), ("num_virtual", num_virtual)):
+        if val < 1:
+            raise ConfigError(f"{name}={val} must be >= 1.", f"pass a positive {name}.")
+    tps = stage_tps(tp, pp)
+    why = graph.meta.get("no_pipeline")  # the runtime cannot cut this model (frontends/trace_torch.py)
+    if pp > 1 and why:
+        raise ConfigError(
+            f"pp={pp} cannot be built for {graph.meta.get('model', graph.name)}: {why}.",
+            "use pp=1 and split the model with dp, tp and ZeRO instead.",
+        )
+    dev = cluster.device_types()[0]
+    have = cluster.count(dev.name)
+    used = dp * sum(tps)
+    if used > have:
+        fit = have // sum(tps)
+        other = f" (every stage runs on the first device type, {dev.name}; the cluster has {cluster.num_devices})"
+        degrees = f"tp={tps[0]}, pp={pp}" if len(set(tps)) == 1 else f"tp={','.join(map(str, tps))}"
+        raise ConfigError(
+            f"dp*tp*pp = {used} exceeds the cluster's {have} devices{other if have < cluster.num_devices else ''}.",
+            f"lower a degree (dp={fit} fits with {degrees})" + ", or use a larger cluster."
+            if fit
+            else "lower a degree or use a larger cluster.",
+        )
+    notes = [] if len(set(tps)) == 1 else [_hetero_tp_note(tps, dp)]
+    need, vocab = dims if dims is not None else tp_dims(graph)
+    for t in sorted(set(tps)):
+        notes += _check_degree(graph, cluster, t, need)
+    if training.global_batch % (micro_batch * dp):
+        raise ConfigError(
+            f"global batch {training.global_batch} is not a multiple of micro_batch*dp={micro_batch * dp}.",
+            "pick degrees that divide the batch.",
+        )
+    if num_virtual > 1 and schedule != "interleaved_1f1b":
+        raise ConfigError(
+            f"{num_virtual} virtual stages need the interleaved_1f1b schedule, not {schedule}.",
+            "pass --schedule interleaved_1f1b, or --virtual-stages 1.",
+        )
+    if schedule == "interleaved_1f1b":
+        if pp < 2 or num_virtual < 2:
+            raise ConfigError(
+                f"interleaved_1f1b needs pp >= 2 and at least 2 virtual stages (got pp={pp}, {num_virtual}).",
+                "pass --pp 2 or more and --virtual-stages 2 or more, or use --schedule 1f1b.",
+            )
+        n = sum(lay.kind == block_kind(graph) for lay in graph.layers)
+        if n % (pp * num_virtual):
+            raise ConfigError(
+                f"{n} blocks do not split into pp={pp} stages of {num_virtual} virtual chunks each.",
+                f"use pp * virtual stages dividing {n}.",
+            )
+    megatron_split(graph, pp)  # pp must divide the blocks
+    for t in sorted({t for t in tps if vocab and vocab % t}):
+        notes.append(
+            f"vocabulary {vocab} is not divisible by tp={t}: the embedding and output layer stay replicated on the "
+            "tp group, as priced (Megatron-LM pads the vocabulary instead)."
+        )
+    if used < cluster.num_devices:
+        notes.append(f"{cluster.num_devices - used} of {cluster.num_devices} devices stay idle in this layout.")
+    return notes
+
+
+def stage_tps(tp: int | Sequence[int], pp: int) -> tuple[int, ...]:
+    """Per stage, its tensor-parallel degree: ``tp`` for all ``pp`` stages, or one given per stage (a
+    heterogeneous pipeline, as the search lays out across device types); ConfigError otherwise."""
+    tps = (tp,) * pp if isinstance(tp, int) else tuple(tp)
+    if len(tps) != pp:
+        raise ConfigError(
+            f"{len(tps)} tensor-parallel degrees ({','.join(map(str, tps))}) for pp={pp} stages.",
+            f"give one degree for every stage (e.g. --tp {','.join(['2'] + ['1'] * (pp - 1))} with --pp {pp}), or one for all.",
+        )
+    for t in tps:
+        if t < 1:
+            raise ConfigError(f"tp={t} must be >= 1.", "pass a positive tp.")
+    return tps
+
+
+def _hetero_tp_note(tps: tuple[int, ...], dp: int) -> str:
+    return (
+        f"stages of different tensor parallelism ({', '.join(f'stage {i}: tp={t}' for i, t in enumerate(tps))}), "
+        f"each on dp*tp = {', '.join(str(dp * t) for t in tps)} devices: boundary activations go from each "
+        "replica's tp rank 0 to every tp rank of the next stage's replicas (backends/torch/schedule.P2PPipeline)."
+    )
+
+
+def _check_degree(graph: Graph, cluster: Cluster, tp: int, need: dict[str, set[int]]) -> list[str]:
+    """What :func:`check_layout` asks of one tensor-parallel degree: it splits the blocks (``need``,
+    from :func:`tp_dims`); a note when it spans nodes."""
+    dev = cluster.device_types()[0]
+    gpn = cluster.gpus_per_node(dev.name)
+    notes = []
+    if tp > gpn:
+        notes.append(
+            f"tp={tp} spans {-(-tp // gpn)} nodes of {gpn} {dev.name}: its per-layer collectives are priced over the "
+            f"network ({cluster.network_for(dev.name).describe()}); the planner itself never searches tp beyond a node."
+        )
+    bad = {k: sorted(x for x in v if x % tp) for k, v in need.items()}
+    bad = {k: v for k, v in bad.items() if v}
+    if bad:
+        ok = [t for t in range(1, gpn + 1) if all(x % t == 0 for v in need.values() for x in v)]
+        what = "; ".join(f"{k} {', '.join(map(str, v))}" for k, v in bad.items())
+        raise ConfigError(
+            f"tp={tp} cannot split {graph.meta.get('model', graph.name)}'s blocks: {what} not divisible by {tp}.",
+            f"use a tp that divides them, up to the node size {gpn}: {', '.join(map(str, ok))}.",
+        )
+    return notes
+
+
+def check_split_backward(schedule: str, pp: int, zero_stage: int, recompute: str) -> None:
+    """Refuse a zero-bubble layout no runtime runs (``search/pipeline/zero_bubble.py`` says why): ZeRO-2/3 or
+    activation recompute with a schedule that splits the backward into B and W."""
+    if pp < 2 or not sched.splits_backward(schedule):
+        return
+    if zero_stage not in RUNNABLE_ZERO:
+        raise ConfigError(
+            f"schedule {schedule} runs the weight gradients (W) after the input gradients (B), but ZeRO-{zero_stage} "
+            "reduce-scatters each micro-batch's gradients at B, before W has computed them.",
+            f"use --zero 0 or 1 with {schedule}, or --schedule 1f1b with ZeRO-{zero_stage}.",
+        )
+    if recompute != "none":
+        raise ConfigError(
+            f"schedule {schedule} runs the weight gradients (W) in a second backward pass, which would recompute "
+            f"each checkpointed block's forward again ({recompute} recompute): more work than one backward.",
+            f"use --recompute none with {schedule}, or --schedule 1f1b with --recompute {recompute}.",
+        )
+
+
+def memory_by_category(cand: Candidate, i: int) -> dict[str, float]:
+    """Stage ``i``'s memory per device split as ``stage_ranges.StageParts`` sums it."""
+    p = cand.stages[i]
+    search = cand.search
+    dev, _, b = p.option.devices[0]
+    z, r = p.option.combos[p.combo]
+    tab = search.table(dev, p.option.tp, b).for_stage(cand.dp, z)  # the stage's precision mode (stage_cost)
+    k, j = p.k, p.j
+    sl = slice(k, j)
+    if sched.splits_backward(cand.schedule):  # issue 19: a deferred W weighs the stage's own output gradients
+        held = held_weight(float(tab.ranged("held")[k, j]), float(tab.ranged("act")[k, j]), search.units[k][0] == 0)
+        in_flight = float(counts(cand.schedule, len(cand.stages), cand.m, cand.v, np.array([held]), i)[0])
+    else:
+        in_flight = sched.in_flight(cand.schedule, i, len(cand.stages), cand.m, cand.v)
+    max_params = float(tab.max_layer_params[sl].max())
+    cats = static_memory(  # range sums: a parameter shared by the range's layers counts once (UnitTable.shared)
+        float(tab.ranged("params")[k, j]),
+        float(tab.ranged("grads")[k, j]),
+        float(tab.ranged("opt")[k, j]),
+        max_params,
+        cand.dp,
+        z,
+        tab.gather_ratio,
+        tab.fsdp_copies,
+        # a deferred W's gradient copy (stage_cost.static_memory), not on the first stage
+        bool(copies_deferred_gradients(sched.splits_backward(cand.schedule), search.units[k][0])),
+    )
+    # the activations as stage_ranges.StageParts adds them: saved x in flight + the transient (one layer's
+    # recomputed activations, the loss's backward buffers), a ZeRO-2/3 unit's gradients in flight to the
+    # reduce-scatter where the backward runs beside other activations, and ZeRO-0's flat gradient copy
+    if r == "none":
+        act, transient = float(tab.act[sl].sum()) * in_flight, 0.0
+    elif r == "selective":
+        act, transient = float((tab.act[sl] - tab.sel_bytes[sl]).sum()) * in_flight, float(tab.max_layer_sel[sl].max())
+    else:
+        act, transient = float(tab.inputs[sl].sum()) * in_flight, float(tab.max_layer_act[sl].max())
+    if tab.transient is not None:
+        transient = max(transient, float(tab.transient[sl].max()))
+    if tab.grad_transient is not None:  # parameter gradients beside .grad (stage_ranges.grad_transient)
+        transient = max(transient, float(grad_transient(tab, sched.splits_backward(cand.schedule))[k, j]))
+    act += transient
+    if in_flight > 1.0 or r != "none":
+        act += float(reduce_scatter_in_flight(max_params, cand.dp, z, tab.gather_ratio, tab.fsdp_copies))
+    if getattr(search.costs, "flat_sync", False) and cand.dp > 1 and z == 0:
+        act = max(act, float(tab.ranged("grads")[k, j]))
+    return {
+        "parameters": cats["parameters"],
+        "gradients": cats["gradients"],
+        "optimizer_state": cats["optimizer"],
+        "activations": act,
+    }
+
+
+_FLOPS: dict[tuple[int, int], tuple[Graph, float, float]] = {}
+
+
+def model_flops(graph: Graph, training: TrainingConfig, linear_batch: bool) -> float:
+    """Forward + backward FLOPs of one step (the whole global batch), as the plan records them.
+
+    Training FLOPs are affine in the batch: evaluated at B = 1 and 2 once per (graph, seq) and
+    extrapolated (``layer_stats`` substitutes sympy per node: too slow to call per evaluation)."""
+    from partita.passes.annotate import layer_stats
+
+    key = (id(graph), training.seq_len)
+    hit = _FLOPS.get(key)
+    if hit is None or hit[0] is not graph:
+        f1, f2 = (
+            float(sum(s.forward_flops + s.backward_flops for s in layer_stats(graph, {"B": b, "S": training.seq_len})))
+            for b in (1, 2)
+        )
+        hit = _FLOPS[key] = (graph, f1, f2)
+    _, f1, f2 = hit
+    flops = f1 + (f2 - f1) * (training.global_batch - 1)
+    return flops * training.global_batch if linear_batch else flops
+
+
+def evaluate_config(
+    graph: Graph,
+    cluster: Cluster,
+    training: TrainingConfig,
+    *,
+    tp: int,
+    pp: int,
+    dp: int,
+    micro_batch: int,
+    zero_stage: int = 0,
+    recompute: str = "none",
+    schedule: str = "1f1b",
+    num_virtual: int = 1,
+    sequence_parallel: bool = False,
+    costs: SolverCosts | None = None,
+    factors: StageFactors | None = None,
+    tp_style: str = "megatron",
+) -> Evaluation:
+    """Predicted step time and memory of one configuration (module docstring).
+
+    ``tp_style="megatron"`` (the default) prices ``tp`` as Megatron-LM's tensor parallelism: the
+    weights are split and activations stay whole on the tp group. ``"auto"`` lets the intra-op ILP
+    pick any sharding on the tp axis (what ``partita compile`` does).
+    """
+    notes = check_layout(
+        graph,
+        cluster,
+        training,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        micro_batch=micro_batch,
+        schedule=schedule,
+        num_virtual=num_virtual,
+        sequence_parallel=sequence_parallel,
+    )
+    if zero_stage and dp == 1:
+        notes.append(f"ZeRO-{zero_stage} with dp=1 shards nothing: priced as ZeRO-0.")
+        zero_stage = 0
+    check_split_backward(schedule, pp, zero_stage, recompute)
+    if costs is None:  # the planner's precision rule (search/pricing/precision.py): fp16 where bf16 has no tensor cores
+        chosen = choose_precision(cluster, training)
+        if chosen.dtype != training.dtype:
+            notes.append(precision_note(cluster, chosen.dtype) + f" (requested {training.dtype}).")
+            training = chosen
+    opts = SearchOptions(zero_stages=(zero_stage,), recompute=(recompute,), max_layer_units=0, max_tp=tp)
+    if costs is None:
+        costs = SolverCosts(graph, cluster, training, tp_style=tp_style)
+    elif costs.tp_style != tp_style:
+        raise ConfigError(
+            f"the shared SolverCosts price tp_style={costs.tp_style!r}, this call asks {tp_style!r}.",
+            "build SolverCosts(..., tp_style=...) with the style you evaluate.",
+        )
+    search = Search(graph, cluster, training, opts, costs, factors)
+    dev = cluster.device_types()[0]
+    m = training.global_batch // (micro_batch * dp)
+    v = num_virtual if schedule == "interleaved_1f1b" else 1
+    if sched.splits_backward(
+        schedule
+    ):  # issue 19: per stage, its own deferred-W weight (search/pipeline/zero_bubble.py)
+        in_flight: Any = HeldCounts(lambda held: in_flight_table(held, schedule, m, v, pp))
+    else:
+        in_flight = np.array(sched.in_flight_by_stages_left(schedule, pp, m, v))
+    split = sched.splits_backward(schedule)  # W's gradient copy (stage_cost.static_memory)
+    got = search.arrays(
+        ((dev, dp, micro_batch),), dp, tp, in_flight, sched.p2p_multiplier(schedule, v), split_backward=split
+    )
+    if got is None:
+        raise ConfigError(f"the model cannot run with tp={tp} on {dev.name}.", "use another tp.")
+    per_combo, combos, stack = got
+    opt = Option(0, tp, tp, ((dev, dp, micro_batch),), (), per_combo, combos, stack)
+    picks = tuple(StagePick(a, b, opt, 0) for a, b in megatron_split(graph, pp))
+    cand = Candidate(dp, micro_batch, m, schedule, v, picks, search)
+    mem = tuple(cand.memory(i) for i in range(pp))
+    cap = dev.memory_bytes * search.factors.memory_usable
+    pt = cand.pipeline
+    step = cand.step_time
+    flops = model_flops(graph, training, costs.linear_batch)
+    used = dp * tp * pp
+    layout = {
+        "dp": dp,
+        "tp": tp,
+        "pp": pp,
+        "micro_batch": micro_batch,
+        "num_micro_batches": m,
+        "zero_stage": zero_stage,
+        "recompute": recompute,
+        "schedule": schedule,
+        "num_virtual_stages": v,
+        "dtype": training.dtype,
+        "device": dev.name,
+        "devices_used": used,
+        "devices_total": cluster.num_devices,
+        "calibration": dev.profile or "none",
+        "network": cluster.network_for(dev.name).describe(),
+    }
+    return Evaluation(
+        step,
+        pt.step_s,
+        pt.bubble_s,
+        max(cand.tails),
+        tuple(cand.stage_times),
+        mem,
+        cap,
+        all(x <= cap for x in mem),
+        training.global_batch * training.seq_len / step,
+        tuple(memory_by_category(cand, i) for i in range(pp)),
+        layout,
+        flops / step / (used * dev.flops(training.dtype)),
+        flops / step / cluster.peak_flops(training.dtype),
+        tuple(notes),
+    )

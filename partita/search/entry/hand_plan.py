@@ -1,0 +1,136 @@
+"""A Plan for a hand-made Megatron layout (tp, pp, dp, micro-batch, ZeRO, recompute, sequence parallelism), priced by the search's model.
+
+The what-if path of issue 15 (``partita compile MODEL --tp T --pp P --dp D ...``): the layout is
+checked and priced as ``search/evaluate.evaluate_config`` prices it (blocks split evenly over
+stages, the cluster's first device type), with the tensor parallelism the program builds
+(``tp_style="torch"`` for a torch graph: the ILP picks each module's role, ``Stage.tp_plan``), and
+the winning-candidate path of the planner (``search/plan_build.build_plan``) writes the Plan, so its records (collectives per stage with bytes, memory by category, FLOPs) are the ones a
+searched plan carries. Used by ``bench/rehearse.py`` and the rehearsal tests. ``sequence_parallel``:
+Megatron's sequence parallelism, written into that Plan by ``search/program/sequence_parallel.py`` (roles,
+records, memory); no search builds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from partita.cluster import Cluster
+from partita.ir import Graph
+from partita.plan import Plan
+from partita.search.entry.evaluate import check_layout, megatron_split, stage_tps
+from partita.search.entry.planner import Option, Search
+from partita.search.pipeline import schedule as sched
+from partita.search.pipeline.stage_cost import SolverCosts
+from partita.search.pipeline.zero_bubble import HeldCounts, in_flight_table
+from partita.search.pricing.config import SearchOptions, TrainingConfig
+from partita.search.program import chunk_layout, v_layout
+from partita.search.program.plan_build import Candidate, StagePick, build_plan
+from partita.search.program.sequence_parallel import apply as sequence_parallel_apply
+from partita.search.program.sequence_parallel import check as sequence_parallel_check
+
+
+def hand_plan(
+    graph: Graph,
+    cluster: Cluster,
+    training: TrainingConfig,
+    *,
+    tp: int | Sequence[int],
+    pp: int,
+    dp: int,
+    micro_batch: int,
+    zero_stage: int = 0,
+    recompute: str = "none",
+    schedule: str = "1f1b",
+    sequence_parallel: bool = False,
+    num_virtual: int = 1,
+) -> Plan:
+    """The Plan of one Megatron layout (module docstring); ConfigError if it cannot be built. ``tp``:
+    one degree for every stage, or one per stage (``evaluate.stage_tps``: a heterogeneous pipeline)."""
+    from partita.errors import ConfigError
+
+    t0 = time.perf_counter()
+    notes = check_layout(
+        graph,
+        cluster,
+        training,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        micro_batch=micro_batch,
+        schedule=schedule,
+        num_virtual=num_virtual,
+    )
+    if sequence_parallel:  # built and recorded by search/program/sequence_parallel.py after the plan without it
+        sequence_parallel_check(
+            tp=tp, dp=dp, zero_stage=zero_stage, recompute=recompute, schedule=schedule, num_virtual=num_virtual
+        )
+    v = num_virtual if schedule == "interleaved_1f1b" else 1  # model chunks per rank group (chunk_layout.py)
+    if (schedule == "zbv" or v > 1) and graph.meta.get("no_chunks"):
+        raise ConfigError(
+            f"{schedule} needs several model chunks per rank, and {graph.meta['no_chunks']}.",
+            "use --schedule 1f1b or zb_h1 for this model.",
+        )
+    if zero_stage and dp == 1:
+        notes.append(f"ZeRO-{zero_stage} with dp=1 shards nothing: priced as ZeRO-0.")
+        zero_stage = 0
+    tps = stage_tps(tp, pp)
+    opts = SearchOptions(zero_stages=(zero_stage,), recompute=(recompute,), max_layer_units=0, max_tp=max(tps))
+    # the program's own tp (issue 15 item 1): torch graphs take the roles backends/torch/tp.py builds
+    costs = SolverCosts(
+        graph, cluster, training, tp_style="torch" if graph.meta.get("framework") != "jax" else "megatron"
+    )
+    search = Search(graph, cluster, training, opts, costs, None)
+    dev = cluster.device_types()[0]
+    m = training.global_batch // (micro_batch * dp)
+    if sched.splits_backward(
+        schedule
+    ):  # issue 19: each stage weighs its own deferred W (search/pipeline/zero_bubble.py)
+        vv = sched.virtual_stages(schedule, v)
+        in_flight: Any = HeldCounts(lambda held: in_flight_table(held, schedule, m, vv, pp))
+    else:
+        in_flight = np.array(sched.in_flight_by_stages_left(schedule, pp, m, v))
+    mb = None if sched.splits_backward(schedule) else m  # stage_ranges.StageParts: gradients at the peak
+    split = sched.splits_backward(schedule)  # W's gradient copy (stage_cost.static_memory)
+    options = {}  # per degree, its stage option (the stage arrays of every layer range)
+    for t in sorted(set(tps)):
+        got = search.arrays(
+            ((dev, dp, micro_batch),), dp, t, in_flight, sched.p2p_multiplier(schedule, v), mb, split_backward=split
+        )
+        if got is None:
+            raise ConfigError(f"the model cannot run with tp={t} on {dev.name}.", "use another tp.")
+        per_combo, combos, stack = got
+        options[t] = Option(0, t, t, ((dev, dp, micro_batch),), (), per_combo, combos, stack)
+    picks = tuple(StagePick(a, b, options[t], 0) for (a, b), t in zip(megatron_split(graph, pp), tps))
+    cand = Candidate(dp, micro_batch, m, schedule, v, picks, search)
+    if schedule == "zbv":  # issue 19: the V layout, each stage's blocks halved into its two chunks
+        vc = v_layout.v_candidate(cand, refine=False)
+        if vc is None:
+            raise ConfigError(
+                f"zbv cannot lay out pp={pp} stages of this model as {2 * pp} chunks in a V.",
+                "use fewer stages, or --schedule zb_h1.",
+            )
+        plan = v_layout.lay_out(search, build_plan(search, [vc], time.perf_counter() - t0), vc)
+    else:
+        plan = chunk_layout.lay_out(search, build_plan(search, [cand], time.perf_counter() - t0))
+    if sequence_parallel:
+        plan = sequence_parallel_apply(plan, graph)
+    layout = {
+        "tp": tps[0] if len(set(tps)) == 1 else list(tps),
+        "pp": pp,
+        "dp": dp,
+        "micro_batch": micro_batch,
+        "zero_stage": zero_stage,
+        "recompute": recompute,
+        "schedule": schedule,
+        **({"sequence_parallel": True} if sequence_parallel else {}),
+        **({"num_virtual_stages": v} if v > 1 else {}),
+        "dtype": training.dtype,
+        "device": dev.name,
+        "notes": notes,
+    }
+    return dataclasses.replace(plan, search={**plan.search, "hand_layout": layout})

@@ -1,0 +1,278 @@
+"""What the emitted torch program keeps for the backward, per tensor, in the dtype it runs: the layer ILP's activations.
+
+Read by ``search/layer/intra_op.py`` (``_LayerProblem``) when it prices a strategy's saved activations
+(``m_v`` of the ILP, ``LayerSolution.activation_bytes``). Imports only the IR. Two questions per
+layer, answered once per precision mode:
+
+* **which tensors autograd saves** (:func:`_rule`): a matmul / convolution its activation inputs,
+  attention its q, k, v and output, a norm its input, softmax and ``rsqrt`` / ``tanh`` / ``exp``
+  their output, ``mul`` / ``div`` each operand whose partner needs a gradient, ``pow`` / ``silu`` /
+  ``gelu`` and other unary ops their input; views, casts, ``add`` / ``sub`` / ``neg``, ``cat``,
+  ``mean`` / ``sum`` and dropout with ``p == 0`` save nothing. A tensor saved by several ops and all
+  its views (``RESHAPE`` ... ``SPLIT``, ``contiguous``, a cast to its own dtype) share one storage,
+  counted once (:attr:`SavedPlan.root`). Ops on tensors that need no gradient (masks, rotary tables
+  built from buffers) save nothing;
+* **in which dtype the program holds them** (``backends/torch/parallel.precision_of``), traced in f32:
+
+  - ``"f32"``: the traced dtypes;
+  - ``"low"`` (FSDP2 ``MixedPrecisionPolicy(param_dtype=bf16/f16)``: ZeRO >= 1 with dp > 1):
+    parameters and block inputs in the low dtype, every op in the dtype of its inputs (promotion),
+    an explicit ``.to(float32)`` an f32 copy and the cast back (Llama's RMSNorm ``.to(input_dtype)``,
+    traced as a second f32 cast of an up-cast tensor) low again;
+  - ``"autocast"`` (``torch.autocast``: f32 master parameters, any other stage): the residual stream
+    stays f32, matmuls and attention run in the low dtype on a low *copy* of each f32 activation
+    input (one per consuming op: autocast caches only casts of parameters) and of each weight (kept
+    for the input gradient, per micro-batch), norms return f32.
+
+Measured on the HF GPT-2 / Llama blocks (``saved_tensors_hooks``, ``tests/search/test_saved.py``):
+the bytes of these rules equal what autograd keeps, up to the per-row statistics (norm means, the
+attention log-sum-exp), which are left out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from partita.ir import Graph, Layer, Node, Prim, Role
+
+MODES = ("f32", "low", "autocast")
+_VIEWS = frozenset({Prim.RESHAPE, Prim.PERMUTE, Prim.EXPAND, Prim.SLICE, Prim.SPLIT})
+_NOTHING = frozenset({Prim.CAT, Prim.CONSTANT, Prim.EMBEDDING, Prim.INDEX, Prim.GATHER, *_VIEWS})
+_ALIAS_OPS = frozenset({"contiguous", "alias", "detach", "lift_fresh_copy"})
+_CASTS = frozenset({"to", "_to_copy", "type_as", "float", "half", "bfloat16"})
+_NO_SAVE_OPS = frozenset(
+    {*_ALIAS_OPS, *_CASTS, "clone", "copy", "neg", "add", "sub", "rsub", "cumsum", "masked_fill", "where", "fill"}
+    | {
+        "eq",
+        "ne",
+        "le",
+        "lt",
+        "ge",
+        "gt",
+        "__and__",
+        "__or__",
+        "logical_and",
+        "logical_or",
+        "logical_not",
+        "bitwise_and",
+    }
+)
+_OUTPUT_OPS = frozenset({"rsqrt", "tanh", "sigmoid", "exp", "sqrt", "relu", "reciprocal", "softmax", "_softmax"})
+_OUTPUT_OPS = _OUTPUT_OPS | {"log_softmax", "_log_softmax"}
+FLOAT_DTYPES = frozenset({"f64", "f32", "bf16", "f16", "f8"})  # ir.DTYPE_BYTES's floating-point kinds
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedPlan:
+    """One layer's saved activations in one precision mode (module docstring)."""
+
+    item: Mapping[str, float]  # tensor -> bytes per element as the program holds it
+    root: Mapping[str, str]  # tensor -> the tensor whose storage it shares (itself if none)
+    saved: frozenset[str]  # roots kept for the backward, each counted once
+    owner: Mapping[str, str]  # saved root produced outside the layer -> the node that counts it
+    copies: Mapping[str, tuple[int, ...]]  # node -> activation inputs it keeps a low copy of (autocast)
+    weights: Mapping[str, tuple[int, ...]]  # node -> parameter inputs it keeps a low copy of (autocast)
+    low: int  # bytes of the low dtype
+
+
+def _op(n: Node) -> str:
+    parts = n.target.split(".")
+    return parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[-1]
+
+
+def _rule(n: Node, g: Graph, grad: frozenset[str]) -> tuple[tuple[int, ...], bool]:
+    """(positions of the activation inputs ``n`` saves, whether it saves its output)."""
+    acts = [i for i, t in enumerate(n.inputs) if g.tensors[t].role is not Role.PARAMETER]
+    floats = [i for i in acts if g.tensors[n.inputs[i]].dtype in FLOAT_DTYPES]
+    if not any(o in grad for o in n.outputs):
+        return (), False  # no gradient flows through: nothing kept
+    op, prim = _op(n), n.prim
+    if prim in _NOTHING or prim is Prim.DROPOUT or (prim is Prim.REDUCE and op in ("mean", "sum")):
+        return (), False
+    if prim in (Prim.SOFTMAX,) or op in _OUTPUT_OPS:
+        return (), True
+    if prim is Prim.ATTENTION:
+        return tuple(i for i in floats if i < 3), True
+    if prim is Prim.ELEMENTWISE and op in _NO_SAVE_OPS:
+        return (), False
+    if prim is Prim.ELEMENTWISE and op in ("mul", "div") and len(n.inputs) == 1:
+        return (), False  # by a Python scalar: its backward reads nothing
+    if prim is Prim.ELEMENTWISE and op in ("mul", "div") and len(n.inputs) == 2:
+        a, b = n.inputs
+        keep = [i for i, partner in ((0, b), (1, a)) if i in floats and (partner in grad or op == "div" and i == 1)]
+        if op == "div" and b in grad and 0 in floats:
+            keep.append(0)
+        return tuple(sorted(set(keep))), False
+    return tuple(floats), False
+
+
+def saved_plan(g: Graph, layer: Layer, mode: str, low: int, grad: frozenset[str]) -> SavedPlan:
+    """The layer's :class:`SavedPlan` in ``mode`` (``MODES``); ``low``: bytes of the training dtype."""
+    item: dict[str, float] = {}
+    up: set[str] = set()  # f32 tensors that are an up-cast of low data (the next f32 cast goes back)
+    root: dict[str, str] = {}
+    saved: set[str] = set()
+    owner: dict[str, str] = {}
+    copies: dict[str, tuple[int, ...]] = {}
+    weights: dict[str, tuple[int, ...]] = {}
+
+    def it(t: str) -> float:
+        if t not in item:  # produced outside the layer
+            ten = g.tensors[t]
+            traced = float(ten.itemsize)
+            floating = ten.dtype in FLOAT_DTYPES
+            if ten.role is Role.BUFFER or not floating or mode == "f32":
+                item[t] = traced
+            elif ten.role is Role.PARAMETER:
+                item[t] = low if mode == "low" else traced
+            else:  # a block input: FSDP2 casts it to param_dtype; under autocast the residual stays f32
+                item[t] = low if mode == "low" else traced
+            root[t] = t
+        return item[t]
+
+    def keep(t: str, n: Node) -> None:
+        r = root.get(t, t)
+        if g.tensors[r].role is Role.PARAMETER:
+            return  # a parameter or a view of it (an expert GEMM's permuted weight): its own storage, no copy
+        saved.add(r)
+        if r not in owner and r not in produced:
+            owner[r] = n.name
+
+    produced = {o for name in layer.nodes for o in g.node(name).outputs}
+    into_weights = _into_weights(g, layer)
+    for name in layer.nodes:
+        n = g.node(name)
+        ins = [it(t) for t in n.inputs]
+        floats = [x for t, x in zip(n.inputs, ins) if g.tensors[t].dtype in FLOAT_DTYPES]
+        op, prim = _op(n), n.prim
+        acts = [i for i, t in enumerate(n.inputs) if g.tensors[t].role is not Role.PARAMETER]
+        first = n.inputs[acts[0]] if acts else None
+        for o in n.outputs:
+            ten = g.tensors[o]
+            out = float(ten.itemsize)
+            alias = None
+            if ten.dtype in FLOAT_DTYPES and mode != "f32":
+                out = max(floats) if floats else out
+                wide = [t for t in n.inputs if g.tensors[t].dtype in FLOAT_DTYPES and item[t] >= 4]
+                if wide and all(t in up for t in wide) and min(floats) < 4:
+                    # an f32 up-cast mixed with low data: the trace (in f32) read the cast where the model
+                    # reads the original (Llama's residual add of the RMSNorm input): low, as the program runs
+                    out = min(floats)
+                if prim is Prim.ELEMENTWISE and op in _CASTS and first is not None:
+                    src = it(first)
+                    if ten.dtype != "f32" or g.tensors[first].dtype not in FLOAT_DTYPES:
+                        out = float(ten.itemsize)
+                    elif mode == "low" and o in into_weights:
+                        out = float(low)  # a matmul's operands share a dtype: the low parameter's (HF's .to(w.dtype))
+                    elif src < 4:
+                        out = 4.0
+                        up.add(o)
+                    elif first in up:
+                        out = float(low)
+                    if out == src:
+                        alias = first
+                elif prim in (Prim.MATMUL, Prim.CONV, Prim.ATTENTION) and mode == "autocast":
+                    out = float(low)
+                elif prim is Prim.NORM and mode == "autocast":
+                    out = 4.0
+                elif prim is Prim.EMBEDDING:
+                    out = max((x for t, x in zip(n.inputs, ins) if g.tensors[t].role is Role.PARAMETER), default=out)
+                if prim is not Prim.ELEMENTWISE or op not in _CASTS:
+                    if out >= 4 and any(t in up for t in n.inputs) and not (wide and min(floats) < 4 and out < 4):
+                        up.add(o)
+            elif (
+                prim is Prim.ELEMENTWISE and op in _CASTS and first is not None and ten.dtype == g.tensors[first].dtype
+            ):
+                alias = first
+            if prim in _VIEWS or (prim is Prim.ELEMENTWISE and op in _ALIAS_OPS):
+                alias = first if first is not None else n.inputs[0]  # a view of a parameter: the parameter
+            if prim is Prim.DROPOUT and (float(n.attrs.get("p", 0.0)) == 0.0 or not n.attrs.get("train", True)):
+                alias = first
+            item[o] = out
+            root[o] = root.get(alias, alias) if alias is not None else o
+            if alias is not None and alias in up:
+                up.add(o)
+        pos, out_saved = _rule(n, g, grad)
+        cast = mode == "autocast" and prim in (Prim.MATMUL, Prim.CONV, Prim.ATTENTION)
+        mine = []
+        for i in pos:
+            if cast and item[n.inputs[i]] > low:
+                mine.append(i)  # autocast keeps its own low copy, not the f32 tensor
+            else:
+                keep(n.inputs[i], n)
+        if mine:
+            copies[n.name] = tuple(mine)
+        if cast and prim is not Prim.ATTENTION:
+            ws = tuple(
+                i
+                for i, t in enumerate(n.inputs)
+                if g.tensors[t].role is Role.PARAMETER and item[t] > low and _is_weight(n, i, g)
+            )
+            if ws:
+                weights[n.name] = ws
+        if out_saved:
+            for o in n.outputs[:1]:
+                keep(o, n)
+    return SavedPlan(item, root, frozenset(saved), owner, copies, weights, low)
+
+
+def _into_weights(g: Graph, layer: Layer) -> frozenset[str]:
+    """The activation operands of the layer's matmuls and convolutions with a parameter operand (directly
+    or through views: a permuted expert weight). Torch multiplies equal dtypes only, so under FSDP2's low
+    ``param_dtype`` a cast the trace made to f32 in front of such a weight is a cast to the low dtype in
+    the program (transformers' experts: ``x.to(weight.dtype)``; the f32 trace cannot tell the two
+    apart). mixtral-8x7b's grouped experts counted two f32 casts of their inputs, 0.28 GiB a layer and
+    micro-batch at tp = 1, which ``partita rehearse`` of the FSDP2 program never held."""
+    producers = {o: g.node(name) for name in layer.nodes for o in g.node(name).outputs}
+
+    def param(t: str) -> bool:
+        while (u := producers.get(t)) is not None and u.prim in _VIEWS and u.inputs:
+            t = u.inputs[0]
+        return g.tensors[t].role is Role.PARAMETER
+
+    out: set[str] = set()
+    for name in layer.nodes:
+        n = g.node(name)
+        if n.prim in (Prim.MATMUL, Prim.CONV) and any(param(t) for t in n.inputs):
+            out.update(t for t in n.inputs if not param(t))
+    return frozenset(out)
+
+
+def _is_weight(n: Node, i: int, g: Graph) -> bool:
+    """A matmul's weight operand (rank >= 2), not its bias (the backward never reads a bias)."""
+    return g.tensors[n.inputs[i]].rank >= 2
+
+
+def replicated_bytes(
+    g: Graph, layer: Layer, sp: SavedPlan, replicated: frozenset[str], env: Mapping[str, int]
+) -> float:
+    """Bytes of ``sp`` that the nodes named in ``replicated`` count (the outputs they save and the roots from
+    before the layer they first read), at the sizes ``env`` gives, without autocast's copies of matmul
+    inputs and weights, and without a root that a node outside ``replicated`` also reads (a column
+    matmul's input, which sequence parallelism all-gathers and keeps whole): what a tp-replicated region
+    keeps whole on every rank, and Megatron's sequence parallelism keeps for ``s/t`` rows
+    (``search/program/sequence_parallel.py``; the same tensors ``intra_op``'s ``_saved_bytes`` prices)."""
+    import math
+
+    from partita.ir import dim_size
+
+    def numel(t: str) -> float:
+        return float(math.prod(dim_size(d, env) for d in g.tensors[t].shape))
+
+    outside = {sp.root.get(t, t) for name in layer.nodes if name not in replicated for t in g.node(name).inputs}
+    total = 0.0
+    for name in layer.nodes:
+        if name not in replicated:
+            continue
+        n = g.node(name)
+        for t in n.outputs:
+            if sp.root.get(t) == t and t in sp.saved and t not in outside:
+                total += numel(t) * sp.item[t]
+        seen: set[str] = set()
+        for t in n.inputs:
+            r = sp.root.get(t, t)
+            if sp.owner.get(r) == n.name and r not in seen and r not in outside:
+                seen.add(r)
+                total += numel(r) * sp.item[r]
+    return total

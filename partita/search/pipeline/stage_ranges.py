@@ -1,0 +1,299 @@
+"""The stage DP's arrays: every layer-unit range ``[k, j)`` of one stage option at once.
+
+Part of the inter-op search, between ``search/pipeline/stage_cost.py`` (per-unit tables: :class:`UnitTable`,
+the formulas in its module docstring, the static memory) and ``search/entry/planner.py`` (``Search.arrays``
+stacks these per ZeRO / recompute combo for ``search/pipeline/inter_op.py``). :class:`StageArrays` holds
+a range's period per micro-batch, its memory per number of stages left, its tail, and the compute and
+communication parts of its period: :func:`stage_parts` makes the part no in-flight count changes, which
+the zero-bubble passes of one configuration share (issue 20), and :meth:`StageParts.memory` the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from partita.search.pipeline.stage_cost import (
+    StageFactors,
+    UnitTable,
+    copies_deferred_gradients,
+    reduce_scatter_in_flight,
+    static_memory,
+)
+
+# a stage option's in-flight counts: one table for every option, or per option's unit table
+# (zero_bubble.HeldCounts: a deferred W's held output gradients in the option's precision and layout)
+InFlight = np.ndarray | Callable[[UnitTable], np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class StageArrays:
+    time: np.ndarray  # [U, U + 1] period per micro-batch, p2p included
+    memory: np.ndarray  # [U, U + 1, S + 1] bytes per device
+    tail: np.ndarray  # [U, U + 1] exposed sync + optimizer step, once per step
+    compute: np.ndarray  # [U, U + 1] compute part of time
+    comm: np.ndarray  # [U, U + 1] communication part of time
+
+
+@dataclasses.dataclass(frozen=True)
+class StageParts:
+    """The terms of a stage option's :class:`StageArrays` that no in-flight count (nor ``m``) changes: the per
+    micro-batch time, the tail and the static memory of every range ``[k, j)``, and what the
+    activation memory is made of. A zero-bubble search prices one configuration's options once per
+    pipeline depth with other counts only (``search/pipeline/zero_bubble.py``), so the planner keeps these
+    per configuration (``Search.sharing_stage_parts``). Arrays are ``[U, U + 1]``, read-only."""
+
+    time: np.ndarray  # period per micro-batch, p2p included; inf where k >= j
+    tail: np.ndarray
+    compute: np.ndarray
+    comm: np.ndarray
+    static: np.ndarray  # parameters + optimizer state; inf where k >= j
+    base: np.ndarray  # static + gradients; inf where k >= j
+    gradients: np.ndarray
+    grads: np.ndarray  # the range's gradient bytes (the flat copy)
+    saved: np.ndarray  # saved activation bytes per micro-batch in flight
+    transient: Any  # [U, U + 1] or 0.0
+    rs_held: np.ndarray | None  # reduce_scatter_in_flight where any, else None
+    recompute: str
+    flat_copy: bool  # the flat gradient copy (flat_sync at ZeRO-0, dp > 1)
+    table: UnitTable  # the option's table at its dp and ZeRO stage (what a zero_bubble.HeldCounts reads)
+
+    def arrays(self, in_flight: InFlight, num_micro_batches: int | None) -> StageArrays:
+        return StageArrays(self.time, self.memory(in_flight, num_micro_batches), self.tail, self.compute, self.comm)
+
+    def memory(self, in_flight: InFlight, num_micro_batches: int | None) -> np.ndarray:
+        """``[U, U + 1, S + 1]`` bytes per device (``search/pipeline/stage_cost.py``'s module docstring for the
+        formulas); inf where k >= j (``base`` and ``static`` are: every activation term is finite).
+
+        ``num_micro_batches`` (``m``): where a stage runs no forward after its first backward (``m`` no
+        more than its in-flight count: one micro-batch, GPipe), its gradients (freed by ``zero_grad``
+        between steps) are not yet there at the activation peak: memory is then the larger of the two
+        moments, activations without gradients or gradients (and the flat copy) without activations.
+        None: gradients always count (the stage-level callers that do not know ``m``)."""
+        if callable(in_flight):  # a zero-bubble count per range weighed by the stage's own held gradients
+            in_flight = in_flight(
+                self.table
+            )  # (zero_bubble.HeldCounts: the table of this option's precision and layout)
+        flight = in_flight if in_flight.ndim == 3 else in_flight[None, None, :]  # [U, U+1, S+1]: per range (issue 19)
+        last = flight >= num_micro_batches if num_micro_batches is not None and self.recompute == "none" else None
+        if last is not None and not last.any():
+            last = None
+        # the sums below run in place on one new array (a+b and b+a are the same float)
+        acts = self.saved[:, :, None] * flight
+        acts += np.asarray(self.transient)[..., None]
+        held = acts.copy() if last is not None else acts  # the activations without the gradients (read if last)
+        # a ZeRO-2/3 unit's gradients in flight to the reduce-scatter (reduce_scatter_in_flight), held with
+        # the activations where the backward runs beside them: other micro-batches' (more than one in
+        # flight) or the recomputed block's; a lone micro-batch without recompute peaks in its forward
+        if self.rs_held is not None:  # (all zero, as for ZeRO < 2, adds nothing: skipped)
+            acts += np.where((flight > 1.0) | (self.recompute != "none"), self.rs_held[..., None], 0.0)
+        if self.flat_copy:  # the flat gradient copy, made after the activations are freed
+            np.maximum(acts, self.grads[:, :, None], out=acts)
+        memory = np.add(acts, self.base[:, :, None], out=acts)
+        if last is not None:  # gradients only after the last forward
+            # (docstring); a recomputing backward re-runs blocks while earlier blocks' gradients exist
+            after = self.gradients * (2.0 if self.flat_copy else 1.0)
+            peak = np.maximum(held, after[:, :, None])
+            memory = np.where(last, self.static[:, :, None] + peak, memory)
+        return memory
+
+
+def stage_parts(
+    tab: UnitTable,
+    *,
+    dp: int,
+    zero: int,
+    recompute: str,
+    allreduce: tuple[float, float],
+    reduce_scatter: tuple[float, float],
+    all_gather: tuple[float, float],
+    p2p: tuple[float, float],
+    p2p_mult: int,
+    hbm_bandwidth: float,
+    factors: StageFactors,
+    flat_sync: bool = False,
+    split_backward: bool = False,
+    terms: dict[tuple, Any] | None = None,
+) -> StageParts:
+    """:class:`StageParts` of one stage option: everything but its in-flight counts.
+
+    Its terms depend on the recompute mode alone (:func:`_recompute_terms`), on the ZeRO stage and
+    the link prices alone (:func:`_zero_terms`), or on the p2p price alone; only the per micro-batch
+    time and communication join them. ``terms``: a dict the caller keeps across the ZeRO / recompute
+    combos of one option (``Search.arrays``), so that each is computed once, not once per combo
+    (issue 20: 12 combos, a third of the arithmetic); keyed by every argument it depends on."""
+    memo: dict[tuple, Any] = {} if terms is None else terms
+    tab = tab.for_stage(dp, zero)
+    rkey = (id(tab), recompute)
+    rec = memo.get(rkey)
+    if rec is None or rec[0] is not tab:
+        rec = memo[rkey] = (tab, _recompute_terms(tab, recompute))
+    zkey = (id(tab), dp, zero, allreduce, reduce_scatter, all_gather, hbm_bandwidth, factors, flat_sync, split_backward)
+    zt = memo.get(zkey)
+    if zt is None or zt[0] is not tab:
+        zt = memo[zkey] = (
+            tab,
+            _zero_terms(
+                tab, dp, zero, allreduce, reduce_scatter, all_gather, hbm_bandwidth, factors, flat_sync, split_backward
+            ),
+        )
+    pkey = (id(tab), p2p, p2p_mult)
+    rv = memo.get(pkey)
+    if rv is None or rv[0] is not tab:
+        recv = np.zeros(len(tab.fwd))
+        recv[1:] = p2p_mult * 2 * (p2p[0] + p2p[1] * tab.boundary[:-1])  # activation in, its gradient out
+        rv = memo[pkey] = (tab, recv[:, None])
+    t, saved, transient, compute = rec[1]
+    if tab.grad_transient is not None:  # parameter gradients beside .grad (LayerCost.grad_transient_bytes)
+        gkey = (id(tab), "grad_transient", split_backward)
+        gt = memo.get(gkey)
+        if gt is None or gt[0] is not tab:
+            gt = memo[gkey] = (tab, np.maximum(transient, grad_transient(tab, split_backward)))
+        transient = gt[1]
+    z, recv = zt[1], rv[1]
+    r = tab.ranged
+    valid = r("num_layers") > 0
+    t_mb = np.maximum(t, z.sync_comm)
+    comm_total = r("comm") + np.maximum(0.0, z.sync_comm - t)
+    t_mb = t_mb + recv
+    comm_total = comm_total + recv
+    inf = np.inf
+    parts = StageParts(
+        time=np.where(valid, t_mb, inf),
+        tail=z.tail,
+        compute=compute,
+        comm=np.where(valid, comm_total, 0.0),
+        static=z.static,
+        base=z.base,
+        gradients=z.gradients,
+        grads=z.grads,
+        saved=saved,
+        transient=transient,
+        rs_held=z.rs_held,
+        recompute=recompute,
+        flat_copy=z.flat_copy,
+        table=tab,
+    )
+    parts.time.flags.writeable = False  # shared by the StageArrays of every pass that reuses the parts
+    parts.comm.flags.writeable = False
+    return parts
+
+
+def _recompute_terms(tab: UnitTable, recompute: str) -> tuple[np.ndarray, np.ndarray, Any, np.ndarray]:
+    """``(t, saved, transient, compute)`` of :func:`stage_parts`: compute time per micro-batch, saved
+    activations per micro-batch in flight, the transient held once, and the compute part of ``t``
+    (0 where k >= j). Read-only."""
+    r = tab.ranged  # range sums / maxima, memoised per table across combos
+    fwd, bwd, comm = r("fwd"), r("bwd"), r("comm")
+    transient: Any = 0.0
+    if recompute == "none":
+        t, saved = fwd + bwd, r("act")
+    elif recompute == "selective":  # the dropped activations come back one layer at a time in the backward
+        t, saved = fwd + bwd + r("sel_s"), r("act-sel")
+        transient = r("max_layer_sel")
+    else:
+        t, saved, transient = 2 * fwd + bwd, r("inputs"), r("max_layer_act")
+    compute = t - comm * (2 if recompute == "full" else 1)
+    if tab.transient is not None:  # the loss's backward buffers (LayerCost.transient_bytes), once
+        transient = np.maximum(transient, r("transient"))
+    compute = np.where(r("num_layers") > 0, compute, 0.0)
+    for x in (t, compute, transient):
+        if isinstance(x, np.ndarray):
+            x.flags.writeable = False
+    return t, saved, transient, compute
+
+
+@dataclasses.dataclass(frozen=True)
+class _ZeroTerms:
+    """The terms of :func:`stage_parts` that the ZeRO stage and the link prices decide (read-only)."""
+
+    sync_comm: np.ndarray  # ZeRO-2/3 gradient / parameter traffic overlapping each micro-batch
+    tail: np.ndarray  # 0 where k >= j
+    static: np.ndarray  # inf where k >= j
+    base: np.ndarray  # inf where k >= j
+    gradients: np.ndarray
+    grads: np.ndarray
+    rs_held: np.ndarray | None
+    flat_copy: bool
+
+
+def _zero_terms(
+    tab: UnitTable,
+    dp: int,
+    zero: int,
+    allreduce: tuple[float, float],
+    reduce_scatter: tuple[float, float],
+    all_gather: tuple[float, float],
+    hbm_bandwidth: float,
+    factors: StageFactors,
+    flat_sync: bool,
+    split_backward: bool,
+) -> _ZeroTerms:
+    r = tab.ranged
+    bwd = r("bwd")
+    params, grads, opt = r("params"), r("grads"), r("opt")
+    nlay = r("num_layers")
+    valid = nlay > 0
+    sync_comm = np.zeros_like(bwd)
+    rs = reduce_scatter[0] + reduce_scatter[1] * grads if dp > 1 else 0.0 * grads
+    ag = all_gather[0] + all_gather[1] * params * tab.gather_ratio if dp > 1 else 0.0 * params  # in param_dtype
+    if zero == 2:
+        sync_comm = rs
+    elif zero == 3:
+        sync_comm = 2 * ag + rs
+
+    shard = float(dp)
+    max_params = r("max_layer_params")
+    # split_backward: a zero-bubble stage's deferred-W gradient copy (static_memory), not on the first stage
+    copies = copies_deferred_gradients(split_backward, np.arange(len(tab.fwd))[:, None])
+    cats = static_memory(params, grads, opt, max_params, dp, zero, tab.gather_ratio, tab.fsdp_copies, copies)
+    mem_static = cats["parameters"] + cats["optimizer"]
+    rs_held = reduce_scatter_in_flight(max_params, dp, zero, tab.gather_ratio, tab.fsdp_copies)
+    if dp > 1:
+        sync = allreduce[0] + allreduce[1] * grads if zero == 0 else rs
+    else:
+        sync = np.zeros_like(grads)
+    window = factors.grad_overlap * tab.comm_overlap * bwd
+    exposed = np.where(sync > 0, np.maximum(sync / np.maximum(nlay, 1), sync - window), 0.0)
+    if flat_sync and zero == 0:
+        exposed = sync  # one all-reduce after the schedule: nothing hides it
+    if zero in (1, 2) and dp > 1:
+        exposed = exposed + ag
+    exposed = exposed + r("tp_sync")
+    touched = (params + grads + opt) / (shard if zero >= 1 else 1.0)
+    tail = exposed + factors.optimizer_passes * touched / (hbm_bandwidth * 0.8) * tab.opt_stream_scale
+    if tab.opt_fixed is not None:
+        tail = tail + r("opt_fixed")
+    inf = np.inf
+    terms = _ZeroTerms(
+        sync_comm=sync_comm,
+        tail=np.where(valid, tail, 0.0),
+        static=np.where(valid, mem_static, inf),
+        base=np.where(valid, mem_static + cats["gradients"], inf),
+        gradients=cats["gradients"],
+        grads=grads,
+        rs_held=np.asarray(rs_held) if np.any(rs_held) else None,
+        flat_copy=flat_sync and dp > 1 and zero == 0,
+    )
+    for x in (terms.sync_comm, terms.tail, terms.static, terms.base, terms.gradients):
+        x.flags.writeable = False  # shared by every combo and pass that reuses them
+    return terms
+
+
+def grad_transient(tab: UnitTable, split_backward: bool) -> np.ndarray:
+    """``[U, U + 1]``: the parameter gradients a range's backward makes beside ``.grad`` at once
+    (``LayerCost.grad_transient_bytes``): one backward pass's, or under a split backward one deferred
+    W's (``w_grad_transient_bytes``), except on the stage holding the model's first layer, whose W is
+    the whole backward (:func:`copies_deferred_gradients`)."""
+    whole = tab.ranged("grad_transient")
+    if not split_backward or tab.w_grad_transient is None:
+        return whole if not split_backward else np.where(_first_rows(len(tab.fwd)), whole, 0.0)
+    return np.where(_first_rows(len(tab.fwd)), whole, tab.ranged("w_grad_transient"))
+
+
+def _first_rows(n: int) -> np.ndarray:
+    """``[U, 1]``: True on the ranges that start at unit 0 (the model's first layer)."""
+    return (np.arange(n) == 0)[:, None]
