@@ -124,8 +124,7 @@ def test_zb_h1_prices_each_stage_with_its_own_deferred_weight_gradients() -> Non
     from partita.frontends.trace import trace_handle
     from partita.models import resolve_model
     from partita.search.pipeline import schedule as sched
-    from partita.search.pipeline.stage_cost import SolverCosts
-    from partita.search.pipeline.zero_bubble import costs_held
+    from partita.search.pipeline.stage_cost import SolverCosts, costs_held
 
     g = trace_handle(resolve_model("gpt2-tiny"), batch=1, seq=32)
     tr = TrainingConfig(global_batch=16, seq_len=32)

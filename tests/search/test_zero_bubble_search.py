@@ -14,7 +14,7 @@ from partita.search.entry.planner import plan_graph
 from partita.search.pipeline import schedule as sched
 from partita.search.pipeline.pipeline_sim import simulate
 from partita.search.pipeline.schedule_cost import stage_split, weight_grad_flops
-from partita.search.pipeline.zero_bubble import costs_held
+from partita.search.pipeline.stage_cost import costs_held
 from partita.search.pricing.config import SearchOptions, TrainingConfig
 
 TRAIN = TrainingConfig(global_batch=16, seq_len=32)

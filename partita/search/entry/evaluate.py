@@ -40,11 +40,12 @@ from partita.search.pipeline.stage_cost import (
     SolverCosts,
     StageFactors,
     copies_deferred_gradients,
+    held_weight,
     reduce_scatter_in_flight,
     static_memory,
 )
 from partita.search.pipeline.stage_ranges import grad_transient
-from partita.search.pipeline.zero_bubble import RUNNABLE_ZERO, HeldCounts, counts, held_weight, in_flight_table
+from partita.search.pipeline.zero_bubble import RUNNABLE_ZERO, HeldCounts, counts, in_flight_table
 from partita.search.pricing.config import SearchOptions, TrainingConfig
 from partita.search.pricing.precision import choose_precision, precision_note
 from partita.search.program.plan_build import Candidate, StagePick

@@ -708,3 +708,29 @@ _NOT_CHECKPOINTED = ("embed", "head")  # backends/torch/stages.GROUPS: layers th
 
 def _opt(name: str) -> str:
     return "adam" if name in ("adam", "adamw") else name
+
+
+def held_weight(held_bytes: float, saved_bytes: float, first: bool) -> float:
+    """What a micro-batch of a stage weighs between its B and its W, in units of its saved activations:
+    ``1 + held_bytes / saved_bytes``, the stage's output gradients W reads (``LayerCost.held_bytes``)
+    over its saved activations, both as its option prices them (precision mode, tp layout).
+
+    1 for the stage (or ZB-V chunk) holding the model's first layer (``first``): its input needs no
+    gradient, so its B computes nothing (``backends/torch/wsplit.backward_input`` defers the whole
+    backward) and its W is the whole backward, which makes and frees the output gradients as any
+    backward does; between its B and its W a micro-batch holds its activations only (``partita
+    rehearse`` of gpt3-6.7b's ZB-H1 plan: the A100 stage held 2 micro-batches' activations, priced 2.22
+    before)."""
+    return 1.0 if first or saved_bytes <= 0 else 1.0 + held_bytes / saved_bytes
+
+
+def costs_held(costs: Sequence[Any], first: bool, autocast: bool) -> float:
+    """:func:`held_weight` of a stage made of ``costs`` (its layers' ``stage_cost.LayerCost``), in the
+    torch.autocast program's fields where ``autocast`` (``UnitTable.for_stage``), else the default ones."""
+
+    def pick(x: Any, name: str) -> float:
+        alt = getattr(x, f"{name}_alt")
+        return float(alt if autocast and alt is not None else getattr(x, name))
+
+    saved = sum(pick(x, "activation_bytes") for x in costs)
+    return held_weight(sum(pick(x, "held_bytes") for x in costs), saved, first)

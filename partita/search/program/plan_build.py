@@ -21,8 +21,7 @@ from partita.passes.annotate import HEAVY_PRIMS, layer_stats
 from partita.plan import Collective, Plan, Stage, validate
 from partita.search.pipeline import schedule as sched
 from partita.search.pipeline import schedule_cost
-from partita.search.pipeline.stage_cost import copies_deferred_gradients, static_memory_of
-from partita.search.pipeline.zero_bubble import held_weight
+from partita.search.pipeline.stage_cost import copies_deferred_gradients, held_weight, static_memory_of
 from partita.search.program import records
 from partita.search.program.jax_records import jax_records
 from partita.version import __version__
@@ -242,7 +241,7 @@ def _sanity(search: Any, used_devs: list[str], flops: float, step: float) -> dic
 
 
 def option_held(search: Any, cand: Candidate, p: Any) -> float:
-    """``zero_bubble.held_weight`` of stage pick ``p`` as its option priced it (``HeldCounts``): its own
+    """``stage_cost.held_weight`` of stage pick ``p`` as its option priced it (``HeldCounts``): its own
     held gradients over its saved activations, in its precision mode and tp layout."""
     (dev, _, b), (z, _) = p.option.devices[0], p.option.combos[p.combo]
     tab = search.table(dev, p.option.tp, b).for_stage(cand.dp, z)

@@ -24,7 +24,7 @@ The price of a layout, from the group's stage arrays at each chunk's own unit ra
 * per rank group, the memory on each device: parameters and optimizer state of both chunks
   (``stage_cost.static_memory``), plus the peak over the group's own action list of ``sum over its
   chunks of saved bytes x (micro-batches held whole + w_held x micro-batches between B and W)``
-  (``zero_bubble.held_weight`` of the chunk's layers; 1 for the first chunk, whose B computes nothing)
+  (``stage_cost.held_weight`` of the chunk's layers; 1 for the first chunk, whose B computes nothing)
   and the gradients held at that moment, plus the largest transient. The moments are after each
   action and, for a W, while it writes its chunk's gradients beside the held part it is about to
   free (the group's peak when the W follows the head's B: the logits gradient is large). Gradients
@@ -59,8 +59,7 @@ from partita.plan import Plan, chunk_position, validate
 from partita.search.pipeline import schedule as sched
 from partita.search.pipeline import schedule_cost
 from partita.search.pipeline.pipeline_sim import step_time
-from partita.search.pipeline.stage_cost import static_memory_of
-from partita.search.pipeline.zero_bubble import costs_held
+from partita.search.pipeline.stage_cost import costs_held, static_memory_of
 from partita.search.program import records
 from partita.search.program.chunk_layout import _chunk
 from partita.search.program.plan_build import Candidate, StagePick, _stage_records
