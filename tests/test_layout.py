@@ -2,7 +2,7 @@
 
 Builds the import graph of ``partita/`` with ``ast`` (every import, module-level or inside a
 function: a lazy import is still an arrow) and fails on an import circle, on an import that runs
-up the layers, on a module over 800 lines, on a module without a docstring, and on a private torch
+up the layers (or up the rooms of ``partita/search/``), on a module over 800 lines, on a module without a docstring, and on a private torch
 API used outside the one shim (``frontends/torch_shim.py``).
 """
 
@@ -28,6 +28,10 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 MAX_LINES = 800
+
+# The rooms of ``partita/search/``, bottom to top (``partita/search/__init__.py`` says what each owns).
+SEARCH_ROOMS = ("pricing", "layer", "pipeline", "program", "entry")
+MAX_ROOM_MODULES = 10
 
 
 def _module_name(path: Path) -> str:
@@ -92,6 +96,50 @@ def test_no_upward_import() -> None:
         if RANK[_layer(t)] > RANK[_layer(m)]
     ]
     assert not bad, "imports that run up the layers:\n" + "\n".join(bad)
+
+
+def _room(module: str) -> str | None:
+    """``pricing`` for ``partita.search.pricing.cost_model``; None outside the search's rooms."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 3 and parts[1] == "search" else None
+
+
+def test_search_modules_sit_in_rooms() -> None:
+    loose = [m for m in _modules() if m.startswith("partita.search.") and _room(m) is None and m.count(".") != 2]
+    stray = [
+        m
+        for m in _modules()
+        if m.startswith("partita.search.") and m.count(".") == 2 and m.split(".")[2] not in SEARCH_ROOMS
+    ]
+    assert not loose and not stray, f"search modules outside the rooms {SEARCH_ROOMS}: {loose + stray}"
+    sizes = {r: sum(1 for m in _modules() if _room(m) == r and not m.endswith(".__init__")) for r in SEARCH_ROOMS}
+    assert all(0 < n <= MAX_ROOM_MODULES for n in sizes.values()), f"modules per room (1..{MAX_ROOM_MODULES}): {sizes}"
+
+
+def _up_the_rooms(graph: dict[str, set[str]]) -> list[str]:
+    order = {r: i for i, r in enumerate(SEARCH_ROOMS)}
+    return [
+        f"{m} ({_room(m)}) imports {t} ({_room(t)})"
+        for m, targets in graph.items()
+        if (room := _room(m)) is not None
+        for t in sorted(targets)
+        if (up := _room(t)) is not None and order[up] > order[room]
+    ]
+
+
+def test_no_import_up_the_search_rooms() -> None:
+    bad = _up_the_rooms(_graph())
+    assert not bad, "imports that run up the rooms of partita/search/:\n" + "\n".join(bad)
+
+
+def test_room_check_finds_an_upward_import() -> None:
+    assert _room("partita.search.entry.planner") == "entry"
+    assert _room("partita.search") is None and _room("partita.search.layer") is None
+    up = {"partita.search.layer.memo": {"partita.search.pipeline.stage_cost", "partita.search.pricing.mesh"}}
+    assert _up_the_rooms(up) == [
+        "partita.search.layer.memo (layer) imports partita.search.pipeline.stage_cost (pipeline)"
+    ]
+    assert _up_the_rooms({"partita.search.entry.planner": {"partita.search.layer.memo"}}) == []
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
