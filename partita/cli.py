@@ -22,6 +22,27 @@ from partita.errors import ConfigError, PartitaError
 DEFAULT_MODEL = "gpt3-6.7b"
 DEFAULT_CLUSTER = "mixed-lab"
 
+# The bounds of every numeric option, checked before any work starts (issue 34): (least, most).
+# The upper bounds are far above any real job (a million devices, a 4M-token sequence) and far below
+# what would make the search or the runtime allocate without end.
+LIMITS: dict[str, tuple[int, int]] = {
+    "global_batch": (1, 1 << 24),
+    "seq": (1, 1 << 22),
+    "batch": (1, 1 << 16),
+    "steps": (1, 10_000_000),
+    "tp": (1, 1024),
+    "pp": (1, 4096),
+    "dp": (1, 1 << 20),
+    "micro_batch": (1, 1 << 24),
+    "gpus_per_node": (1, 1024),
+    "nproc": (1, 1024),
+    "virtual_stages": (1, 64),
+    "nnodes": (1, 1 << 16),
+    "checkpoint_every": (0, 10_000_000),
+    "max_restarts": (0, 1000),
+}
+TIME_BUDGET_S = (1.0, 7 * 24 * 3600.0)  # `partita profile --time-budget`, seconds
+
 
 def _print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=1, sort_keys=True) + "\n")
@@ -479,9 +500,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="`HOST device=TYPE [slots=N]` per node: print one torchrun command per node and write DIR/launch.sbatch",
     )
-    s.add_argument("--data-file", default="", help="flat binary of token ids (nanoGPT train.bin), memory-mapped")
+    s.add_argument("--data-file", default=None, help="flat binary of token ids (nanoGPT train.bin), memory-mapped")
     s.add_argument("--data-dtype", default="uint16", choices=["uint16", "uint32"])
-    s.add_argument("--data-fn", default="", help="module:function(step, rows, seq_len) -> (inputs, labels)")
+    s.add_argument("--data-fn", default=None, help="module:function(step, rows, seq_len) -> (inputs, labels)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_run)
 
@@ -509,14 +530,57 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _INTERRUPTED = "partita: interrupted (Ctrl-C); files already written are complete, nothing was half-written."
+_TERMINATED = "partita: terminated (SIGTERM); files already written are complete, nothing was half-written."
 
 
-def _exit_interrupted() -> None:
-    """End the command process now: the one line, exit 130, no teardown of torch & co. (seconds)."""
-    print(_INTERRUPTED, file=sys.stderr)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(130)
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C's KeyboardInterrupt would be: the same unwinding, exit 143."""
+
+
+_MAIN_PID: list[int] = []  # the command's own process: its forked workers inherit the handler below
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    if _MAIN_PID and os.getpid() != _MAIN_PID[0]:  # a forked worker being ended (Pool.terminate): end quietly
+        os._exit(143)
+    raise Terminated()
+
+
+def _end_workers() -> None:
+    """End the worker processes this process forked (the search's pools) before it exits: with
+    ``os._exit`` no atexit handler would, and a worker would go on computing for a parent that is gone."""
+    mp = sys.modules.get("multiprocessing")
+    if mp is None:
+        return
+    for child in mp.active_children():
+        try:
+            child.kill()
+        except OSError:
+            pass
+
+
+def _exit_interrupted(terminated: bool = False) -> None:
+    """End the command process now: the one line, exit 130 (143 for SIGTERM), the forked workers ended,
+    no teardown of torch & co. (seconds)."""
+    _end_workers()
+    print(_TERMINATED if terminated else _INTERRUPTED, file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(143 if terminated else 130)
+
+
+def _stdout_gone() -> int:
+    """stdout's reader went away (``partita models --json | head -c1``): end quietly, as ``cat`` does, with
+    128 + SIGPIPE; the interpreter's final flush must not print a BrokenPipeError either."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+    return 141
 
 
 def _unraisable(hook: Any) -> Any:
@@ -526,7 +590,7 @@ def _unraisable(hook: Any) -> Any:
 
     def on_unraisable(info: Any) -> None:
         if isinstance(info.exc_value, KeyboardInterrupt):
-            _exit_interrupted()
+            _exit_interrupted(isinstance(info.exc_value, Terminated))
         hook(info)
 
     return on_unraisable
@@ -536,13 +600,86 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; Ctrl-C anywhere ends it with one line and exit code 130."""
     if argv is None:  # the command itself, not an in-process call
         sys.unraisablehook = _unraisable(sys.unraisablehook)
+        import signal
+
+        # SIGINT / SIGTERM sent to this process alone (`timeout -s INT`, a job scheduler) end it as Ctrl-C does
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        _MAIN_PID[:] = [os.getpid()]
+        signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        return _main(argv)
-    except KeyboardInterrupt:
+        rc = _main(argv)
         if argv is None:
-            _exit_interrupted()
-        print(_INTERRUPTED, file=sys.stderr)
-        return 130
+            sys.stdout.flush()  # a pipe's reader that went away shows here, not in the interpreter's exit
+        return rc
+    except KeyboardInterrupt as e:
+        terminated = isinstance(e, Terminated)
+        if argv is None:
+            _exit_interrupted(terminated)
+        print(_TERMINATED if terminated else _INTERRUPTED, file=sys.stderr)
+        return 143 if terminated else 130
+    except BrokenPipeError:
+        return _stdout_gone() if argv is None else 141
+
+
+def _paragraph(text: str) -> str:
+    """One paragraph of 100 columns with no breaks inside names such as A100-80G or a path, so the
+    message can be copied back."""
+    return textwrap.fill(text, 100, break_on_hyphens=False, break_long_words=False)
+
+
+def os_error_text(err: OSError) -> str:
+    """An OSError as one sentence naming the path, what the system said, and the fix."""
+    import errno
+
+    path = err.filename if err.filename is not None else "a file"
+    why = err.strerror or str(err)
+    code = err.errno
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        fix = "make it writable (or readable) for this user, or pick a path on a writable file system."
+    elif code == errno.ENOENT:
+        fix = "create the directory first, or fix the path."
+    elif code == errno.EISDIR:
+        fix = "pass a file path, not a directory."
+    elif code == errno.ENOTDIR:
+        fix = "a part of the path is a file, not a directory: pick another path."
+    elif code in (errno.ENOSPC, errno.EDQUOT):
+        fix = "free some space, or pick a path on another file system."
+    else:
+        fix = "check the path and its permissions, or pick another path."
+    other = f" (and {err.filename2})" if getattr(err, "filename2", None) else ""
+    return f"cannot use {path}{other}: {why}. Fix: {fix}"
+
+
+_POSITIONAL = {"model": "MODEL", "dir": "DIR", "dirs": "DIR"}
+
+
+def _check_arguments(args: argparse.Namespace) -> PartitaError | None:
+    """The numeric options against :data:`LIMITS`, and no empty strings: refused before any work."""
+    for name, (least, most) in LIMITS.items():
+        v = getattr(args, name, None)
+        flag = f"--{name.replace('_', '-')}"
+        for x in v if isinstance(v, tuple) else (v,):
+            if isinstance(x, int) and not least <= x <= most:
+                kind = "a positive" if least else "a non-negative"
+                return ConfigError(
+                    f"{flag} is {x}; it must be {kind} integer of at most {most:,}.",
+                    f"pass {flag} N with {least} <= N <= {most}.",
+                )
+    budget = getattr(args, "time_budget", None)
+    if isinstance(budget, float) and not TIME_BUDGET_S[0] <= budget <= TIME_BUDGET_S[1]:  # nan fails too
+        return ConfigError(
+            f"--time-budget is {budget}; it must be a number of seconds from {TIME_BUDGET_S[0]:g} to "
+            f"{TIME_BUDGET_S[1]:g}.",
+            "pass --time-budget S with a finite, positive S (e.g. 240).",
+        )
+    for name, v in vars(args).items():
+        if name == "extra":
+            continue
+        values = v if isinstance(v, list) else [v]
+        if any(isinstance(x, str) and not x.strip() for x in values):
+            flag = _POSITIONAL.get(name, f"--{name.replace('_', '-')}")
+            return ConfigError(f"{flag} is an empty string.", f"give {flag} a value, or leave it out for its default.")
+    return None
 
 
 def _main(argv: Sequence[str] | None = None) -> int:
@@ -561,19 +698,10 @@ def _main(argv: Sequence[str] | None = None) -> int:
             argv[k : k + 2] = [f"--cluster={argv[k + 1]}"]
     args = parser.parse_args(argv)
     args.extra = extra
-    positive: tuple[str, ...] = ("global_batch", "seq", "batch", "steps", "tp", "pp", "dp", "micro_batch")
-    positive += ("gpus_per_node", "nproc", "virtual_stages")
-    for name in (*positive, "nnodes", "checkpoint_every", "max_restarts"):
-        v = getattr(args, name, None)
-        least = 1 if name in (*positive, "nnodes") else 0
-        if isinstance(v, int) and v < least:
-            flag = f"--{name.replace('_', '-')}"
-            err = ConfigError(
-                f"{flag} is {v}; it must be {'a positive' if least else 'a non-negative'} integer.",
-                f"pass {flag} N with N >= {least}.",
-            )
-            print(f"partita: error: {err}", file=sys.stderr)
-            return err.exit_code
+    refusal = _check_arguments(args)
+    if refusal is not None:
+        print("partita: error: " + _paragraph(str(refusal)), file=sys.stderr)
+        return refusal.exit_code
     saved_calibration = os.environ.get("PARTITA_CALIBRATION")
     if getattr(args, "no_calibration", False):  # this command plans uncalibrated (cluster.calibration_default)
         os.environ["PARTITA_CALIBRATION"] = "off"
@@ -582,12 +710,22 @@ def _main(argv: Sequence[str] | None = None) -> int:
         with noise:
             return int(args.fn(args) or 0)
     except PartitaError as err:
-        # no breaks inside names such as A100-80G or a path, so the message can be copied back
+        if verbose and err.detail:  # the user's own traceback (a factory, a data function)
+            print(err.detail.rstrip("\n"), file=sys.stderr)
         text = str(err)
         if "\n" not in err.problem:  # one paragraph; a multi-line problem (a rank's log) stays as it is
-            text = textwrap.fill(text, 100, break_on_hyphens=False, break_long_words=False)
+            text = _paragraph(text)
         print("partita: error: " + text, file=sys.stderr)
         return err.exit_code
+    except BrokenPipeError:
+        raise  # stdout closed by its reader: main() ends quietly
+    except OSError as err:  # the one path for the operating system's refusals: name the path and the fix
+        if verbose:
+            import traceback
+
+            traceback.print_exc()
+        print("partita: error: " + _paragraph(os_error_text(err)), file=sys.stderr)
+        return 2
     finally:
         noise.summarize()
         if saved_calibration is None:  # one command's --no-calibration must not outlive it (in-process callers)

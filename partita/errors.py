@@ -13,9 +13,10 @@ class PartitaError(Exception):
 
     exit_code = 2
 
-    def __init__(self, problem: str, fix: str = "") -> None:
+    def __init__(self, problem: str, fix: str = "", detail: str = "") -> None:
         self.problem = problem.strip()
         self.fix = fix.strip()
+        self.detail = detail  # the user's own traceback (a factory's, a data function's): shown with --verbose
         super().__init__(self.problem + (f" Fix: {self.fix}" if self.fix else ""))
 
 
