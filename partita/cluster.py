@@ -48,7 +48,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -260,6 +260,12 @@ class Cluster:
             for g in groups[1:]:
                 slow = slow.slower(g.network)
             object.__setattr__(self, "network", slow)
+        total = sum(g.num_nodes * g.gpus_per_node for g in groups)
+        if total > MAX_DEVICES:
+            raise ClusterSpecError(
+                f"cluster {self.name!r} has {total:,} devices, more than the {MAX_DEVICES:,} Partita plans for.",
+                "check the counts (a typo?); plan a smaller cluster.",
+            )
         for lk in self.links:
             if not (0 <= lk.a < len(groups) and 0 <= lk.b < len(groups)) or lk.a == lk.b:
                 raise ClusterSpecError(
@@ -428,6 +434,37 @@ def parse_shorthand(spec: str, gpus_per_node: int | None = None, calibrated: boo
     return Cluster(spec.replace(" ", ""), tuple(groups))
 
 
+MAX_DEVICES = 1 << 20  # devices in one cluster: far above any machine, far below what exhausts memory
+
+# The fields each part of a cluster file may have (issue 34: an unknown one is refused, the nearest named).
+TOP_FIELDS = ("name", "network", "nodes", "device_types", "links")
+NODE_FIELDS = ("device", "num_nodes", "gpus_per_node", "intra_node_GBps", "profile", "network")
+TYPE_FIELDS = ("name", "peak_tflops", "memory_GB", "hbm_GBps", "intra_node_GBps", "intra_node_latency_us", "kind")
+TYPE_FIELDS += ("profile",)
+
+
+def _check_fields(d: Mapping[str, Any], allowed: Sequence[str], where: str, example: str = "") -> None:
+    """Refuse a field ``d`` may not have, naming the nearest allowed one (a typo would be ignored)."""
+    import difflib
+
+    for key in d:
+        if key in allowed:
+            continue
+        near = difflib.get_close_matches(str(key), list(allowed), n=1, cutoff=0.5)
+        hint = f"; did you mean {near[0]!r}?" if near else "."
+        raise ClusterSpecError(
+            f"{where} has unknown field {key!r}{hint}",
+            f"allowed: {', '.join(allowed)}." + (f" {example}" if example else ""),
+        )
+
+
+def _name(v: Any, where: str, what: str) -> str:
+    """A device type's name: a non-empty string, not a list or a mapping."""
+    if not isinstance(v, str) or not v.strip():
+        raise ClusterSpecError(f"{where}: {what} is {v!r}, not a name.", f"write {what} as one name, e.g. A100-80G.")
+    return v.strip()
+
+
 def _num(d: Mapping[str, Any], key: str, where: str, default: float | None = None, positive: bool = True) -> float:
     if key not in d:
         if default is None:
@@ -450,12 +487,12 @@ def _network_fields(net: Any, where: str) -> dict[str, float]:
     """The network fields a cluster file gives (``nic_gbps`` per NIC, ``num_nics``, ``latency_us``)."""
     if net is None:
         return {}
-    if not isinstance(net, Mapping) or set(net) - set(_NET_FIELDS):
-        bad = sorted(set(net) - set(_NET_FIELDS)) if isinstance(net, Mapping) else net
+    if not isinstance(net, Mapping):
         raise ClusterSpecError(
-            f"{where}: 'network' must be a mapping of {', '.join(_NET_FIELDS)} (got {bad!r}).",
+            f"{where}: 'network' must be a mapping of {', '.join(_NET_FIELDS)} (got {net!r}).",
             "e.g. network: {nic_gbps: 200, num_nics: 8, latency_us: 5}.",
         )
+    _check_fields(net, _NET_FIELDS, f"{where}: network", "e.g. network: {nic_gbps: 200, num_nics: 8, latency_us: 5}.")
     out = {k: _num(net, k, where + ".network") for k in _NET_FIELDS if k in net}
     if "num_nics" in out and out["num_nics"] != int(out["num_nics"]):
         raise ClusterSpecError(f"{where}: network.num_nics={out['num_nics']} is not a whole number.", "use 1, 2, 8...")
@@ -492,11 +529,7 @@ def cluster_from_dict(d: Any, source: str = "cluster spec", calibrated: bool | N
     between two groups (default: the slower side). ``profile: none`` keeps a preset uncalibrated."""
     if not isinstance(d, Mapping):
         raise ClusterSpecError(f"{source} must be a mapping with a 'nodes' list.", "see the README's cluster format.")
-    unknown = set(d) - {"name", "network", "nodes", "device_types", "links"}
-    if unknown:
-        raise ClusterSpecError(
-            f"{source} has unknown fields {sorted(unknown)}.", "allowed: name, network, nodes, device_types, links."
-        )
+    _check_fields(d, TOP_FIELDS, source)
     top = _network_fields(d.get("network"), source)
     custom: dict[str, DeviceType] = {}
     types = d.get("device_types") or []
@@ -509,6 +542,18 @@ def cluster_from_dict(d: Any, source: str = "cluster spec", calibrated: bool | N
         where = f"{source}: device_types[{i}]"
         if not isinstance(t, Mapping) or "name" not in t:
             raise ClusterSpecError(f"{where} needs a 'name'.", "give each device type a name.")
+        _check_fields(t, TYPE_FIELDS, where)
+        name = _name(t["name"], where, "name")
+        if name in custom:
+            raise ClusterSpecError(
+                f"{where}: device type {name!r} is defined twice.", "give each device type its own name."
+            )
+        preset = next((k for k in DEVICE_PRESETS if k.lower() == ALIASES.get(name, name).lower()), None)
+        if preset is not None:
+            raise ClusterSpecError(
+                f"{where}: device type {name!r} has the name of the preset {preset}; it would replace it.",
+                f"give it another name (e.g. {name}-custom), or drop it to use the preset.",
+            )
         peaks = t.get("peak_tflops")
         if not isinstance(peaks, Mapping) or not peaks:
             raise ClusterSpecError(f"{where}: 'peak_tflops' must map dtypes to TFLOP/s.", "e.g. {bf16: 312}.")
@@ -519,8 +564,8 @@ def cluster_from_dict(d: Any, source: str = "cluster spec", calibrated: bool | N
                 f"{where}: kind {t.get('kind')!r} is unknown (it decides the runtime backend).",
                 f"set kind to one of {', '.join(DEVICE_KINDS)}.",
             )
-        custom[str(t["name"])] = DeviceType(
-            str(t["name"]),
+        custom[name] = DeviceType(
+            name,
             pk,
             _num(t, "memory_GB", where) * GB,
             _num(t, "hbm_GBps", where) * GB,
@@ -529,7 +574,7 @@ def cluster_from_dict(d: Any, source: str = "cluster spec", calibrated: bool | N
             kind,
         )
         if t.get("profile") and str(t["profile"]).lower() != "none":
-            custom[str(t["name"])] = apply_profile(custom[str(t["name"])], str(t["profile"]))
+            custom[name] = apply_profile(custom[name], str(t["profile"]))
     nodes = d.get("nodes")
     if not isinstance(nodes, list) or not nodes:
         raise ClusterSpecError(f"{source} has no 'nodes' list.", "add nodes: [{device: A100-80G, num_nodes: 1}].")
@@ -538,8 +583,9 @@ def cluster_from_dict(d: Any, source: str = "cluster spec", calibrated: bool | N
         where = f"{source}: nodes[{i}]"
         if not isinstance(n, Mapping) or "device" not in n:
             raise ClusterSpecError(f"{where} needs a 'device'.", "e.g. {device: A100-80G, num_nodes: 2}.")
+        _check_fields(n, NODE_FIELDS, where, "e.g. {device: A100-80G, num_nodes: 2, gpus_per_node: 8}.")
         off = str(n.get("profile", "")).lower() == "none"
-        dev = device_type(str(n["device"]), custom, calibrated=False if off else calibrated)
+        dev = device_type(_name(n["device"], where, "device"), custom, calibrated=False if off else calibrated)
         overrides: dict[str, Any] = {}
         if "intra_node_GBps" in n:
             overrides["intra_node_bandwidth"] = _num(n, "intra_node_GBps", where) * GB
@@ -571,6 +617,7 @@ def cluster_from_dict(d: Any, source: str = "cluster spec", calibrated: bool | N
         side = groups[a].network.slower(groups[b].network)
         base = {"nic_gbps": side.nic_bandwidth * 8 / 1e9 / side.num_nics, "num_nics": float(side.num_nics)}
         base["latency_us"] = side.latency * 1e6
+        _check_fields(lk, ("between", *_NET_FIELDS), where)
         fields = base | _network_fields({k: v for k, v in lk.items() if k != "between"}, where)
         out.append(GroupLink(a, b, _network(fields)))
     return Cluster(str(d.get("name", Path(source).stem)), tuple(groups), links=tuple(out))

@@ -198,7 +198,12 @@ class Plan:
     @staticmethod
     def from_json(text: str, source: str = "plan.json") -> Plan:
         try:
-            d = json.loads(text)
+            d = json.loads(text, parse_constant=_no_constant)
+        except _NonFinite as e:
+            raise PlanError(
+                f"{source} holds {e.args[0]}, which no plan writes (not a number).",
+                "recompile with `partita compile ... --out DIR`; do not edit plan.json by hand.",
+            ) from None
         except json.JSONDecodeError as e:
             raise PlanError(
                 f"{source} is not valid JSON ({e.msg} at line {e.lineno}); it may be truncated.",
@@ -218,50 +223,106 @@ class Plan:
                 f"{source} has plan version {d.get('version')!r}; this Partita reads version {PLAN_VERSION}.",
                 "recompile the plan with this Partita version.",
             )
+        field = _FieldReader()
         try:
-            stages = tuple(
-                Stage(
-                    index=int(s["index"]),
-                    layers=tuple(s["layers"]),
-                    device_type=str(s["device_type"]),
-                    ranks=ranks_from_runs(s["ranks"]),
-                    dp=int(s["dp"]),
-                    tp=int(s["tp"]),
-                    zero_stage=int(s.get("zero_stage", 0)),
-                    recompute=str(s.get("recompute", "none")),
-                    batch_shares=tuple(int(x) for x in s.get("batch_shares", ())),
-                    replica_device_types=tuple(s.get("replica_device_types", ())),
-                    param_placements={k: tuple(v) for k, v in s.get("param_placements", {}).items()},
-                    input_placement=tuple(s.get("input_placement", ("S(0)", "R"))),
-                    output_placement=tuple(s.get("output_placement", ("S(0)", "R"))),
-                    op_strategies=dict(s.get("op_strategies", {})),
-                    tp_plan=dict(s.get("tp_plan", {})),
-                    collectives=tuple(Collective(**c) for c in s.get("collectives", ())),
-                    predicted=dict(s.get("predicted", {})),
-                )
-                for s in d["stages"]
-            )
+            stages = tuple(_read_stage(field, s, k) for k, s in enumerate(field(d, "stages", list)))
             plan = Plan(
-                model=dict(d["model"]),
-                cluster=_cluster_from_json(d["cluster"]),
-                training=dict(d["training"]),
+                model=field(d, "model", dict),
+                cluster=_cluster_from_json(field(d, "cluster", dict)),
+                training=field(d, "training", dict),
                 stages=stages,
-                schedule=str(d["schedule"]),
-                micro_batch_size=int(d["micro_batch_size"]),
-                num_micro_batches=int(d["num_micro_batches"]),
-                num_virtual_stages=int(d.get("num_virtual_stages", 1)),
-                predicted=dict(d.get("predicted", {})),
-                search=dict(d.get("search", {})),
-                partita_version=str(d.get("partita_version", "")),
-                version=int(d["version"]),
+                schedule=field(d, "schedule", str),
+                micro_batch_size=field(d, "micro_batch_size", int),
+                num_micro_batches=field(d, "num_micro_batches", int),
+                num_virtual_stages=field(d, "num_virtual_stages", int, 1),
+                predicted=field(d, "predicted", dict, {}),
+                search=field(d, "search", dict, {}),
+                partita_version=field(d, "partita_version", str, ""),
+                version=field(d, "version", int),
             )
         except (KeyError, TypeError, ValueError, OverflowError) as e:  # OverflowError: int(Infinity)
+            why = f"{type(e).__name__}: {e}" if not isinstance(e, KeyError) else "missing"
             raise PlanError(
-                f"{source} is missing or has a malformed field ({type(e).__name__}: {e}).",
+                f"{source} is missing or has a malformed field {field.at!r} ({why}).",
                 "recompile the plan; do not edit plan.json by hand.",
             ) from None
         validate(plan, source)
         return plan
+
+
+class _NonFinite(ValueError):
+    pass
+
+
+def _no_constant(name: str) -> Any:
+    """``json.loads``' hook for NaN / Infinity / -Infinity: no plan holds NaN (a prediction may be infinite)."""
+    if name == "NaN":
+        raise _NonFinite(name)
+    return float(name)
+
+
+_REQUIRED: Any = object()
+
+
+class _FieldReader:
+    """Reads one field of a plan file at a time, remembering which (``at``), so a malformed or missing
+    one is named in the error: ``stages[1].tp``, not just "ValueError"."""
+
+    def __init__(self) -> None:
+        self.at = ""
+        self.prefix = ""
+
+    def __call__(self, d: Any, key: str, kind: Any, default: Any = _REQUIRED) -> Any:
+        self.at = self.prefix + key
+        if not isinstance(d, Mapping):
+            raise TypeError(f"{self.prefix.rstrip('.') or 'the plan'} is {type(d).__name__}, not a mapping")
+        if key not in d:
+            if default is _REQUIRED:
+                raise KeyError(key)
+            return default
+        v = d[key]
+        if kind is int:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v):
+                raise ValueError(f"{v!r} is not an integer")
+            return int(v)
+        if kind is str:
+            if not isinstance(v, str):
+                raise TypeError(f"{v!r} is not a string")
+            return v
+        if kind is dict:
+            if not isinstance(v, Mapping):
+                raise TypeError(f"{type(v).__name__} is not a mapping")
+            return dict(v)
+        if kind is list:
+            if not isinstance(v, list):
+                raise TypeError(f"{type(v).__name__} is not a list")
+            return v
+        return kind(v)
+
+
+def _read_stage(field: _FieldReader, s: Any, k: int) -> Stage:
+    field.prefix = f"stages[{k}]."
+    stage = Stage(
+        index=field(s, "index", int),
+        layers=tuple(field(s, "layers", list)),
+        device_type=field(s, "device_type", str),
+        ranks=ranks_from_runs(field(s, "ranks", list)),
+        dp=field(s, "dp", int),
+        tp=field(s, "tp", int),
+        zero_stage=field(s, "zero_stage", int, 0),
+        recompute=field(s, "recompute", str, "none"),
+        batch_shares=tuple(int(x) for x in field(s, "batch_shares", list, [])),
+        replica_device_types=tuple(field(s, "replica_device_types", list, [])),
+        param_placements={key: tuple(v) for key, v in field(s, "param_placements", dict, {}).items()},
+        input_placement=tuple(field(s, "input_placement", list, ["S(0)", "R"])),
+        output_placement=tuple(field(s, "output_placement", list, ["S(0)", "R"])),
+        op_strategies=field(s, "op_strategies", dict, {}),
+        tp_plan=field(s, "tp_plan", dict, {}),
+        collectives=tuple(Collective(**c) for c in field(s, "collectives", list, [])),
+        predicted=field(s, "predicted", dict, {}),
+    )
+    field.prefix = ""
+    return stage
 
 
 RANK_RUNS_ABOVE = 64  # stages with more ranks write them as runs; smaller plans keep the plain list
@@ -316,6 +377,20 @@ def read_plan(path: str | Path) -> Plan:
     return Plan.from_json(text, str(path))
 
 
+def _device_names(cluster: Mapping[str, Any]) -> set[str]:
+    """The device types of a plan's cluster (``cluster.spec.groups[*].device.name``); empty if unknown."""
+    spec = cluster.get("spec")
+    groups = spec.get("groups") if isinstance(spec, Mapping) else None
+    if not isinstance(groups, list):
+        return set()
+    names = set()
+    for g in groups:
+        dev = g.get("device") if isinstance(g, Mapping) else None
+        if isinstance(dev, Mapping) and isinstance(dev.get("name"), str):
+            names.add(dev["name"])
+    return names
+
+
 def validate(plan: Plan, source: str = "plan") -> None:
     """Structural checks every consumer relies on; raise PlanError naming the field."""
     if plan.schedule not in SCHEDULES:
@@ -325,6 +400,15 @@ def validate(plan: Plan, source: str = "plan") -> None:
     batch = plan.training.get("global_batch")
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise PlanError(f"{source}: training.global_batch is {batch!r}, not a positive integer.", "recompile the plan.")
+    known = _device_names(plan.cluster)
+    for s in plan.stages:
+        for name in (s.device_type, *s.replica_device_types):
+            if known and name not in known and name != "mixed":
+                raise PlanError(
+                    f"{source}: stage {s.index} runs on device type {name!r}, which the plan's cluster does not "
+                    f"have ({', '.join(sorted(known))}).",
+                    "recompile the plan for the cluster it runs on; do not edit plan.json by hand.",
+                )
     seen: set[int] = set()
     layers: list[str] = []
     for s in plan.stages:  # before the chunk checks: a rank listed twice in one stage is not a chunk

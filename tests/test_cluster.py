@@ -63,7 +63,7 @@ def test_shorthand_errors(spec: str, match: str) -> None:
         ("nodes:\n  - {device: A100, num_nodes: -1}", "'num_nodes' is -1, must be > 0"),
         ("nodes:\n  - {device: A100}\nnetwork: {nic_gbps: 0}", "'nic_gbps' is 0"),
         ("nodes:\n  - {num_nodes: 1}", "needs a 'device'"),
-        ("nodez: []", "unknown fields"),
+        ("nodez: []", "unknown field .nodez.; did you mean .nodes."),
     ],
 )
 def test_file_errors(tmp_path, text: str, match: str) -> None:
@@ -135,7 +135,7 @@ def test_file_overrides_per_group_and_declares_group_links(tmp_path) -> None:
     [
         ("nodes:\n  - {device: A100}\nlinks:\n  - {between: [0, 3]}", "names no single node group"),
         ("nodes:\n  - {device: A100}\n  - {device: L4}\nlinks:\n  - {between: [0, 0]}", "to itself"),
-        ("nodes:\n  - {device: A100, network: {nic_gbs: 5}}", "must be a mapping of nic_gbps"),
+        ("nodes:\n  - {device: A100, network: {nic_gbs: 5}}", "unknown field .nic_gbs.; did you mean .nic_gbps."),
         ("nodes:\n  - {device: A100, network: {num_nics: 1.5}}", "not a whole number"),
     ],
 )
