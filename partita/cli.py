@@ -143,6 +143,32 @@ def _training(args: argparse.Namespace) -> Any:
     return TrainingConfig(global_batch=args.global_batch, seq_len=args.seq, dtype=dtype, optimizer=args.optimizer)
 
 
+def _probe_dir(d: Any, what: str) -> None:
+    """Create directory ``d`` (and its parents) and a file in it, then remove what was created: an output
+    place that cannot be written is refused before any work, and nothing is left behind."""
+    import tempfile
+    from pathlib import Path
+
+    d = Path(d)
+    created = [q for q in (d, *d.parents) if not q.exists()]
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=d, prefix=".partita-probe-")
+        os.close(fd)
+        os.unlink(name)
+    except OSError as e:
+        raise ConfigError(
+            f"{what} {d} cannot be written ({e.strerror or e}).",
+            "pick a directory this user can write (not under /proc or /sys, not on a read-only file system).",
+        ) from None
+    finally:
+        for q in created:  # innermost first
+            try:
+                q.rmdir()
+            except OSError:
+                pass
+
+
 def _check_writable_target(path: str, flag: str, want_dir: bool) -> None:
     """Refuse an output path that cannot be created before any work starts (nothing written half-way)."""
     from pathlib import Path
@@ -152,8 +178,51 @@ def _check_writable_target(path: str, flag: str, want_dir: bool) -> None:
         existing = next(q for q in (p, *p.parents) if q.exists() or q == Path("."))
         if existing.exists() and not existing.is_dir():
             raise ConfigError(f"{flag} {path}: {existing} is a file, not a directory.", f"pass a directory to {flag}.")
-    elif not p.parent.is_dir():
+        _probe_dir(p, f"{flag} directory")
+        return
+    if p.is_dir():
+        raise ConfigError(f"{flag} {path} is a directory.", f"pass a file name, e.g. {flag} {p / 'plan.html'}.")
+    if not p.parent.is_dir():
         raise ConfigError(f"{flag} {path}: directory {p.parent} does not exist.", "create it or pick another path.")
+    _probe_dir(p.parent, f"{flag}: directory")
+
+
+PLAN_DIR_MARKS = ("plan.json", "cache_key.json")  # what makes a directory a Partita plan directory
+
+
+def _check_out_dir(path: str, force: bool) -> None:
+    """``--out`` into a non-empty directory that is not a Partita plan directory would overwrite the user's
+    own files (a ``report.txt``): refused unless ``--force``."""
+    from pathlib import Path
+
+    p = Path(path)
+    if force or not p.is_dir():
+        return
+    try:
+        entries = sorted(q.name for q in p.iterdir())
+    except OSError:
+        return  # _probe_dir names it
+    if entries and not any(m in entries for m in PLAN_DIR_MARKS):
+        shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
+        raise ConfigError(
+            f"--out {path} is a directory holding other files ({shown}), not a Partita plan directory; "
+            "the compile would overwrite plan.json, report.txt and the program there.",
+            "pass an empty or new directory to --out, or --force to write there anyway.",
+        )
+
+
+def _check_cache_dir() -> None:
+    from partita.driver import cache_dir
+
+    d = cache_dir()
+    if d.exists() and not d.is_dir():
+        raise ConfigError(
+            f"the compile cache directory {d} is a file.", "set PARTITA_CACHE_DIR to a directory (or remove the file)."
+        )
+    try:
+        _probe_dir(d / "plans", "the compile cache directory")
+    except ConfigError as e:
+        raise ConfigError(e.problem, "set PARTITA_CACHE_DIR to a writable directory.") from None
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
@@ -162,6 +231,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     model = _with_task(args.model or DEFAULT_MODEL, args.task)
     cluster = args.cluster or DEFAULT_CLUSTER
     _check_writable_target(args.out, "--out", want_dir=True)
+    _check_out_dir(args.out, args.force)
     layout = _hand_layout(args)
     if layout is not None:
         from partita.driver import compile_layout
@@ -174,6 +244,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         else:
             print(result.as_text())
         return 0
+    _check_cache_dir()
     result = compile_to_dir(
         model,
         cluster,
@@ -308,6 +379,7 @@ def _data_args(args: argparse.Namespace) -> list[str]:
 def cmd_profile(args: argparse.Namespace) -> int:
     from partita.profile.profiler import profile
 
+    _check_writable_target(args.out, "--out", want_dir=False)  # before minutes of measuring
     prof = profile(args.devices, args.nproc, args.out, args.time_budget, progress=not args.no_progress)
     print(f"wrote {args.out} ({prof.get('device', args.devices)})")
     return 0
@@ -442,7 +514,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cluster", default=None, help=f"shorthand, preset or file (default: {DEFAULT_CLUSTER})")
     _add_training(s)
     s.add_argument("--out", default="out", help="output directory (default: out)")
-    s.add_argument("--force", action="store_true", help="ignore the compile cache")
+    s.add_argument(
+        "--force",
+        action="store_true",
+        help="ignore the compile cache; also write into a non-empty --out that is not a plan directory",
+    )
     s.add_argument("--json", action="store_true")
     hand = s.add_argument_group(
         "hand-made layout (no search: the program for this Megatron-style layout, priced by the search's model)"
@@ -663,7 +739,7 @@ def _check_arguments(args: argparse.Namespace) -> PartitaError | None:
                 kind = "a positive" if least else "a non-negative"
                 return ConfigError(
                     f"{flag} is {x}; it must be {kind} integer of at most {most:,}.",
-                    f"pass {flag} N with {least} <= N <= {most}.",
+                    f"pass {flag} N with N >= {least} and N <= {most}.",
                 )
     budget = getattr(args, "time_budget", None)
     if isinstance(budget, float) and not TIME_BUDGET_S[0] <= budget <= TIME_BUDGET_S[1]:  # nan fails too

@@ -14,6 +14,7 @@ import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 Setup = Callable[[Path, "Fixtures"], None]
 
@@ -39,6 +40,7 @@ class Case:
     runner: str = "cli"  # cli (in-process main) | subprocess (python -m partita.cli) | program (torchrun-less)
     env: tuple[tuple[str, str], ...] = ()
     xfail: str = ""  # the fix lives in a module this work does not own: what it needs
+    importable: bool = False  # the case's directory is on sys.path (its usr_*.py modules)
 
 
 def _write(name: str, text: str | bytes) -> Setup:
@@ -748,6 +750,251 @@ CASES: list[Case] = [
         before="silent: accepted (saved after every step)",
     ),
 ]
+
+
+# ---- issue 34: 117 bad inputs of a skeptical user, by class -----------------------------------------
+def _truncate_program(d: Path) -> None:
+    """Cut program_torch.py inside its plan literal (as a full disk would leave it)."""
+    text = (d / "program_torch.py").read_text()
+    (d / "program_torch.py").write_text(text[: text.index("'training'")])
+
+
+def _run(*extra: str) -> tuple[str, ...]:
+    return ("run", "{t}/plan", *extra)
+
+
+def _yaml_case(cid: str, what: str, text: str, expect: tuple[str, ...], before: str) -> Case:
+    setup, argv = _yaml("c.yaml", text)
+    return Case(cid, "cluster", what, argv, expect, setup, before=before)
+
+
+def _plan_case(cid: str, what: str, fn: Callable[[dict], None], expect: tuple[str, ...], before: str) -> Case:
+    return Case(cid, "plan", what, ("report", "{t}/plan"), expect, _plan(edit=_edit_json(fn)), before=before)
+
+
+def _bound(cid: str, what: str, argv: tuple[str, ...], expect: tuple[str, ...], before: str, **kw: Any) -> Case:
+    return Case(cid, "bounds", what, argv, expect, before=before, **kw)
+
+
+_USR_SYNTAX = _write("usr_syntax.py", "def factory(:\n    pass\n")
+_USR_IMPORT = _write("usr_import_raises.py", "raise RuntimeError('no GPU on this machine')\n")
+_M = "tests.reliability.models:"
+_EV = ("evaluate", "mlp", "--cluster", "4xCPU", "--global-batch", "16", "--seq", "4")
+_TYPE = "{name: X, peak_tflops: {bf16: 10}, memory_GB: 8, hbm_GBps: 100}"
+_HUGE = "100000000000000000000"
+
+NEW_CASES: list[Case] = [
+    # ---- no upper bounds -------------------------------------------------------------------------
+    _bound("huge-device-count", "a device count of 10^8", _compile("100000000xA100"),
+           ("100,000,000 devices", "1,048,576", "smaller cluster"), "slow: SystemError / MemoryError after a minute"),
+    _bound("huge-node-count-file", "num_nodes: 10^12 in a cluster file", _C["nan"][1],
+           ("8,000,000,000,000 devices", "smaller cluster"), "slow: MemoryError",
+           setup=_write("c.yaml", "nodes: [{device: A100-80G, num_nodes: 1000000000000}]\n")),
+    _bound("huge-global-batch", "--global-batch 10^20", _compile("4xCPU")[:4] + ("--global-batch", _HUGE),
+           ("--global-batch is " + _HUGE, "N <= 16777216"), "crash (OverflowError / SystemError)"),
+    _bound("huge-seq", "--seq 10^9", _compile("4xCPU")[:4] + ("--seq", "1000000000", "--out", "{t}/out"),
+           ("--seq is 1000000000", "N <= 4194304"), "slow: MemoryError"),
+    _bound("huge-trace-batch", "trace --batch 10^12", ("trace", "mlp", "--batch", "1000000000000"),
+           ("--batch is 1000000000000", "N <= 65536"), "accepted"),
+    _bound("huge-tp", "evaluate --tp 10^5", (*_EV, "--tp", "100000"), ("--tp is 100000", "N <= 1024"),
+           "misleading: 'exceeds the cluster'"),
+    _bound("huge-dp", "evaluate --dp 10^9", (*_EV, "--dp", "1000000000"), ("--dp is 1000000000", "N <= 1048576"),
+           "misleading: 'exceeds the cluster'"),
+    _bound("huge-micro-batch", "evaluate --micro-batch 10^9", (*_EV, "--micro-batch", "1000000000"),
+           ("--micro-batch is 1000000000", "N <= 16777216"), "misleading"),
+    _bound("huge-pp", "compile --pp 10^5", _compile("4xCPU", "mlp", "--pp", "100000"),
+           ("--pp is 100000", "N <= 4096"), "misleading"),
+    _bound("huge-tp-per-stage", "compile --tp 2,100000 --pp 2", _compile("4xCPU", "mlp", "--tp", "2,100000", "--pp", "2"),
+           ("--tp is 100000", "N <= 1024"), "misleading"),
+    _bound("huge-gpus-per-node", "--gpus-per-node 10^5", _compile("8xA100", "mlp", "--gpus-per-node", "100000"),
+           ("--gpus-per-node is 100000", "N <= 1024"), "misleading: 'does not split into nodes'"),
+    _bound("huge-virtual-stages", "--virtual-stages 1000", _compile("4xCPU", "mlp", "--pp", "2", "--virtual-stages", "1000"),
+           ("--virtual-stages is 1000", "N <= 64"), "misleading"),
+    _bound("huge-nproc", "profile --nproc 10^5", ("profile", "--nproc", "100000", "--out", "{t}/p.json"),
+           ("--nproc is 100000", "N <= 1024"), "would start 100,000 processes"),
+    _bound("nan-time-budget", "profile --time-budget nan", ("profile", "--time-budget", "nan", "--out", "{t}/p.json"),
+           ("--time-budget is nan", "finite, positive"), "silent: accepted"),
+    _bound("negative-time-budget", "profile --time-budget -5", ("profile", "--time-budget", "-5", "--out", "{t}/p.json"),
+           ("--time-budget is -5.0", "finite, positive"), "silent: accepted"),
+    _bound("huge-steps", "run --steps 10^12", _run("--steps", "1000000000000"),
+           ("--steps is 1000000000000", "N <= 10000000"), "accepted (a run of 10^12 steps)", setup=_plan()),
+    _bound("huge-nnodes", "run --dry-run --nnodes 10^9", _run("--dry-run", "--nnodes", "1000000000"),
+           ("--nnodes is 1000000000", "N <= 65536"), "misleading", setup=_plan()),
+    _bound("huge-checkpoint-every", "run --checkpoint-every 10^12", _run("--checkpoint-every", "1000000000000"),
+           ("--checkpoint-every is 1000000000000", "N <= 10000000"), "silent: accepted", setup=_plan()),
+    _bound("huge-max-restarts", "run --max-restarts 10^6", _run("--max-restarts", "1000000"),
+           ("--max-restarts is 1000000", "N <= 1000"), "silent: accepted", setup=_plan()),
+    # ---- factory loading ------------------------------------------------------------------------
+    Case("factory-syntax-error", "model", "factory module with a syntax error", ("trace", "usr_syntax:factory"),
+         ("'usr_syntax:factory'", "SyntaxError", "usr_syntax.py:1", "--verbose"), _USR_SYNTAX,
+         before="crash (SyntaxError traceback)", importable=True),
+    Case("factory-syntax-error-compile", "model", "the same, through compile",
+         _compile("4xCPU", "usr_syntax:factory"), ("'usr_syntax:factory'", "SyntaxError"), _USR_SYNTAX,
+         before="crash (SyntaxError traceback)", importable=True),
+    Case("factory-import-raises", "model", "factory module raises at import", ("trace", "usr_import_raises:factory"),
+         ("'usr_import_raises:factory'", "RuntimeError: no GPU on this machine", "usr_import_raises.py:1"),
+         _USR_IMPORT, before="crash (RuntimeError traceback)", importable=True),
+    Case("factory-empty-module", "model", "empty module name (':factory')", ("trace", ":factory"),
+         ("':factory'", "package.module:function"), before="crash (ValueError: Empty module name)"),
+    Case("factory-empty-function", "model", "empty function name ('module:')", ("trace", _M),
+         ("package.module:function", "mymodels:build"), before="unclear"),
+    Case("factory-bad-module-name", "model", "module name with a space", ("trace", "my models:build"),
+         ("'my models:build'", "package.module:function"), before="unclear"),
+    Case("inputs-raise", "model", "the example-inputs function raises", ("trace", _M + "inputs_raise"),
+         ("inputs_raise", "KeyError", "models.py", "--verbose"), before="crash (KeyError traceback)"),
+    Case("inputs-raise-compile", "model", "the same, through compile", _compile("4xCPU", _M + "inputs_raise"),
+         ("inputs_raise", "KeyError"), before="crash (KeyError traceback)"),
+    Case("inputs-not-callable", "model", "the example inputs are not a function", ("trace", _M + "inputs_not_callable"),
+         ("inputs_not_callable", "not callable", "not a function"), before="crash (TypeError traceback)"),
+    Case("factory-sys-exit", "model", "the factory calls sys.exit(3)", ("trace", _M + "exits"),
+         ("models:exits", "sys.exit(3)"), before="silent: exit 3, no output"),
+    Case("factory-sys-exit-compile", "model", "the same, through compile", _compile("4xCPU", _M + "exits"),
+         ("models:exits", "sys.exit(3)"), before="silent: exit 3, no output"),
+    # ---- writes (one OS-error path) ----------------------------------------------------------------
+    Case("out-under-proc", "writes", "--out under /proc", _compile("4xCPU")[:-1] + ("/proc/partita-out",),
+         ("/proc/partita-out", "cannot be written", "this user can write"), before="crash (FileNotFoundError) after the search"),
+    Case("out-under-sys", "writes", "--out under /sys (permission denied, even for root)",
+         _compile("4xCPU")[:-1] + ("/sys/partita-out",), ("/sys/partita-out", "cannot be written"),
+         before="crash (PermissionError) after the search"),
+    Case("out-under-file", "writes", "--out below a file", _compile("4xCPU")[:-1] + ("{t}/f/sub",),
+         ("is a file, not a directory",), _write("f", "x"), before="crash (NotADirectoryError)"),
+    Case("html-is-dir", "writes", "report --html names a directory", ("report", "{t}/plan", "--html", "{t}/d"),
+         ("--html", "is a directory", "file name"), _setups(_plan(), _mkdir("d")),
+         before="crash (IsADirectoryError), a .tmp file left behind"),
+    Case("html-under-proc", "writes", "report --html under /proc", ("report", "{t}/plan", "--html", "/proc/p.html"),
+         ("/proc", "cannot be written"), _plan(), before="crash (FileNotFoundError)"),
+    Case("html-under-sys", "writes", "report --html under /sys", ("report", "{t}/plan", "--html", "/sys/p.html"),
+         ("/sys", "cannot be written"), _plan(), before="crash (PermissionError)"),
+    Case("cache-is-file", "writes", "PARTITA_CACHE_DIR is a file", _compile("4xCPU"),
+         ("compile cache directory", "is a file", "PARTITA_CACHE_DIR"), _write("cachefile", "x"),
+         before="crash (NotADirectoryError) after the search", env=(("PARTITA_CACHE_DIR", "{t}/cachefile"),)),
+    Case("cache-under-file", "writes", "PARTITA_CACHE_DIR below a file", _compile("4xCPU"),
+         ("compile cache directory", "PARTITA_CACHE_DIR"), _write("cachefile", "x"),
+         before="crash (NotADirectoryError) after the search", env=(("PARTITA_CACHE_DIR", "{t}/cachefile/c"),)),
+    Case("cache-under-proc", "writes", "PARTITA_CACHE_DIR under /proc", _compile("4xCPU"),
+         ("/proc/partita-cache", "PARTITA_CACHE_DIR"), before="crash (FileNotFoundError) after the search",
+         env=(("PARTITA_CACHE_DIR", "/proc/partita-cache"),)),
+    Case("cache-read-only", "writes", "PARTITA_CACHE_DIR not writable (/sys)", _compile("4xCPU"),
+         ("/sys/partita-cache", "writable directory"), before="crash (PermissionError) after the search",
+         env=(("PARTITA_CACHE_DIR", "/sys/partita-cache"),)),
+    Case("profile-out-under-proc", "writes", "profile --out under /proc", ("profile", "--out", "/proc/p.json"),
+         ("/proc", "cannot be written"), before="crash (FileNotFoundError) after minutes of measuring"),
+    Case("profile-out-is-dir", "writes", "profile --out names a directory", ("profile", "--out", "{t}/d"),
+         ("--out", "is a directory"), _mkdir("d"), before="crash (IsADirectoryError) after minutes of measuring"),
+    # ---- --out into a user's directory, empty strings -----------------------------------------------
+    Case("out-user-dir", "writes", "--out into a directory holding the user's own report.txt",
+         _compile("4xCPU"), ("holding other files (report.txt)", "not a Partita plan directory", "--force"),
+         _write("out/report.txt", "my notes"), before="silent: overwrote the user's report.txt"),
+    Case("out-user-dir-layout", "writes", "the same with a hand-made layout",
+         _compile("4xCPU", "mlp", "--dp", "4"), ("not a Partita plan directory", "--force"),
+         _setups(_write("out/notes.md", "x"), _write("out/data/a.bin", b"\0")), before="silent: wrote beside them"),
+    Case("empty-out", "cli", "--out ''", _compile("4xCPU")[:-1] + ("",), ("--out is an empty string",),
+         before="silent: wrote into the current directory"),
+    Case("empty-cluster", "cli", "--cluster ''", _compile(""), ("--cluster is an empty string",),
+         before="silent: planned for the bundled mixed-lab cluster"),
+    Case("blank-cluster", "cli", "--cluster '  '", _compile("  "), ("--cluster is an empty string",),
+         before="misleading"),
+    Case("empty-model", "cli", "compile ''", _compile("4xCPU", ""), ("MODEL is an empty string",),
+         before="silent: compiled the default model"),
+    Case("empty-trace-model", "cli", "trace ''", ("trace", ""), ("MODEL is an empty string",), before="misleading"),
+    Case("empty-run-dir", "cli", "run ''", ("run", ""), ("DIR is an empty string",), before="misleading"),
+    Case("empty-report-dir", "cli", "report ''", ("report", ""), ("DIR is an empty string",), before="misleading"),
+    Case("empty-html", "cli", "report --html ''", ("report", "{t}/plan", "--html", ""), ("--html is an empty string",),
+         _plan(), before="silent: no page written"),
+    Case("empty-hostfile", "cli", "run --hostfile ''", _run("--dry-run", "--hostfile", ""),
+         ("--hostfile is an empty string",), _plan(), before="silent: ignored"),
+    Case("empty-data-fn", "cli", "run --data-fn ''", _run("--data-fn", ""), ("--data-fn is an empty string",),
+         _plan(), before="silent: ignored"),
+    Case("empty-data-file", "cli", "run --data-file ''", _run("--data-file", ""), ("--data-file is an empty string",),
+         _plan(), before="silent: ignored"),
+    Case("empty-profile-out", "cli", "profile --out ''", ("profile", "--out", ""), ("--out is an empty string",),
+         before="crash after minutes of measuring"),
+    # ---- cluster files ------------------------------------------------------------------------------
+    _yaml_case("node-key-typo", "unknown key in a node (num_node)", "nodes: [{device: CPU, num_node: 4}]\n",
+               ("'num_node'", "did you mean 'num_nodes'"), "silent: 1 node instead of 4"),
+    _yaml_case("node-key-typo-per-node", "unknown key in a node (gpus_per_nod)",
+               "nodes: [{device: CPU, gpus_per_nod: 4}]\n", ("'gpus_per_nod'", "did you mean 'gpus_per_node'"),
+               "silent: 1 device instead of 4"),
+    _yaml_case("type-key-typo", "unknown key in a device type (memory_gb)",
+               "nodes: [{device: X}]\ndevice_types: [{name: X, peak_tflops: {bf16: 10}, memory_gb: 8, hbm_GBps: 1}]\n",
+               ("'memory_gb'", "did you mean 'memory_GB'"), "misleading: 'missing field memory_GB'"),
+    _yaml_case("type-key-typo-latency", "unknown key in a device type (intra_node_latency)",
+               "nodes: [{device: X}]\ndevice_types: [{name: X, peak_tflops: {bf16: 10}, memory_GB: 8, hbm_GBps: 1, "
+               "intra_node_latency: 3}]\n", ("'intra_node_latency'", "did you mean 'intra_node_latency_us'"),
+               "silent: the default latency"),
+    _yaml_case("link-key-typo", "unknown key in a link (nic_gbp)",
+               "nodes: [{device: A100-80G}, {device: V100-32G}]\nlinks: [{between: [0, 1], nic_gbp: 100}]\n",
+               ("'nic_gbp'", "did you mean 'nic_gbps'"), "unclear: no nearest key"),
+    _yaml_case("network-key-typo", "unknown key in the network (latency_s)",
+               "network: {latency_s: 5}\nnodes: [{device: A100-80G}]\n", ("'latency_s'", "did you mean 'latency_us'"),
+               "unclear: no nearest key"),
+    _yaml_case("duplicate-type", "two device types with one name",
+               f"nodes: [{{device: X}}]\ndevice_types: [{_TYPE}, {_TYPE.replace('10}', '20}')}]\n",
+               ("'X' is defined twice", "its own name"), "silent: the last one won"),
+    _yaml_case("type-shadows-preset", "a device type named as a preset (A100-80G)",
+               "nodes: [{device: A100-80G}]\ndevice_types: [" + _TYPE.replace("name: X", "name: A100-80G") + "]\n",
+               ("'A100-80G' has the name of the preset A100-80G", "another name"), "silent: replaced the preset"),
+    _yaml_case("type-shadows-preset-case", "a device type named as a preset in other case (cpu)",
+               "nodes: [{device: cpu}]\ndevice_types: [" + _TYPE.replace("name: X", "name: cpu") + "]\n",
+               ("'cpu' has the name of the preset CPU", "another name"), "silent: replaced the preset"),
+    _yaml_case("list-as-device", "a list where a device name belongs", "nodes: [{device: [A100-80G]}]\n",
+               ("device is ['A100-80G'], not a name", "one name"), "misleading: unknown device type \"['A100-80G']\""),
+    _yaml_case("mapping-as-type-name", "a mapping where a type name belongs",
+               "nodes: [{device: X}]\ndevice_types: [" + _TYPE.replace("name: X", "name: {x: 1}") + "]\n",
+               ("name is {'x': 1}, not a name",), "misleading"),
+    _yaml_case("number-as-device", "a number where a device name belongs", "nodes: [{device: 100}]\n",
+               ("device is 100, not a name",), "misleading: unknown device type '100'"),
+    # ---- plan files -------------------------------------------------------------------------------
+    _plan_case("plan-unknown-device", "a stage on an unknown device type",
+               lambda d: d["stages"][0].update(device_type="Z100"),
+               ("device type 'Z100'", "does not have (CPU)", "recompile"), "silent: accepted and printed"),
+    _plan_case("plan-unknown-replica-device", "a replica on an unknown device type",
+               lambda d: d["stages"][0].update(replica_device_types=["CPU", "Z100", "CPU", "CPU"]),
+               ("device type 'Z100'",), "silent: accepted"),
+    _plan_case("plan-nan", "a NaN in the plan", lambda d: d["predicted"].update(step_time_s=float("nan")),
+               ("holds NaN", "recompile"), "silent: printed 'nan'"),
+    _plan_case("plan-tp-string", "a malformed field (tp: 'two')", lambda d: d["stages"][0].update(tp="two"),
+               ("'stages[0].tp'", "'two' is not an integer"), "unclear: the field not named"),
+    _plan_case("plan-missing-dp", "a missing stage field (dp)", lambda d: d["stages"][0].pop("dp"),
+               ("'stages[0].dp' (missing)",), "unclear: KeyError: 'dp'"),
+    _plan_case("plan-stages-mapping", "stages a mapping, not a list", lambda d: d.update(stages={"0": 1}),
+               ("'stages'", "not a list"), "unclear: the field not named"),
+    _plan_case("plan-micro-batch-list", "micro_batch_size a list", lambda d: d.update(micro_batch_size=[1]),
+               ("'micro_batch_size'", "not an integer"), "unclear: the field not named"),
+    _plan_case("plan-fractional-dp", "dp: 1.5", lambda d: d["stages"][0].update(dp=1.5),
+               ("'stages[0].dp'", "1.5 is not an integer"), "misleading: 'has dp=1, tp=1 but 4 ranks'"),
+    # ---- runs -------------------------------------------------------------------------------------
+    Case("resume-no-checkpoint", "launch", "--resume with no checkpoint", _run("--resume"),
+         ("--resume", "no checkpoint under", "drop --resume"), _plan(), before="silent: started at step 1"),
+    Case("resume-empty-checkpoint-dir", "launch", "--resume with an empty --checkpoint-dir",
+         _run("--resume", "--", "--checkpoint-dir", "{t}/ck"), ("no checkpoint under", "ck"),
+         _setups(_plan(), _mkdir("ck")), before="silent: started at step 1"),
+    Case("truncated-run-log", "launch", "a truncated run log", ("report", "{t}/plan"),
+         ("run_log.json", "truncated", "run `partita run"), _setups(_plan(), _write("plan/run_log.json", '{"format": "par')),
+         before="silent: left out of the report"),
+    Case("binary-run-log", "launch", "a run log of binary garbage", ("report", "{t}/plan"),
+         ("run_log.json", "not a whole run log"), _setups(_plan(), _write("plan/run_log.json", b"\xff\xfe\x00")),
+         before="crash (UnicodeDecodeError)"),
+    Case("data-fn-wrong-signature", "launch", "--data-fn of the wrong signature (step, rows)",
+         _run("--data-fn", _M + "data_fn_two_args"), ("data_fn_two_args", "(step, rows, seq_len)"), _plan(),
+         before="crash: four ranks' tracebacks"),
+    Case("data-fn-not-callable", "launch", "--data-fn naming a number", _run("--data-fn", _M + "data_fn_not_callable"),
+         ("data_fn_not_callable", "not a function"), _plan(), before="crash: four ranks' DataErrors"),
+    Case("data-fn-no-colon", "launch", "--data-fn without a function", _run("--data-fn", "mydata"),
+         ("'mydata' is not module:function",), _plan(), before="crash: four ranks' DataErrors"),
+    Case("data-fn-syntax-error", "launch", "--data-fn module with a syntax error", _run("--data-fn", "usr_syntax:factory"),
+         ("--data-fn 'usr_syntax:factory'", "SyntaxError"), _setups(_plan(), _USR_SYNTAX),
+         before="crash: four ranks' tracebacks", importable=True),
+    Case("truncated-program", "launch", "a truncated program_torch.py", _run(),
+         ("program_torch.py is not valid Python", "truncated", "--force"),
+         _plan(edit=_truncate_program),
+         before="misleading: 'fix the error above' with nothing above"),
+    Case("truncated-program-rehearse", "launch", "rehearse a truncated program_torch.py", ("rehearse", "{t}/plan"),
+         ("program_torch.py is not valid Python", "--force"),
+         _plan(edit=_truncate_program),
+         before="crash (SyntaxError)"),
+]  # fmt: skip
+CASES += NEW_CASES
 
 # Checked by the slow tests (they need a torchrun launch): listed here for the table.
 SLOW_CASES = [

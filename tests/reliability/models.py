@@ -98,3 +98,32 @@ def raises() -> tuple[torch.nn.Module, Inputs]:
 
 def not_a_model() -> Any:
     return 42
+
+
+def _raising_inputs(batch: int, seq: int, device: str = "meta") -> dict[str, torch.Tensor]:
+    raise KeyError("the user's example inputs need a tokenizer")
+
+
+def inputs_raise() -> tuple[torch.nn.Module, Inputs]:
+    """The example-inputs function raises."""
+    return Lgamma(), _raising_inputs
+
+
+def inputs_not_callable() -> tuple[torch.nn.Module, Any]:
+    """The second item is not a function."""
+    return Lgamma(), {"x": [1, 2]}
+
+
+def exits() -> Any:
+    """The factory calls ``sys.exit(3)`` (a script's habit)."""
+    import sys
+
+    sys.exit(3)
+
+
+def data_fn_two_args(step: int, rows: Any) -> Any:
+    """A ``--data-fn`` of the wrong signature: ``(step, rows)`` without ``seq_len``."""
+    raise AssertionError("never called: refused before launch")
+
+
+data_fn_not_callable = 42

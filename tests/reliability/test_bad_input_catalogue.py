@@ -55,7 +55,8 @@ def prepare(case: Case, t: Path, fx: Fixtures) -> None:
 def execute(case: Case, t: Path) -> tuple[int | str, str]:
     """Run the case's command with ``t`` as the working directory and compile cache."""
     argv = [a.replace("{t}", str(t)) for a in case.argv]
-    env = {**os.environ, "PARTITA_CACHE_DIR": str(t / "cache"), "OMP_NUM_THREADS": "1", **dict(case.env)}
+    env = {**os.environ, "PARTITA_CACHE_DIR": str(t / "cache"), "OMP_NUM_THREADS": "1"}
+    env.update({k: v.replace("{t}", str(t)) for k, v in case.env})
     if case.runner != "cli":
         cmd = [sys.executable, *argv] if case.runner == "program" else [sys.executable, "-m", "partita.cli", *argv]
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
@@ -63,7 +64,9 @@ def execute(case: Case, t: Path) -> tuple[int | str, str]:
             env.pop(k, None)
         p = subprocess.run(cmd, capture_output=True, text=True, cwd=t, env=env, timeout=300)
         return p.returncode, p.stdout + p.stderr
-    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    saved_env, saved_cwd, saved_path = dict(os.environ), os.getcwd(), list(sys.path)
+    if case.importable:  # the case's own modules ({t}/usr_*.py) import as a user's would from their directory
+        sys.path.insert(0, str(t))
     out, err = io.StringIO(), io.StringIO()
     os.environ.clear()
     os.environ.update(env)
@@ -81,6 +84,9 @@ def execute(case: Case, t: Path) -> tuple[int | str, str]:
         os.chdir(saved_cwd)
         os.environ.clear()
         os.environ.update(saved_env)
+        sys.path[:] = saved_path
+        for name in [m for m in sys.modules if m.startswith("usr_")]:
+            del sys.modules[name]
     return rc, out.getvalue() + err.getvalue()
 
 
