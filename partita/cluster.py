@@ -669,7 +669,15 @@ def read_profile(profile: str | Path | Mapping[str, Any]) -> dict[str, Any]:
             profile = json.loads(profile_path(profile).read_text())
         except (FileNotFoundError, IsADirectoryError):
             raise ProfileError(f"profile {src!r} does not exist.", "run `partita profile` or fix the path.") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (OSError, ValueError) as e:  # a name too long, a NUL byte in the name, not a directory...
+            if not isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)):
+                why = getattr(e, "strerror", None) or str(e)
+                raise ProfileError(
+                    f"profile {src!r} cannot be read ({why}).",
+                    "pass the path of a profile written by `partita profile`.",
+                ) from None
+            why = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+            raise ProfileError(f"profile {src!r} is not valid JSON ({why}).", "re-run the profiler.") from None
             why = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8"
             raise ProfileError(f"profile {src!r} is not valid JSON ({why}).", "re-run the profiler.") from None
     if not isinstance(profile, Mapping) or profile.get("format") != PROFILE_FORMAT:

@@ -626,6 +626,9 @@ def verified_entry(entry: Path, names: Sequence[str]) -> dict[str, str] | None:
         f"partita: the compile cache entry {entry} is damaged ({why}); recompiling.",
         stacklevel=2,
     )
+    import shutil
+
+    shutil.rmtree(entry, ignore_errors=True)  # never served again; the recompile writes it anew
     return None
 
 
