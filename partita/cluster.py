@@ -439,8 +439,8 @@ MAX_DEVICES = 1 << 20  # devices in one cluster: far above any machine, far belo
 # The fields each part of a cluster file may have (issue 34: an unknown one is refused, the nearest named).
 TOP_FIELDS = ("name", "network", "nodes", "device_types", "links")
 NODE_FIELDS = ("device", "num_nodes", "gpus_per_node", "intra_node_GBps", "profile", "network")
-TYPE_FIELDS = ("name", "peak_tflops", "memory_GB", "hbm_GBps", "intra_node_GBps", "intra_node_latency_us", "kind")
-TYPE_FIELDS += ("profile",)
+TYPE_FIELDS: tuple[str, ...] = ("name", "peak_tflops", "memory_GB", "hbm_GBps", "intra_node_GBps")
+TYPE_FIELDS += ("intra_node_latency_us", "kind", "profile")
 
 
 def _check_fields(d: Mapping[str, Any], allowed: Sequence[str], where: str, example: str = "") -> None:

@@ -39,7 +39,7 @@ CACHE_FILE = "cache_key.json"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("PARTITA_CACHE_DIR", Path.home() / ".cache" / "partita"))
+    return Path(os.environ.get("PARTITA_CACHE_DIR") or Path.home() / ".cache" / "partita")  # "" is unset
 
 
 # ---- tracing -----------------------------------------------------------------------------
