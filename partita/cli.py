@@ -346,7 +346,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     if args.html:
         _check_writable_target(args.html, "--html", want_dir=False)
-    print(report(args.dirs, html=args.html).rstrip("\n"))
+    print(report(args.dirs, html=args.html, verbose=args.verbose).rstrip("\n"))
     if args.html:
         what = "the comparison of both plans" if len(args.dirs) == 2 else "the plan's page"
         print(f"wrote {args.html} ({what}; open it in a browser)")
@@ -561,6 +561,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
             argv[k : k + 2] = [f"--cluster={argv[k + 1]}"]
     args = parser.parse_args(argv)
     args.extra = extra
+    args.verbose = verbose  # `partita report --verbose`: the search's developer counters too
     positive: tuple[str, ...] = ("global_batch", "seq", "batch", "steps", "tp", "pp", "dp", "micro_batch")
     positive += ("gpus_per_node", "nproc", "virtual_stages")
     for name in (*positive, "nnodes", "checkpoint_every", "max_restarts"):

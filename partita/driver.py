@@ -662,7 +662,7 @@ def _rehearse_jax(plan: Plan, plan_dir: str, progress: Any) -> dict[str, Any]:
     return {"match": all(s["match"] for s in stages), "stages": stages}
 
 
-def report(dirs: Sequence[str], html: str | None = None) -> str:
+def report(dirs: Sequence[str], html: str | None = None, verbose: bool = False) -> str:
     """Text report of one plan (with its run log's "Predicted vs measured" when DIR has one), or
     the comparison of two; ``html`` also writes the page there (of both plans when two)."""
     from partita import report as rep
@@ -675,4 +675,4 @@ def report(dirs: Sequence[str], html: str | None = None) -> str:
         _atomic_write(Path(html), page)
     if len(plans) == 2:
         return rep.compare_text(plans[0], plans[1])
-    return "\n\n".join(rep.plan_text(p, log) for p, log in zip(plans, logs))
+    return "\n\n".join(rep.plan_text(p, log, verbose=verbose) for p, log in zip(plans, logs))

@@ -160,9 +160,11 @@ def test_plurals_and_units() -> None:
 
 def test_compare() -> None:
     text = compare_text(make_plan(), wide_plan(), width=80)
-    assert "Plan comparison" in text and text.endswith("A is 6.5x as fast per step\n")  # 2.15 s vs 333.3 ms
-    near = dataclasses.replace(make_plan(), predicted={"step_time_s": 0.3})
-    assert compare_text(make_plan(), near, width=80).endswith("B is faster by 11.1% per step\n")
+    assert "Plan comparison" in text and text.endswith("A has 6.3x the throughput of B (384 vs 61 tokens/s)\n")
+    near = dataclasses.replace(make_plan(), predicted={"step_time_s": 0.3})  # same batch: 16 x 8 / 0.3 s
+    assert compare_text(make_plan(), near, width=80).endswith(
+        "B has 11.1% more throughput than A (427 vs 384 tokens/s)\n"
+    )
 
 
 def test_evaluate_text_is_readable() -> None:
