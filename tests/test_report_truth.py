@@ -11,8 +11,8 @@ import re
 from partita.plan import Plan, Stage
 from partita.report import compare_text, plan_text
 from partita.report.fmt import mem_cap
-from partita.report.terminal import search_table
 from partita.report.tables import render
+from partita.report.terminal import search_table
 from tests.test_plan import make_plan
 from tests.test_report import _flat
 

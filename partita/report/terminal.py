@@ -22,7 +22,6 @@ from partita.report.fmt import (
     counts_text,
     devices_phrase,
     gib,
-    mem_cap,
     output_width,
     pct,
     plural,
