@@ -671,7 +671,11 @@ def report(dirs: Sequence[str], html: str | None = None, verbose: bool = False) 
     plans = [load_plan(d) for d in dirs]
     logs = [run_log.load(d) for d in dirs]
     if html:  # two plans: the comparison page of both
-        page = rep.compare_html(plans, logs) if len(plans) == 2 else rep.plan_html(plans[0], logs[0])
+        page = (
+            rep.compare_html(plans, logs, dirs=list(dirs))
+            if len(plans) == 2
+            else rep.plan_html(plans[0], logs[0], out_dir=dirs[0])
+        )
         _atomic_write(Path(html), page)
     if len(plans) == 2:
         return rep.compare_text(plans[0], plans[1])

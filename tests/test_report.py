@@ -258,7 +258,9 @@ def test_html_in_headless_chromium(tmp_path: Path, width: int) -> None:
     assert charts["timeline"]["ticks"] >= 3 and charts["timeline"]["legend"] == 3
     assert charts["layermap"]["boxes"] == 4
     assert all(c["width"] <= width for c in charts.values())
-    assert "78.90 GiB of 80.00 GiB per device" in got["dom"]  # the label that was clipped, whole
+    assert "78.90 GiB of 80.00 GiB usable per device" in got["dom"]  # the label that was clipped, whole
+    for section in ('id="why"', 'id="next"', 'id="utilization"'):  # issue 35: why, next commands, busy types
+        assert section in got["dom"], section
     assert 'id="runlog-causes"' in got["dom"]
 
 
@@ -286,6 +288,9 @@ def test_compare_html_holds_both_plans(tmp_path: Path) -> None:
     got = _measure(tmp_path, page, 700, "compare")
     assert got["problems"] == [], got["problems"]
     assert len(got["charts"]) == 8
+    # one time axis for both pipeline charts (issue 35): the same ticks, the shorter step's boxes end early
+    axes = [page.split(f'id="{k}-timeline"')[1].split('class="axis">')[1].split("</div></div>")[0] for k in "AB"]
+    assert axes[0] == axes[1] and "shared with the other plan" in page
 
 
 # ---- run logs: predicted vs measured -----------------------------------------------------------

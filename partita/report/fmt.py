@@ -153,3 +153,30 @@ def stage_count_phrase(plan: Plan) -> str:
         return plural(n, "stage")
     p = plan.num_positions
     return f"{plural(n, 'stage')} on {plural(p, 'rank group')} ({n // max(1, p)} each)"
+
+
+def group_busy(plan: Plan) -> list[tuple[int, list[int], list[str], float | None]]:
+    """Per rank group: ``(group, its stage indices, its device types, busy share of the step)``; busy
+    = micro-batches x the group's stages' predicted time per micro-batch, over the step time (None
+    when the plan records no times). The time breakdown is the critical path's; this is how long
+    every other group works, so an idle row in the pipeline chart has its number (issue 35)."""
+    step = float(plan.predicted.get("step_time_s") or 0)
+    out = []
+    for r, group in enumerate(plan.positions()):
+        times = [s.predicted.get("time_s", s.predicted.get("compute_s")) for s in group]
+        known = step > 0 and all(t is not None for t in times)
+        busy = min(1.0, plan.num_micro_batches * sum(float(t or 0) for t in times) / step) if known else None
+        types = list(dict.fromkeys(t for s in group for t in stage_types(s)))
+        out.append((r, [s.index for s in group], types, busy))
+    return out
+
+
+def utilization_text(plan: Plan) -> str:
+    """``rank group 0 (stages 0, 3; A100-80G) busy 92.5% of the step, rank group 1 (...) 73.5%``."""
+    parts = []
+    for r, idx, types, busy in group_busy(plan):
+        if busy is None:
+            continue
+        stages = f"stage{'s' if len(idx) > 1 else ''} {', '.join(map(str, idx))}"
+        parts.append(f"rank group {r} ({stages}; {', '.join(types)}) busy {pct(busy)}")
+    return ", ".join(parts)

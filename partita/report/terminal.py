@@ -31,6 +31,7 @@ from partita.report.fmt import (
     time_s,
     time_unit,
     used_devices,
+    utilization_text,
 )
 from partita.report.run_log_view import run_log_tables
 from partita.report.tables import render, table
@@ -180,9 +181,11 @@ def breakdown_table(plan: Plan) -> Table:
     keys = [k for k in ("compute_s", "communication_s", "bubble_s") if k in p]
     unit = time_unit([p.get("step_time_s"), *(p[k] for k in keys)])
     rows = [[k[:-2], time_in(p[k], unit), pct(float(p[k]) / total)] for k in keys]
+    busy = utilization_text(plan)
     caption = (
-        "critical path: the busiest stage; bubble is the time it waits. Other stages idle longer "
-        "(the page's pipeline chart shows when)."
+        "critical path: the busiest stage; bubble is the time it waits. Off that path a rank group waits "
+        "longer; the share of the step each works on its stages (the rest: waiting, gradient sync): "
+        + (busy + "." if busy else "not recorded (the page's pipeline chart shows it).")
         if plan.num_positions > 1
         else ""
     )
@@ -223,8 +226,9 @@ def alternatives_table(plan: Plan) -> Table:
         else " A layer unit (u) is one layer."
     )
     caption = (
-        "dp = data-parallel replicas, b = micro-batch size, m = micro-batches per step; each [...] is a stage: "
-        "layer units, device type, dp x tp, ZeRO stage (z), recompute." + unit_note + " Step time and the gap "
+        "dp = data-parallel replicas, b = micro-batch size, m = micro-batches per step, v = stages per rank "
+        "group; each [...] is a rank group: the layer units it holds, device type, dp x tp, ZeRO stage (z), "
+        "recompute." + unit_note + " Step time and the gap "
         "per step in ms; the gap is the sum of the parts (compute, communication, bubble on the critical path)."
         if rows
         else "a hand-made layout (partita compile --tp/--pp/--dp): nothing was searched."
