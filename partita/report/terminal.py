@@ -352,15 +352,19 @@ def schedules_table(plan: Plan) -> Table | None:
         return None
     best, key = _chosen_step(plan, got), _chosen_key(plan)
     unit = time_unit(t for _, t in got)
-    rows = [
-        [
-            name + (" (chosen)" if name == key else ""),
-            time_in(t, unit),
-            "-" if name == key or not best else f"{t / best - 1:+.1%}",
-            SCHEDULE_NAMES.get(name.split(" ")[0], ""),
-        ]
-        for name, t in got
-    ]
+    rows, said = [], set()
+    for name, t in got:
+        family = name.split(" ")[0]
+        what = SCHEDULE_NAMES.get(family, "") if family not in said else "(as above)"
+        said.add(family)
+        rows.append(
+            [
+                name + (" (chosen)" if name == key else ""),
+                time_in(t, unit),
+                "-" if name == key or not best else f"{t / best - 1:+.1%}",
+                what,
+            ]
+        )
     return table(
         "Schedules searched (best step of each, fastest first)",
         ["schedule", "step time", "vs chosen", "what it is"],
