@@ -177,3 +177,19 @@ def test_one_stage_vocabulary() -> None:
     assert "0 (group 0)" in flat and "3 (group 0)" in flat and "1 (group 1)" in flat
     assert "pp 2 (2 stages each)" in flat and "pp 4" not in flat
     assert "grouped the 6 layers into 3 units" in flat or "alternatives" in flat
+
+
+def test_page_breakdown_one_unit_and_busy_groups() -> None:
+    """Item 9 on the page: the breakdown legend said 1.270 s next to 116.6 ms, and the chart's idle V100
+    row stood against "bubble 0.0 ms" with no number; one unit now, and each rank group's busy share."""
+    from partita.report.html import breakdown_html
+
+    base = _zbv_plan()
+    plan = dataclasses.replace(
+        base,
+        predicted={"step_time_s": 1.387, "compute_s": 1.27, "communication_s": 0.117, "bubble_s": 0.0},
+    )
+    page = breakdown_html(plan)
+    assert "compute: 1.270 s" in page and "communication: 0.117 s" in page and "bubble: 0.000 s" in page
+    assert " ms" not in page
+    assert "rank group 0 (stages 0, 3; A100-80G) busy 57.7%" in page  # 4 micro-batches x 2 x 0.1 s / 1.387 s

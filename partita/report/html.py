@@ -28,8 +28,11 @@ from partita.report.fmt import (
     plural,
     stage_count_phrase,
     stage_memory,
+    time_in,
     time_s,
+    time_unit,
     used_devices,
+    utilization_text,
 )
 from partita.report.run_log import gap_causes
 from partita.report.run_log_view import collective_rows
@@ -245,6 +248,8 @@ def memory_html(plan: Plan) -> str:
 
 def breakdown_html(plan: Plan) -> str:
     p = plan.predicted
+    busy = utilization_text(plan) if plan.num_positions > 1 else ""
+    unit = time_unit([p.get(k) for k in ("step_time_s", "compute_s", "communication_s", "bubble_s")])
     total = float(p.get("step_time_s") or 0) or 1.0
     parts = [(k[:-2], float(p[k])) for k in ("compute_s", "communication_s", "bubble_s") if k in p]
     colors = ["#4e79a7", "#e15759", "#bab0ac"]
@@ -253,13 +258,15 @@ def breakdown_html(plan: Plan) -> str:
         for (k, v), c in zip(parts, colors)
     )
     legend = "".join(
-        f'<span><span class="sw" style="background:{c}"></span>{k}: {time_s(v)} ({pct(v / total)})</span>'
+        f'<span><span class="sw" style="background:{c}"></span>{k}: {time_in(v, unit)} ({pct(v / total)})</span>'
         for (k, v), c in zip(parts, colors)
     )
     return (
         f'<figure class="chart" id="breakdown"><div class="stack">{bar}</div><div class="legend">{legend}</div>'
-        f'<figcaption class="muted">Per step, on the critical path; total {time_s(p.get("step_time_s"))}.'
-        "</figcaption></figure>"
+        f'<figcaption class="muted">Per step, on the critical path (the busiest stage: its bubble is the time it '
+        f"waits); total {time_s(p.get('step_time_s'))}."
+        + (f" Off that path rank groups wait longer: {_e(busy)} of the step." if busy else "")
+        + "</figcaption></figure>"
     )
 
 
