@@ -2,6 +2,12 @@
 
     python examples/train_torch.py                     # plans, prints the torchrun command, trains on 1 device
     torchrun --standalone --nproc-per-node 4 examples/train_torch.py   # trains with the plan on 4 ranks
+    torchrun --standalone --nproc-per-node 2 examples/train_torch.py   # any rank count: the plan is for 2xCPU
+    python examples/train_torch.py --cluster 16xA100-80G  # plan for another cluster (a GPU run needs its GPUs)
+
+The cluster is ``--cluster`` when given; else under torchrun one CPU rank per process (its world
+size, ``NxCPU``), else ``4xCPU``. A ``--cluster`` whose device count is not torchrun's world size is
+refused with one paragraph (exit 2) before anything runs.
 
 It trains two models for a few steps: an MLP classifier and a tiny GPT-2 built from a
 ``transformers`` config. Every rank seeds the same way and draws the same global batch; Partita
@@ -14,14 +20,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
 import transformers
 from torch import nn
 
 import partita
+from partita.cluster import parse_cluster
+from partita.errors import ConfigError, PartitaError
 
-CLUSTER = "4xCPU"
+DEFAULT_CLUSTER = "4xCPU"  # outside torchrun, with no --cluster
 
 
 class MLP(nn.Module):
@@ -43,8 +52,23 @@ def tiny_gpt2() -> nn.Module:
     return transformers.GPT2LMHeadModel(cfg)
 
 
-def train(name: str, model: nn.Module, batches: list, **plan: object) -> list[float]:
-    model = partita.parallelize(model, cluster=CLUSTER, **plan)  # <- the one line
+def resolve_cluster(cluster: str, env: dict[str, str] | os._Environ[str] = os.environ) -> str:
+    """``--cluster`` if given, else one CPU rank per torchrun process (``WORLD_SIZE``), else 4xCPU.
+    Raises a ``PartitaError`` (problem and fix) when ``--cluster`` does not match torchrun's world size."""
+    world = env.get("WORLD_SIZE")
+    if not cluster:
+        return f"{int(world)}xCPU" if world else DEFAULT_CLUSTER
+    count = parse_cluster(cluster).num_devices
+    if world and count != int(world):
+        raise ConfigError(
+            f"--cluster {cluster} has {count} devices but torchrun started {world} ranks.",
+            f"launch with --nproc-per-node {count}, or leave out --cluster to plan for {world}xCPU.",
+        )
+    return cluster
+
+
+def train(name: str, model: nn.Module, batches: list, cluster: str, **plan: object) -> list[float]:
+    model = partita.parallelize(model, cluster=cluster, **plan)  # <- the one line
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for x, y in batches:
@@ -66,8 +90,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--model", choices=["mlp", "gpt2", "all"], default="all")
     ap.add_argument("--plan", default="", help="plan directory for the GPT-2 (skips the search)")
+    ap.add_argument(
+        "--cluster", default="", help="cluster to plan for (default: torchrun's world size x CPU, else 4xCPU)"
+    )
     args = ap.parse_args()
-    count = {"count_collectives": True}
+    try:
+        run(args)
+    except PartitaError as err:  # bad input: one paragraph and exit 2 on every rank, printed once
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"train_torch.py: error: {err}", file=sys.stderr, flush=True)
+        sys.exit(err.exit_code)
+
+
+def run(args: argparse.Namespace) -> None:
+    count: dict[str, object] = {"count_collectives": True, "cluster": resolve_cluster(args.cluster)}
     if args.model in ("mlp", "all"):
         torch.manual_seed(0)
         teacher = torch.randn(128, 16)  # a learnable task: the class is the argmax of a fixed projection

@@ -439,7 +439,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     if args.html:
         _check_writable_target(args.html, "--html", want_dir=False)
-    print(report(args.dirs, html=args.html).rstrip("\n"))
+    print(report(args.dirs, html=args.html, verbose=args.verbose).rstrip("\n"))
     if args.html:
         what = "the comparison of both plans" if len(args.dirs) == 2 else "the plan's page"
         print(f"wrote {args.html} ({what}; open it in a browser)")
@@ -778,6 +778,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
     if refusal is not None:
         print("partita: error: " + _paragraph(str(refusal)), file=sys.stderr)
         return refusal.exit_code
+    args.verbose = verbose  # `partita report --verbose`: the search's developer counters too
     saved_calibration = os.environ.get("PARTITA_CALIBRATION")
     if getattr(args, "no_calibration", False):  # this command plans uncalibrated (cluster.calibration_default)
         os.environ["PARTITA_CALIBRATION"] = "off"

@@ -421,6 +421,13 @@ def parse_shorthand(spec: str, gpus_per_node: int | None = None, calibrated: boo
         count, dev = int(m.group(1)), device_type(m.group(2), calibrated=calibrated)
         if count <= 0:
             raise ClusterSpecError(f"device count {count} for {dev.name} must be positive.", "use COUNT >= 1.")
+        choices = [k for k in DEVICE_PRESETS if k.lower().startswith(m.group(2).lower() + "-")]
+        if len(choices) > 1:  # `8xA100`: 80 GB or 40 GB? A plan for the wrong one does not fit (issue 35)
+            raise ClusterSpecError(
+                f"{m.group(2)!r} in {spec!r} names {len(choices)} device types ({', '.join(choices)}) of different "
+                "memory; a plan for one may not fit the other.",
+                f"name one, e.g. {count}x{choices[0]} or {count}x{choices[-1]}.",
+            )
         ref = REFERENCE_NODES.get(dev.name)
         per = gpus_per_node or (count if dev.kind == "cpu" else min(ref.gpus_per_node if ref else 8, count))
         if per <= 0:

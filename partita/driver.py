@@ -938,7 +938,7 @@ def _check_run_log(plan_dir: str) -> None:
         ) from None
 
 
-def report(dirs: Sequence[str], html: str | None = None) -> str:
+def report(dirs: Sequence[str], html: str | None = None, verbose: bool = False) -> str:
     """Text report of one plan (with its run log's "Predicted vs measured" when DIR has one), or
     the comparison of two; ``html`` also writes the page there (of both plans when two)."""
     from partita import report as rep
@@ -949,8 +949,12 @@ def report(dirs: Sequence[str], html: str | None = None) -> str:
         _check_run_log(d)
     logs = [run_log.load(d) for d in dirs]
     if html:  # two plans: the comparison page of both
-        page = rep.compare_html(plans, logs) if len(plans) == 2 else rep.plan_html(plans[0], logs[0])
+        page = (
+            rep.compare_html(plans, logs, dirs=list(dirs))
+            if len(plans) == 2
+            else rep.plan_html(plans[0], logs[0], out_dir=dirs[0])
+        )
         _atomic_write(Path(html), page)
     if len(plans) == 2:
         return rep.compare_text(plans[0], plans[1])
-    return "\n\n".join(rep.plan_text(p, log) for p, log in zip(plans, logs))
+    return "\n\n".join(rep.plan_text(p, log, verbose=verbose) for p, log in zip(plans, logs))

@@ -18,7 +18,7 @@ def test_shorthand_mixed() -> None:
 
 
 def test_gpus_per_node_and_cpu() -> None:
-    assert parse_cluster("16xA100", gpus_per_node=4).groups[0].num_nodes == 4
+    assert parse_cluster("16xA100-80G", gpus_per_node=4).groups[0].num_nodes == 4
     cpu = parse_cluster("4xCPU")
     assert cpu.groups[0].device.kind == "cpu" and cpu.groups[0].num_nodes == 1
 
@@ -47,6 +47,8 @@ def test_yaml_file(tmp_path) -> None:
         ("0xA100", "must be positive"),
         ("A100", "cannot read cluster term"),
         ("12xA100-80G", "does not split into nodes of 8"),
+        ("8xA100", r"'A100' in '8xA100' names 2 device types \(A100-80G, A100-40G\).*8xA100-80G or 8xA100-40G"),
+        ("16xA100-80G+8xV100", r"names 2 device types \(V100-32G, V100-16G\)"),
     ],
 )
 def test_shorthand_errors(spec: str, match: str) -> None:

@@ -168,3 +168,33 @@ def test_non_chain_forwards_are_split_by_their_own_forward() -> None:
         tpar.boundary_shapes(m, [["fc1"], ["fc2"]], x[:1])
         parts.append(tpar.split_stage(m, keep, ["fc1", "fc2"], torch.device("cpu")))
     torch.testing.assert_close(parts[1](parts[0](x)), model(x))
+
+
+def _example_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_torch_example", SCRIPT)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_example_takes_the_rank_count_from_torchrun_or_cluster() -> None:
+    """Issue 35 item 8: the example hard-coded 4xCPU, so under 2 ranks it died in two tracebacks plus
+    torchrun's dump. The cluster now follows torchrun's world size unless --cluster names one."""
+    ex = _example_module()
+    assert ex.resolve_cluster("", {}) == "4xCPU"
+    assert ex.resolve_cluster("", {"WORLD_SIZE": "2"}) == "2xCPU"
+    assert ex.resolve_cluster("8xCPU", {"WORLD_SIZE": "8"}) == "8xCPU"
+    assert ex.resolve_cluster("16xA100-80G", {}) == "16xA100-80G"
+    with pytest.raises(ConfigError, match="has 4 devices but torchrun started 2 ranks.*--nproc-per-node 4"):
+        ex.resolve_cluster("4xCPU", {"WORLD_SIZE": "2"})
+
+
+def test_example_refuses_a_mismatched_cluster_in_one_paragraph(tmp_path: Path) -> None:
+    env = _env(tmp_path) | {"WORLD_SIZE": "2", "RANK": "0"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--model", "mlp", "--cluster", "4xCPU"], capture_output=True,
+                          text=True, env=env, cwd=ROOT, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().startswith("train_torch.py: error: --cluster 4xCPU has 4 devices but torchrun")

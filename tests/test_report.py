@@ -160,9 +160,11 @@ def test_plurals_and_units() -> None:
 
 def test_compare() -> None:
     text = compare_text(make_plan(), wide_plan(), width=80)
-    assert "Plan comparison" in text and text.endswith("A is 6.5x as fast per step\n")  # 2.15 s vs 333.3 ms
-    near = dataclasses.replace(make_plan(), predicted={"step_time_s": 0.3})
-    assert compare_text(make_plan(), near, width=80).endswith("B is faster by 11.1% per step\n")
+    assert "Plan comparison" in text and text.endswith("A has 6.3x the throughput of B (384 vs 61 tokens/s)\n")
+    near = dataclasses.replace(make_plan(), predicted={"step_time_s": 0.3})  # same batch: 16 x 8 / 0.3 s
+    assert compare_text(make_plan(), near, width=80).endswith(
+        "B has 11.1% more throughput than A (427 vs 384 tokens/s)\n"
+    )
 
 
 def test_evaluate_text_is_readable() -> None:
@@ -256,7 +258,9 @@ def test_html_in_headless_chromium(tmp_path: Path, width: int) -> None:
     assert charts["timeline"]["ticks"] >= 3 and charts["timeline"]["legend"] == 3
     assert charts["layermap"]["boxes"] == 4
     assert all(c["width"] <= width for c in charts.values())
-    assert "78.90 GiB of 80.00 GiB per device" in got["dom"]  # the label that was clipped, whole
+    assert "78.90 GiB of 80.00 GiB usable per device" in got["dom"]  # the label that was clipped, whole
+    for section in ('id="why"', 'id="next"', 'id="utilization"'):  # issue 35: why, next commands, busy types
+        assert section in got["dom"], section
     assert 'id="runlog-causes"' in got["dom"]
 
 
@@ -284,6 +288,9 @@ def test_compare_html_holds_both_plans(tmp_path: Path) -> None:
     got = _measure(tmp_path, page, 700, "compare")
     assert got["problems"] == [], got["problems"]
     assert len(got["charts"]) == 8
+    # one time axis for both pipeline charts (issue 35): the same ticks, the shorter step's boxes end early
+    axes = [page.split(f'id="{k}-timeline"')[1].split('class="axis">')[1].split("</div></div>")[0] for k in "AB"]
+    assert axes[0] == axes[1] and "shared with the other plan" in page
 
 
 # ---- run logs: predicted vs measured -----------------------------------------------------------

@@ -69,11 +69,45 @@ def nbytes(x: Any) -> str:
 
 
 def mem_cap(plan: Plan, device_type: str) -> float | None:
-    """Memory capacity in bytes of one device of ``device_type`` in the plan's cluster, if recorded."""
+    """Usable memory in bytes of one device of ``device_type``: the capacity the search held every
+    stage under (device memory x ``predicted["memory_usable"]``, the fraction the plan records), so
+    compile, the HTML page and the search say one capacity (issue 35). A plan that records no
+    fraction gives the device's whole memory; ``None`` when the plan records no cluster spec."""
     for g in plan.cluster.get("spec", {}).get("groups", []):
         if g["device"]["name"] == device_type:
-            return float(g["device"]["memory_bytes"])
+            return float(g["device"]["memory_bytes"]) * usable_fraction(plan)
     return None
+
+
+def usable_fraction(plan: Plan) -> float:
+    """The fraction of device memory the search let plans use (1.0 when the plan does not record it)."""
+    return float(plan.predicted.get("memory_usable") or 1.0)
+
+
+def stage_types(stage: Any) -> list[str]:
+    """The device types a stage runs on, in replica order, each once (``mixed`` stages list several)."""
+    return list(dict.fromkeys(stage.replica_device_types)) or [stage.device_type]
+
+
+def stage_memory(plan: Plan, stage: Any) -> list[tuple[str, float | None, float | None]]:
+    """Per device type of ``stage``: ``(type, predicted bytes per device, usable bytes)``. The search
+    prices one memory figure per stage and holds it under the usable memory of every type the stage
+    spans (the smallest decides), so a mixed stage's V100 row shows the V100's own, smaller headroom."""
+    mem = stage.predicted.get("memory_bytes")
+    return [(t, float(mem) if mem else None, mem_cap(plan, t)) for t in stage_types(stage)]
+
+
+def time_unit(values: Any) -> str:
+    """``"s"`` when any of ``values`` (seconds) is a second or more, else ``"ms"``: one unit per table."""
+    return "s" if any(v is not None and abs(float(v)) >= 1 for v in values) else "ms"
+
+
+def time_in(x: Any, unit: str, signed: bool = False) -> str:
+    """Seconds in ``unit`` (``"s"``: 3 decimals, ``"ms"``: 1 decimal); ``-`` for none."""
+    if x is None:
+        return "-"
+    v, fmt = (float(x), ".3f") if unit == "s" else (float(x) * 1e3, ".1f")
+    return f"{v:{'+' if signed else ''}{fmt}} {unit}"
 
 
 def cluster_devices(plan: Plan) -> dict[str, int]:
@@ -107,3 +141,42 @@ def devices_phrase(plan: Plan) -> str:
 
 def counts_text(counts: dict[str, int]) -> str:
     return ", ".join(f"{n} x {name}" for name, n in counts.items())
+
+
+def stage_count_phrase(plan: Plan) -> str:
+    """The one stage vocabulary of every report view (issue 35): a *stage* is one row of the plan's
+    stage list (a contiguous layer range; a "virtual stage" or model chunk in a chunked plan); a
+    *rank group* is the ranks of one pipeline position. ``4 stages`` in a plain pipeline; ``4 stages
+    on 2 rank groups (2 stages each)`` when rank groups hold several stages (zbv, interleaved)."""
+    n = plan.num_stages
+    if not plan.chunked:
+        return plural(n, "stage")
+    p = plan.num_positions
+    return f"{plural(n, 'stage')} on {plural(p, 'rank group')} ({n // max(1, p)} each)"
+
+
+def group_busy(plan: Plan) -> list[tuple[int, list[int], list[str], float | None]]:
+    """Per rank group: ``(group, its stage indices, its device types, busy share of the step)``; busy
+    = micro-batches x the group's stages' predicted time per micro-batch, over the step time (None
+    when the plan records no times). The time breakdown is the critical path's; this is how long
+    every other group works, so an idle row in the pipeline chart has its number (issue 35)."""
+    step = float(plan.predicted.get("step_time_s") or 0)
+    out = []
+    for r, group in enumerate(plan.positions()):
+        times = [s.predicted.get("time_s", s.predicted.get("compute_s")) for s in group]
+        known = step > 0 and all(t is not None for t in times)
+        busy = min(1.0, plan.num_micro_batches * sum(float(t or 0) for t in times) / step) if known else None
+        types = list(dict.fromkeys(t for s in group for t in stage_types(s)))
+        out.append((r, [s.index for s in group], types, busy))
+    return out
+
+
+def utilization_text(plan: Plan) -> str:
+    """``rank group 0 (stages 0, 3; A100-80G) busy 92.5% of the step, rank group 1 (...) 73.5%``."""
+    parts = []
+    for r, idx, types, busy in group_busy(plan):
+        if busy is None:
+            continue
+        stages = f"stage{'s' if len(idx) > 1 else ''} {', '.join(map(str, idx))}"
+        parts.append(f"rank group {r} ({stages}; {', '.join(types)}) busy {pct(busy)}")
+    return ", ".join(parts)

@@ -22,15 +22,28 @@ from partita.report.fmt import (
     counts_text,
     devices_phrase,
     gib,
-    mem_cap,
+    group_busy,
+    nbytes,
     pct,
     plural,
+    stage_count_phrase,
+    stage_memory,
+    time_in,
     time_s,
+    time_unit,
     used_devices,
+    utilization_text,
 )
 from partita.report.run_log import gap_causes
 from partita.report.run_log_view import collective_rows
-from partita.report.terminal import compare_text, plan_text, schedule_losses
+from partita.report.terminal import (
+    SCHEDULE_NAMES,
+    compare_text,
+    hand_layout_table,
+    plan_text,
+    schedule_losses,
+    tokens_per_s,
+)
 from partita.search.pipeline.pipeline_sim import simulate
 from partita.search.pipeline.schedule import Action, pipeline_actions, splits_backward, virtual_stages
 from partita.search.pipeline.schedule_cost import simulate_stages
@@ -115,8 +128,13 @@ def _ticks(end: float, num: int = 5) -> list[float]:
     return [k * step for k in range(int(end / step) + 1)]
 
 
-def timeline_html(plan: Plan) -> str:
+def timeline_html(plan: Plan, axis_end: float | None = None) -> str:
+    """The pipeline chart; ``axis_end`` (seconds): draw on that axis instead of the plan's own end, so
+    two plans on one page share a time axis (``compare_html``)."""
     boxes, end, m = _schedule(plan)
+    own_end = end
+    shared = axis_end is not None and axis_end > end
+    end = float(axis_end) if shared and axis_end is not None else end
     split, chunks, n = (
         splits_backward(plan.schedule),
         virtual_stages(plan.schedule, plan.num_virtual_stages),
@@ -129,19 +147,21 @@ def timeline_html(plan: Plan) -> str:
             if si != i:
                 continue
             what = _KINDS[act.kind][1] if split else ("forward" if act.kind == "F" else "backward")
-            chunk = (
-                f" (model chunk {act.stage // n if plan.schedule != 'zbv' else int(act.stage >= n)})"
-                if chunks > 1
-                else ""
-            )
+            chunk = (act.stage // n if plan.schedule != "zbv" else int(act.stage >= n)) if chunks > 1 else 0
+            stage = act.stage if chunks > 1 else i  # the plan's stage index: one vocabulary with the tables
+            faded = ";opacity:0.55" if chunk % 2 else ""  # a rank group's stages told apart (chunk 1, 3 lighter)
             parts.append(
-                f'<div class="box" style="left:{100 * start / end:.3f}%;width:{100 * dur / end:.3f}%;'
-                f'background:{_KINDS[act.kind][0]};border-right:1px solid #fff" '
-                f'title="stage {i}{chunk}, micro-batch {act.micro}: {what} {time_s(dur)}"></div>'
+                f'<div class="box" data-stage="{stage}" style="left:{100 * start / end:.3f}%;'
+                f"width:{100 * dur / end:.3f}%;background:{_KINDS[act.kind][0]};border-right:1px solid #fff"
+                f'{faded}" title="stage {stage} (rank group {i}), micro-batch {act.micro}: {what} {time_s(dur)}">'
+                "</div>"
             )
-        dev = plan.stages[i].device_type
+        group = plan.positions()[i]
+        dev = ", ".join(dict.fromkeys(s.device_type for s in group))
+        label = f"group {i}" if chunks > 1 else f"stage {i}"
+        sub = f"stages {', '.join(str(s.index) for s in group)}<br>" if chunks > 1 else ""
         rows.append(
-            f'<div class="row"><div class="lab">stage {i}<br><span class="muted">{_e(dev)}</span></div>'
+            f'<div class="row"><div class="lab">{label}<br><span class="muted">{sub}{_e(dev)}</span></div>'
             f'<div class="track">{"".join(parts)}</div></div>'
         )
     ticks = []
@@ -169,10 +189,17 @@ def timeline_html(plan: Plan) -> str:
             if split
             else f'<span><span class="sw" style="background:{_BWD}"></span>backward of one micro-batch</span>'
         )
+        + (
+            f'<span><span class="sw" style="background:{_FWD};opacity:0.55"></span>lighter: the rank group\'s '
+            "later stage (model chunk 1)</span>"
+            if chunks > 1
+            else ""
+        )
         + '<span><span class="sw" style="background:#f1f1f1"></span>idle (pipeline bubble)</span></div>'
-        f'<figcaption class="muted">Time axis: the pipeline part of one step ({time_s(end)}, {shown}; '
+        f'<figcaption class="muted">Time axis: the pipeline part of one step ({time_s(own_end)}, {shown}; '
         f"{plan.schedule}"
-        + (f", {chunks} model chunks per stage" if chunks > 1 else "")
+        + (f", {stage_count_phrase(plan)}; a row per rank group" if chunks > 1 else "")
+        + ("; the axis is shared with the other plan on this page" if shared else "")
         + (", weight gradients deferred into the bubble" if split else "")
         + "; the action list the cost model simulated); the step adds the exposed gradient sync at its end"
         + (f" ({time_s(plan.predicted['tail_s'])})" if plan.predicted.get("tail_s") is not None else "")
@@ -181,30 +208,48 @@ def timeline_html(plan: Plan) -> str:
 
 
 def memory_html(plan: Plan) -> str:
+    """Per stage and device type: predicted peak per device against the usable capacity the search
+    held it under, and its parts (parameters, gradients, optimizer state, activations)."""
     rows = []
     top = max([float(s.predicted.get("memory_bytes") or 0) for s in plan.stages] + [1.0])
     for s in plan.stages:
-        used, cap = float(s.predicted.get("memory_bytes") or 0), mem_cap(plan, s.device_type)
-        full = cap or top
-        color = "#e15759" if cap and used > cap else _STAGE_COLORS[s.index % len(_STAGE_COLORS)]
-        text = f"{gib(used)} of {gib(cap)} per device ({pct(used / cap)})" if cap else f"{gib(used)} per device"
-        if not s.predicted.get("memory_bytes"):
-            text = "no memory prediction in the plan" + (f" (capacity {gib(cap)} per device)" if cap else "")
-        rows.append(
-            f'<div class="memrow"><div class="memtext">stage {s.index} ({_e(s.device_type)}): {text}</div>'
-            f'<div class="track"><div class="box" style="left:0;top:0;bottom:0;'
-            f'width:{min(100.0, 100 * used / full):.2f}%;background:{color}"></div></div></div>'
+        cats = s.predicted.get("memory_by_category")
+        parts = (
+            ", ".join(f"{k.replace('_', ' ')} {nbytes(v)}" for k, v in cats.items() if float(v) > 0)
+            if isinstance(cats, Mapping)
+            else ""
         )
+        for dev, mem, cap in stage_memory(plan, s):
+            used = mem or 0.0
+            full = cap or top
+            color = "#e15759" if cap and used > cap else _STAGE_COLORS[s.index % len(_STAGE_COLORS)]
+            text = (
+                f"{gib(used)} of {gib(cap)} usable per device ({pct(used / cap)}; {gib(cap - used)} headroom)"
+                if cap
+                else f"{gib(used)} per device"
+            )
+            if not mem:
+                text = "no memory prediction in the plan" + (f" (usable {gib(cap)} per device)" if cap else "")
+            rows.append(
+                f'<div class="memrow"><div class="memtext">stage {s.index} ({_e(dev)}): {text}</div>'
+                f'<div class="track"><div class="box" style="left:0;top:0;bottom:0;'
+                f'width:{min(100.0, 100 * used / full):.2f}%;background:{color}"></div></div>'
+                + (f'<div class="muted">{_e(parts)}</div>' if parts else "")
+                + "</div>"
+            )
     return (
         '<figure class="chart" id="memory">'
         + "".join(rows)
-        + '<figcaption class="muted">Predicted peak memory per device; the grey track is the '
-        "device's usable capacity.</figcaption></figure>"
+        + '<figcaption class="muted">Predicted peak memory per device, per device type where a stage spans '
+        "several; the grey track is the device's usable capacity: the share of its memory the search let "
+        "plans use (the allocator and context keep the rest).</figcaption></figure>"
     )
 
 
 def breakdown_html(plan: Plan) -> str:
     p = plan.predicted
+    busy = utilization_text(plan) if plan.num_positions > 1 else ""
+    unit = time_unit([p.get(k) for k in ("step_time_s", "compute_s", "communication_s", "bubble_s")])
     total = float(p.get("step_time_s") or 0) or 1.0
     parts = [(k[:-2], float(p[k])) for k in ("compute_s", "communication_s", "bubble_s") if k in p]
     colors = ["#4e79a7", "#e15759", "#bab0ac"]
@@ -213,13 +258,15 @@ def breakdown_html(plan: Plan) -> str:
         for (k, v), c in zip(parts, colors)
     )
     legend = "".join(
-        f'<span><span class="sw" style="background:{c}"></span>{k}: {time_s(v)} ({pct(v / total)})</span>'
+        f'<span><span class="sw" style="background:{c}"></span>{k}: {time_in(v, unit)} ({pct(v / total)})</span>'
         for (k, v), c in zip(parts, colors)
     )
     return (
         f'<figure class="chart" id="breakdown"><div class="stack">{bar}</div><div class="legend">{legend}</div>'
-        f'<figcaption class="muted">Per step, on the critical path; total {time_s(p.get("step_time_s"))}.'
-        "</figcaption></figure>"
+        f'<figcaption class="muted">Per step, on the critical path (the busiest stage: its bubble is the time it '
+        f"waits); total {time_s(p.get('step_time_s'))}."
+        + (f" Off that path rank groups wait longer: {_e(busy)} of the step." if busy else "")
+        + "</figcaption></figure>"
     )
 
 
@@ -239,7 +286,7 @@ def layermap_html(plan: Plan) -> str:
     return (
         f'<figure class="chart" id="layermap"><div class="layers">{"".join(cells)}</div>'
         f'<div class="legend">{"".join(legend)}</div><figcaption class="muted">One square per layer, '
-        "in model order, coloured by its pipeline stage (hover for the name).</figcaption></figure>"
+        "in model order, coloured by its stage (hover for the name).</figcaption></figure>"
     )
 
 
@@ -249,13 +296,13 @@ def _cards(plan: Plan) -> str:
     idle = {k: n - used.get(k, 0) for k, n in total.items() if n > used.get(k, 0)}
     cards = [
         ("step time", f"{time_s(p.get('step_time_s'))}", "predicted, per step"),
-        ("tokens / s", f"{p.get('tokens_per_s', 0):,.0f}", "predicted"),
+        ("tokens / s", f"{tokens_per_s(plan):,.0f}", "predicted"),
         ("MFU", pct(p.get("mfu")), "vs peak of the devices used"),
         ("devices", devices_phrase(plan), counts_text(used) + (f"; not used: {counts_text(idle)}" if idle else "")),
         (
             "schedule",
             plan.schedule,
-            f"{plural(plan.num_positions, 'stage')}, {plural(plan.num_micro_batches, 'micro-batch', 'micro-batches')} "
+            f"{stage_count_phrase(plan)}, {plural(plan.num_micro_batches, 'micro-batch', 'micro-batches')} "
             f"of {plan.micro_batch_size} per replica" + schedule_losses(plan),
         ),
     ]
@@ -269,13 +316,96 @@ def _cards(plan: Plan) -> str:
     )
 
 
-def plan_section(plan: Plan, run_log: Mapping[str, Any] | None = None, key: str = "") -> str:
-    """One plan's charts and tables (ids suffixed with ``key`` on a comparison page)."""
+def utilization_html(plan: Plan) -> str:
+    """Per device type: devices used of the cluster's, and the share of the step its rank groups work."""
+    total, used = cluster_devices(plan), used_devices(plan)
+    busy: dict[str, list[float]] = {}
+    for _r, _idx, types, share in group_busy(plan):
+        for t in types:
+            if share is not None:
+                busy.setdefault(t, []).append(share)
+    rows = []
+    for dev in dict.fromkeys([*used, *total]):
+        n, have = used.get(dev, 0), total.get(dev, used.get(dev, 0))
+        shares = busy.get(dev)
+        work = (
+            "idle: " + str((plan.predicted.get("idle_reasons") or {}).get(dev, "not used by the plan"))
+            if not n
+            else (f"{pct(min(shares))}" + (f" to {pct(max(shares))}" if max(shares) != min(shares) else ""))
+            if shares
+            else "-"
+        )
+        rows.append(f"<tr><td>{_e(dev)}</td><td>{n} of {have}</td><td>{_e(work)}</td></tr>")
+    return (
+        '<table id="utilization"><tr><th>device type</th><th>devices used</th>'
+        "<th>share of the step its rank groups work (the rest: waiting, gradient sync)</th></tr>"
+        + "".join(rows)
+        + "</table>"
+    )
+
+
+def why_html(plan: Plan) -> str:
+    """Why this plan: the runner-up plans and what each lost on, the schedules searched, the best hand
+    layout, the idle device types and why, and the precision choice, in the open (not only in the
+    collapsed text)."""
+    items = []
+    for a in list(plan.search.get("alternatives") or [])[:3]:
+        items.append(f"<li><code>{_e(a.get('summary', ''))}</code>: {time_s(a.get('step_time_s'))}; "
+                     f"{_e(a.get('why', ''))}</li>")  # fmt: skip
+    sched = schedule_losses(plan)
+    if sched:
+        items.append(f"<li>schedules searched ({_e(plan.schedule)} chosen){_e(sched)}</li>")
+    hand = hand_layout_table(plan)
+    if hand is not None and hand.caption:
+        items.append(f"<li>best hand layout: {_e(hand.caption)}</li>")
+    for dev, why in sorted((plan.predicted.get("idle_reasons") or {}).items()):
+        items.append(f"<li>{_e(dev)} idle: {_e(why)}</li>")
+    prec = (
+        (plan.predicted.get("precision") or {}).get("why")
+        if isinstance(plan.predicted.get("precision"), Mapping)
+        else None
+    )
+    if prec:
+        items.append(f"<li>precision: {_e(prec)}</li>")
+    names = [f"<b>{_e(k)}</b>: {_e(v)}" for k, v in SCHEDULE_NAMES.items() if k == plan.schedule]
+    if names:
+        items.append(f"<li>{names[0]}</li>")
+    return f'<ul id="why">{"".join(items) or "<li>the plan records no alternatives</li>"}</ul>'
+
+
+def next_html(plan: Plan, out_dir: str | None = None) -> str:
+    """The commands to run next on this plan's directory."""
+    d = out_dir or "OUT"
+    cmds = [
+        (f"partita rehearse {d}", "the program at full size on a fake process group, checked against the plan"),
+        (f"partita run {d} --steps 3 --reference", "train a few steps here and compare with a single-device run"),
+        (f"partita report {d} --html page.html", "this page again (with the run log once a run wrote one)"),
+    ]
+    groups = (plan.cluster.get("spec") or {}).get("groups") or ()
+    if len(groups) <= 1 and all(int(g.get("num_nodes", 1)) == 1 for g in groups):  # one node: one launch line
+        cmds.insert(
+            1, (f"torchrun --nproc-per-node {plan.world_size} {d}/program_torch.py --steps 100", "train with the plan")
+        )
+    return '<ul id="next">' + "".join(f"<li><code>{_e(c)}</code>: {_e(w)}</li>" for c, w in cmds) + "</ul>"
+
+
+def plan_section(
+    plan: Plan,
+    run_log: Mapping[str, Any] | None = None,
+    key: str = "",
+    axis_end: float | None = None,
+    out_dir: str | None = None,
+) -> str:
+    """One plan's charts and tables (ids prefixed with ``key`` on a comparison page; ``axis_end``: a
+    pipeline-chart time axis shared with the other plan)."""
     body = (
-        f"{_cards(plan)}<h2>Pipeline schedule of one step</h2>{timeline_html(plan)}"
-        f"<h2>Memory per device against capacity</h2>{memory_html(plan)}"
+        f"{_cards(plan)}<h2>Why this plan</h2>{why_html(plan)}"
+        f"<h2>Pipeline schedule of one step</h2>{timeline_html(plan, axis_end)}"
+        f"<h2>Device types: used and busy</h2>{utilization_html(plan)}"
+        f"<h2>Memory per device against usable capacity</h2>{memory_html(plan)}"
         f"<h2>Time breakdown per step</h2>{breakdown_html(plan)}"
         f"<h2>Layer to stage map</h2>{layermap_html(plan)}"
+        f"<h2>Next</h2>{next_html(plan, out_dir)}"
         + (run_log_html(run_log) if run_log else "")
         + f"<details><summary>Full text report</summary><pre>{_e(plan_text(plan, run_log, width=80))}</pre></details>"
     )
@@ -299,20 +429,22 @@ def _page(title: str, body: str) -> str:
     )
 
 
-def plan_html(plan: Plan, run_log: Mapping[str, Any] | None = None) -> str:
+def plan_html(plan: Plan, run_log: Mapping[str, Any] | None = None, out_dir: str | None = None) -> str:
     title = f"Partita plan: {plan.model.get('name')} on {plan.cluster.get('name')} ({devices_phrase(plan)})"
-    return _page(title, plan_section(plan, run_log))
+    return _page(title, plan_section(plan, run_log, out_dir=out_dir))
 
 
-def compare_html(plans: Sequence[Plan], logs: Sequence[Mapping[str, Any] | None] = ()) -> str:
+def compare_html(plans: Sequence[Plan], logs: Sequence[Mapping[str, Any] | None] = (), dirs: Sequence[str] = ()) -> str:
     """Two plans on one page: the comparison table, then each plan's charts side by side (stacked
-    when the window is narrow)."""
+    when the window is narrow), their pipeline charts on one time axis (the longer step's)."""
     a, b = plans[0], plans[1]
     logs = list(logs) + [None] * (2 - len(logs))
+    outs = list(dirs) + [None] * (2 - len(dirs))
+    end = max(_schedule(p)[1] for p in plans)
     cols = "".join(
         f'<section id="plan-{k}"><h2>Plan {k}: {_e(p.model.get("name"))} on {_e(p.cluster.get("name"))}</h2>'
-        f"{plan_section(p, log, key=f'{k}-')}</section>"
-        for k, p, log in zip("AB", plans, logs)
+        f"{plan_section(p, log, key=f'{k}-', axis_end=end, out_dir=d)}</section>"
+        for k, p, log, d in zip("AB", plans, logs, outs)
     )
     return _page(
         f"Partita: {a.model.get('name')} on {a.cluster.get('name')} (A) vs "

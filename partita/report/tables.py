@@ -7,6 +7,7 @@ for plans, ``run_log_view.py`` for run logs).
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,7 +27,18 @@ def render(*tables: Any, width: int | None = None) -> str:
     con = Console(file=buf, width=output_width(width), color_system=None, force_terminal=False, legacy_windows=False)
     for t in tables:
         con.print(t)
-    return "\n".join(line.rstrip() for line in buf.getvalue().rstrip().splitlines()) + "\n"
+    text = buf.getvalue().replace(GLUE, " ")
+    return "\n".join(line.rstrip() for line in text.rstrip().splitlines()) + "\n"
+
+
+GLUE = "\u00a4"  # stands for the space between a number and its unit while rich wraps (never in report text)
+_NUMBER_UNIT = re.compile(r"(\d) (ms|s|us|GiB|MiB|KiB|B|GB|TFLOP/s|Gb/s|tokens/s)(?=$|[\s,;:)])")
+
+
+def glue_units(cell: str) -> str:
+    """``1.390 s`` with the space glued, so a column folds between words, never between a number and
+    its unit (``render`` puts the space back)."""
+    return _NUMBER_UNIT.sub(lambda m: m.group(1) + GLUE + m.group(2), cell)
 
 
 SHORT = 10  # a cell this short stays on one line when it can
@@ -79,5 +91,5 @@ def table(
     for h in header:
         t.add_column(h, overflow="fold")
     for r in rows:
-        t.add_row(*[str(x) for x in r])
+        t.add_row(*[glue_units(str(x)) for x in r])
     return t

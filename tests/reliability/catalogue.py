@@ -256,7 +256,7 @@ CASES: list[Case] = [
         "uneven-nodes",
         "cluster",
         "count does not split into nodes",
-        _compile("12xA100"),
+        _compile("12xA100-80G"),
         ("12 x A100-80G", "--gpus-per-node"),
     ),
     Case(

@@ -118,15 +118,15 @@ class Candidate:
 
 
 def _why(c: Candidate, best: Candidate) -> str:
+    """Why ``c`` lost to ``best``: the gap and every part of the step that moved, with signs, so the
+    parts sum to the gap (compute + communication + bubble = step, ``Candidate.breakdown``)."""
     a, b = c.breakdown(), best.breakdown()
     slower = (c.step_time / best.step_time - 1) * 100
-    deltas = {
-        "bubble": a["bubble_s"] - b["bubble_s"],
-        "communication": a["communication_s"] - b["communication_s"],
-        "compute": a["compute_s"] - b["compute_s"],
-    }
-    k = max(deltas, key=lambda x: deltas[x])
-    return f"slower by {slower:.1f}% mostly because of more {k} (+{deltas[k]:.3g} s)"
+    deltas = {k: a[f"{k}_s"] - b[f"{k}_s"] for k in ("bubble", "communication", "compute")}
+    gap = c.step_time - best.step_time
+    moved = sorted((k for k in deltas if abs(deltas[k]) >= 5e-5), key=lambda k: -abs(deltas[k]))
+    parts = ", ".join(f"{k} {deltas[k] * 1e3:+.1f} ms" for k in moved) or "no part moved"
+    return f"slower by {slower:.1f}% (+{gap * 1e3:.1f} ms per step): {parts}"
 
 
 def _assign_ranks(c: Candidate) -> tuple[list[list[int]], list[int]]:
@@ -336,7 +336,9 @@ def build_plan(search: Any, cands: list[Candidate], elapsed_s: float, graph_hash
         if c.summary() in seen:
             continue
         seen.add(c.summary())
-        alts.append({"summary": c.summary(), "step_time_s": c.step_time, "why": _why(c, best)})
+        a, b = c.breakdown(), best.breakdown()  # the parts the report renders (they sum to the gap)
+        parts = {k: a[f"{k}_s"] - b[f"{k}_s"] for k in ("compute", "communication", "bubble")}
+        alts.append({"summary": c.summary(), "step_time_s": c.step_time, "why": _why(c, best), "parts_s": parts})
         if len(alts) >= search.options.num_alternatives:
             break
     sst = search.stats
@@ -388,6 +390,7 @@ def build_plan(search: Any, cands: list[Candidate], elapsed_s: float, graph_hash
             "step_time_s": step,
             **br,
             "memory_per_device": mem,
+            "memory_usable": search.factors.memory_usable,  # the fraction every stage was held under (report)
             "tokens_per_s": tr.global_batch * tr.seq_len / step,
             "mfu": flops / step / peak if peak else 0.0,
             **_sanity(search, used_devs, flops, step),
