@@ -96,3 +96,19 @@ def test_whisper_is_built_as_named_or_refused(tmp_path: Path, capsys: pytest.Cap
     # the decoder-only class, asked for by name, is built as that class (no substitute either way)
     (tmp_path / "config.json").write_text(json.dumps({**WHISPER, "architectures": ["WhisperForCausalLM"]}))
     assert type(resolve_model(str(tmp_path)).build("meta")).__name__ == "WhisperForCausalLM"
+
+
+def test_a_tp_degree_that_shards_nothing_is_stated() -> None:
+    """gpt-oss at tp=2 replicated every block weight with nothing said: the plan's stage knows it
+    (``Stage.tp_shards_nothing``) and the report's layout says it; a sharded stage says nothing."""
+    from partita.report.terminal import _stage_layout_rows
+    from tests.runtime.test_model_matrix import make_plan, megatron
+
+    layers = ["embed", "model.layers.0", "model.layers.1", "head"]
+    bare = make_plan(layers, "dp2tp2")
+    assert bare.stages[0].tp_shards_nothing
+    assert "tp shards nothing" in " ".join(_stage_layout_rows(bare)[0])
+    sharded = make_plan(layers, "dp2tp2", placements=megatron(layers, bias=False))
+    assert not sharded.stages[0].tp_shards_nothing
+    assert "tp shards nothing" not in " ".join(_stage_layout_rows(sharded)[0])
+    assert not make_plan(layers, "dp4z3").stages[0].tp_shards_nothing  # tp = 1: nothing to say

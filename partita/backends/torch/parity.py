@@ -98,3 +98,66 @@ def as_json(rows: Sequence[Row]) -> list[dict[str, object]]:
         | ({"note": r.note} if r.note else {})
         for r in rows
     ]
+
+
+# ---- `partita run --reference` (backends/torch/launch.py) ----------------------------------------
+def dump_args(tmp: str) -> list[str]:
+    """The program flags of a reference run: deterministic kernels, step-1 gradients, last parameters."""
+    grads, params = os.path.join(tmp, "grads"), os.path.join(tmp, "params")
+    return ["--deterministic", "--dump-grads", grads, "--dump-steps", "1", "--dump-params", params]
+
+
+def check_run(
+    program: object, steps: int, data: Mapping[str, str], result: Mapping[str, object], tmp: str
+) -> dict[str, object]:
+    """The single-device run of the program's model, compared with the run's dumps in ``tmp``:
+    ``{"reference_losses", "parity": {"ok", "dtype", "rtol", "atol", "num_compared", "failing",
+    "worst", "collective_mismatches"}}``. ``ok`` is False when any parameter differs beyond the
+    dtype's tolerance or any counted step's collectives differ from the plan's records."""
+    from partita.backends.torch.train import reference_run
+
+    prog = program.PROGRAM  # type: ignore[attr-defined]
+    precision = prog["stages"][0].get("precision", "f32")  # the plan's dtype, as stage 0 runs it
+    training = prog["training"]
+    dtype = str(training.get("dtype", "f32"))
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    ref = reference_run(
+        prog["model"], training, steps, lr_lambda=program.lr_lambda, precision=precision,  # type: ignore[attr-defined]
+        data_file=data["data_file"], data_dtype=data["data_dtype"], data_fn=data["data_fn"],
+        dump_steps=[1], params=True,
+    )  # fmt: skip
+    rows = compare(load_dumps(os.path.join(tmp, "grads"), "grads_step1_rank*.pt"), ref["grads"][1], "grad@1", dtype)
+    got = load_dumps(os.path.join(tmp, "params"), "params_rank*.pt")
+    rows += compare(got, ref["params"], f"param@{steps}", dtype)
+    mism = {k: v for k, v in dict(result.get("collective_mismatches") or {}).items() if v}  # type: ignore[call-overload]
+    rtol, atol = TOLERANCE.get(dtype, TOLERANCE["f32"])
+    failing = [r for r in rows if not r.ok]
+    out = {
+        "ok": not failing and not mism,
+        "dtype": dtype,
+        "rtol": rtol,
+        "atol": atol,
+        "num_compared": len(rows),
+        "failing": sorted({r.name for r in failing}),
+        "worst": as_json(worst(rows)),
+        "table": table(rows),
+        "collective_mismatches": mism,
+    }
+    return {"reference_losses": ref["losses"], "parity": out}
+
+
+def verdict(par: Mapping[str, object]) -> str:
+    """What `partita run --reference` prints when the run differs from one device."""
+    lines = []
+    failing = list(par.get("failing") or [])  # type: ignore[call-overload]
+    if failing:
+        lines.append(
+            f"partita run --reference: {len(failing)} parameter(s) differ from the single-device run beyond the "
+            f"{par['dtype']} tolerance (rtol {par['rtol']}, atol {par['atol']}; docs/parity.md). Worst:"
+        )
+        lines.append(str(par["table"]))
+    mism = dict(par.get("collective_mismatches") or {})  # type: ignore[call-overload]
+    if mism:
+        lines.append("partita run --reference: the collectives issued differ from the plan's records:")
+        lines += [f"  {stage}: {m}" for stage, m in sorted(mism.items())]
+    return "\n".join(lines)

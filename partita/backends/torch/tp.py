@@ -78,6 +78,7 @@ the module with a replicated input and output; correct, but its collectives are 
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -91,6 +92,9 @@ from partita.backends.torch import moe
 from partita.errors import PlanError
 from partita.frontends.torch_shim import strided_shard
 
+# tests only: the module path of a row module whose forward all-reduce is dropped (a broken layout that
+# `partita run --reference` must catch: tests/runtime/test_run_reference.py)
+DROP_ENV = "PARTITA_TEST_DROP_ALL_REDUCE"
 COLUMN, COLUMN_GATHER, ROW, ROW_REPLICATED = "colwise", "colwise_gather", "rowwise", "rowwise_replicated"
 VOCAB, EMBED_DIM, GENERIC = "vocab", "embed_dim", "generic"
 EXPERT = moe.EXPERT  # an experts module sharded over tp by expert (backends/torch/moe.py: all_to_all dispatch)
@@ -388,12 +392,14 @@ class _Hooks:
 
         return hook
 
-    def post(self, role: str, parent: str) -> Any:
+    def post(self, role: str, parent: str, drop: bool = False) -> Any:
         mesh = self.mesh
 
         def hook(mod: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
             if not isinstance(out, DTensor):
                 return out
+            if drop:  # a deliberately broken layout (DROP_ALL_REDUCE_ENV, tests only): this rank's partial sum
+                return out.to_local()
             if role in (COLUMN, COLUMN_SP):  # this rank's heads / features (a source of _region_params)
                 res = out.to_local()
                 self.mark(parent, res, sharded=True)
@@ -492,7 +498,7 @@ def tensor_parallel(
             continue  # experts: forward replaced (moe.py); blocks: _sequence_region below
         mod, parent = module.get_submodule(path), path.rpartition(".")[0]
         mod.register_forward_pre_hook(hooks.pre(role, parent, _in_features(mod)))
-        mod.register_forward_hook(hooks.post(role, parent))
+        mod.register_forward_hook(hooks.post(role, parent, drop=role == ROW and path == os.environ.get(DROP_ENV)))
     _region_params(module, mesh, derived, hooks)
     _sequence_region(module, mesh, [p for p, r in derived.items() if r == SEQUENCE])
     for parent in sorted({p.rpartition(".")[0] for p, r in derived.items() if r == COLUMN_SP}):
