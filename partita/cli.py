@@ -349,15 +349,22 @@ def cmd_run(args: argparse.Namespace) -> int:
         extra_args=(*_data_args(args), *args.extra),
         hostfile=args.hostfile,
     )
+    par = res.get("parity")
     if args.json:
         _print_json(res)
     elif args.dry_run or args.hostfile:
         print(res.get("command_str", res.get("command")))
+    elif par and not par["ok"]:  # the worst parameters, nothing else (backends/torch/parity.py)
+        from partita.backends.torch.parity import verdict
+
+        print(verdict(par))
     else:
         for i, loss in enumerate(res.get("losses", [])):
             ref = res.get("reference_losses")
             print(f"step {i + 1}: loss {loss:.6f}" + (f"  reference {ref[i]:.6f}" if ref else ""))
-    return 0
+        if par:
+            print(f"every parameter matches the single-device run ({par['num_compared']} tensors, {par['dtype']})")
+    return 1 if par and not par["ok"] else 0
 
 
 def _plan_steps(plan_dir: str) -> int:

@@ -423,6 +423,7 @@ def plan_handle(
     if graph is None:
         with user_code(getattr(handle, "name", "") or ""):
             graph = trace_handle(handle, batch=TRACE_BATCH, seq=training.seq_len)
+    _refuse_batch_stats(graph)
     traced = Traced(handle, graph, 0.0)
     traced.trace_time_s = time.perf_counter() - t0
     c1 = _cpu_s()
@@ -437,6 +438,27 @@ def plan_handle(
         "search_cpu_s": round(c2 - c1, 3),
     }
     return CachedPlan(planned.plan, False, key, cached, time.perf_counter() - t0, timings)
+
+
+def _refuse_batch_stats(graph: Graph) -> None:
+    """Refuse a model that normalizes over the batch in training (BatchNorm; issue 31): every plan splits
+    the batch (data-parallel replicas, micro-batches), so each piece would normalize by its own statistics
+    and train differently from one device. Synchronized batch statistics are not implemented."""
+    from partita.errors import ModelError
+    from partita.ir import Prim
+
+    where = sorted(
+        {n.module or n.name for n in graph.nodes if n.prim == Prim.BATCH_NORM and "no_training" not in n.target}
+    )
+    if where:
+        raise ModelError(
+            f"{graph.name} normalizes over the batch in training (BatchNorm at {', '.join(where[:4])}"
+            f"{' ...' if len(where) > 4 else ''}); Partita splits every batch over data-parallel replicas and "
+            "micro-batches, so each piece would use its own batch statistics and the run would not match one "
+            "device, and it does not synchronize batch statistics",
+            "replace BatchNorm with GroupNorm or LayerNorm (batch-independent), or put the model in eval mode for "
+            "its BatchNorm layers (running statistics), then compile again",
+        )
 
 
 def compile_to_dir(

@@ -113,6 +113,13 @@ class Stage:
     def mesh_shape(self) -> tuple[int, int]:
         return (self.dp, self.tp)
 
+    @property
+    def tp_shards_nothing(self) -> bool:
+        """tp > 1, yet no parameter is placed sharded over tp and no module has a tp role: every tp rank
+        holds and computes the whole stage (the report says so; issue 31: gpt-oss at tp=2)."""
+        sharded = any(len(p) > 1 and p[1] != "R" for p in self.param_placements.values())
+        return self.tp > 1 and not sharded and not self.tp_plan
+
     def coords(self, rank: int) -> tuple[int, int]:
         i = self.ranks.index(rank)
         return (i // self.tp, i % self.tp)

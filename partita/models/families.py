@@ -43,8 +43,54 @@ _FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         {"d_model": "h", "d_ff": "f", "num_layers": "l", "num_heads": "a", "decoder_start_token_id": 0},
     ),
     "vit": ("vit", "ViTForImageClassification", {"image_size": 32, "patch_size": 8, "num_labels": 10}),
+    # the parity matrix's families (tests/runtime/test_parity_matrix.py): per-head norms (Qwen3, Gemma 3),
+    # MoE (Qwen3-MoE, DeepSeek-V3 with MLA attention, gpt-oss), a fused-qkv encoder, a state-space model
+    "qwen3": ("qwen3", "Qwen3ForCausalLM", {"head_dim": "h/a"}),
+    "qwen3_moe": (
+        "qwen3_moe",
+        "Qwen3MoeForCausalLM",
+        {"head_dim": "h/a", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": "f/2"},
+    ),
+    "gemma3_text": ("gemma3_text", "Gemma3ForCausalLM", {"head_dim": "h/a", "sliding_window": "p/2"}),
+    "deepseek_v3": (
+        "deepseek_v3",
+        "DeepseekV3ForCausalLM",
+        {
+            "num_key_value_heads": "a",
+            "moe_intermediate_size": "f/4",
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_group": 1,
+            "topk_group": 1,
+            "first_k_dense_replace": 1,
+            "q_lora_rank": "h/2",
+            "kv_lora_rank": "h/4",
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": "h/a",
+        },
+    ),
+    "modernbert": (
+        "modernbert",
+        "ModernBertForMaskedLM",
+        {"global_attn_every_n_layers": 1, "cls_token_id": 0, "sep_token_id": 0},
+    ),
+    "mamba": ("mamba", "MambaForCausalLM", {"state_size": 8, "expand": 2}),
+    "gpt_oss": (
+        "gpt_oss",
+        "GptOssForCausalLM",
+        {
+            "head_dim": "h/a",
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "intermediate_size": "h",
+            "sliding_window": "p/2",
+        },
+    ),
 }
-FAMILIES = tuple(_FAMILIES)
+# the families the model matrix trains (tests/runtime/test_model_matrix.py); the parity matrix adds MORE_FAMILIES
+MORE_FAMILIES = ("qwen3", "qwen3_moe", "gemma3_text", "deepseek_v3", "modernbert", "mamba", "gpt_oss")
+FAMILIES = tuple(f for f in _FAMILIES if f not in MORE_FAMILIES)
 _COMMON = {  # the Llama-style key names most families share
     "hidden_size": "h",
     "num_hidden_layers": "l",
@@ -54,7 +100,7 @@ _COMMON = {  # the Llama-style key names most families share
     "vocab_size": "v",
     "max_position_embeddings": "p",
 }
-_NO_KV = {"gpt2", "gpt_neox", "opt", "bloom", "bert", "t5", "vit", "falcon"}
+_NO_KV = {"gpt2", "gpt_neox", "opt", "bloom", "bert", "t5", "vit", "falcon", "modernbert", "mamba"}
 
 
 def _value(v: Any, dims: dict[str, int]) -> Any:

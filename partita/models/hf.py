@@ -139,13 +139,25 @@ def model_class(cfg: Any, task: str | None, file: Path) -> tuple[str, Any]:
     task's Auto mapping; ModelError when the model_type has several tasks and none was chosen."""
     import transformers
 
-    archs = [a for a in (getattr(cfg, "architectures", None) or []) if hasattr(transformers, a)]
+    named = [str(a) for a in (getattr(cfg, "architectures", None) or [])]
+    archs = [a for a in named if hasattr(transformers, a)]
     for arch in archs:
         owners = [t for t in TASKS if arch in _mapping(t).values()]
         if owners and (task is None or task in owners):
             return (task or owners[0]), getattr(transformers, arch)
     mt = cfg.model_type
     have = tasks_for(mt)
+    if named and task is None:  # the config names its model, and it is none Partita trains: never a substitute
+        classes = [f"{_mapping(t)[mt]} ({t})" for t in have]
+        why = f"{file} names architecture {named[0]}, which Partita cannot train (it trains {', '.join(TASKS)} models)"
+        if classes and getattr(cfg, "is_encoder_decoder", False):
+            why += (
+                f"; {', '.join(classes)} is only the decoder of this encoder-decoder model, so it is not built instead"
+            )
+        fix = "wrap the model in a module that returns a loss and pass it as package.module:factory"
+        if classes:
+            fix = f'to train {", ".join(classes)}, name it in "architectures" or pass --task; or ' + fix
+        raise ModelError(why, fix)
     if task is not None and task not in have:
         raise ModelError(
             f"{file}: transformers has no {task} model for model_type {mt!r}",

@@ -281,7 +281,7 @@ def layermap_html(plan: Plan) -> str:
         legend.append(
             f'<span><span class="sw" style="background:{c}"></span>stage {s.index}: {_e(span)} '
             f"({plural(len(s.layers), 'layer')}) on {len(s.ranks)} x {_e(s.device_type)}, "
-            f"dp {s.dp} x tp {s.tp}, ZeRO-{s.zero_stage}, recompute {_e(s.recompute)}</span>"
+            f"dp {s.dp} x tp {s.tp}{' (tp shards nothing: replicated)' if s.tp_shards_nothing else ''}, ZeRO-{s.zero_stage}, recompute {_e(s.recompute)}</span>"
         )
     return (
         f'<figure class="chart" id="layermap"><div class="layers">{"".join(cells)}</div>'

@@ -119,7 +119,9 @@ def _stage_layout_rows(plan: Plan) -> list[list[str]]:
                 _stage_layers(s.layers),
                 s.device_type,
                 ranks,
-                f"{s.dp} x {s.tp}" + (" SP" if "sequence_parallel" in s.tp_plan.values() else ""),  # Megatron SP
+                f"{s.dp} x {s.tp}"
+                + (" SP" if "sequence_parallel" in s.tp_plan.values() else "")  # Megatron SP
+                + (" (tp shards nothing: replicated)" if s.tp_shards_nothing else ""),
                 str(s.zero_stage),
                 s.recompute,
                 ":".join(map(str, s.batch_shares)) or "even",

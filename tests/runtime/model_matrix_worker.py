@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 
@@ -34,7 +35,15 @@ def main(jobs_file: str, out_file: str) -> None:
     for i, job in enumerate(jobs):
         if i % world == rank:
             training = json.loads(job["plan"])["training"]
-            mine[job["id"]] = torch_train.reference_run(job["spec"], training, job["steps"])["losses"]
+            parity = bool(job.get("parity"))  # per-parameter: step-1 gradients, parameters after the last step
+            ref = torch_train.reference_run(
+                job["spec"], training, job["steps"], dump_steps=[1] if parity else [], params=parity
+            )
+            mine[job["id"]] = ref["losses"]
+            if parity:
+                where = Path(jobs_file).parent / job["id"]
+                where.mkdir(parents=True, exist_ok=True)
+                torch.save({"grads": ref["grads"][1], "params": ref["params"]}, where / "reference.pt")
     every: list = [None] * world
     dist.all_gather_object(every, mine)
     refs = {k: v for part in every for k, v in part.items()}
@@ -55,6 +64,9 @@ def main(jobs_file: str, out_file: str) -> None:
         ns = {"__name__": "partita_matrix", "__file__": str(path)}
         exec(compile(emit_torch(plan, job["spec"]), str(path), "exec"), ns)  # noqa: S102 - our emitted source
         count = [] if job.get("count") else ["--no-count"]  # counted: the first and last step's collectives
+        if job.get("parity"):  # every stage's (0, 0) rank dumps full gradients at step 1 and the last parameters
+            count += ["--dump-grads", str(where / "grads"), "--dump-steps", "1", "--dump-params", str(where / "params")]
+            count += ["--deterministic"]
         args = torch_train.parse_args(["--steps", str(job["steps"]), *count, "--checkpoint-every", "0"])
         t0 = time.perf_counter()
         every_a2a = None
@@ -71,6 +83,8 @@ def main(jobs_file: str, out_file: str) -> None:
                 "seconds": time.perf_counter() - t0,
                 "num_stages": plan.num_stages,
             }
+            if job.get("parity"):
+                out[job["id"]]["parity"] = _parity(where, json.loads(job["plan"])["training"], job["steps"])
             if job.get("count"):  # the last step on each stage's first rank, and all_to_all per rank (whole run)
                 out[job["id"]]["collectives"] = res["collectives"]
                 out[job["id"]]["collective_mismatches"] = res["collective_mismatches"]
@@ -82,6 +96,21 @@ def main(jobs_file: str, out_file: str) -> None:
     from partita.backends.torch.parallel import leave_process_group
 
     leave_process_group()  # skips interpreter finalization, where gloo aborts now and then
+
+
+def _parity(where: Path, training: dict, steps: int) -> list[dict]:
+    """Every parameter's step-1 gradient and last value against the reference (``parity.compare``)."""
+    from partita.backends.torch import parity
+
+    ref = torch.load(where / "reference.pt", weights_only=True)
+    dtype = str(training.get("dtype", "f32"))
+    rows = parity.compare(
+        parity.load_dumps(str(where / "grads"), "grads_step1_rank*.pt"), ref["grads"], "grad@1", dtype
+    )
+    rows += parity.compare(
+        parity.load_dumps(str(where / "params"), "params_rank*.pt"), ref["params"], f"param@{steps}", dtype
+    )
+    return parity.as_json(rows)
 
 
 def _api_job(job: dict, plan: object) -> list[float]:

@@ -128,27 +128,30 @@ def run(
     _check_devices(plan, program)
     with tempfile.TemporaryDirectory(prefix="partita-run-") as tmp:
         result_path = os.path.join(tmp, "result.json")
-        cmd = torchrun_command(program_path, plan.world_size, [*args, "--json-out", result_path], max_restarts=restarts)
+        dumps = _parity().dump_args(tmp) if reference else []  # step-1 gradients, last parameters (parity.py)
+        cmd = torchrun_command(
+            program_path, plan.world_size, [*args, *dumps, "--json-out", result_path], max_restarts=restarts
+        )
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         proc = _run_streaming(cmd, env, plan_dir)
         if proc.returncode != 0 or not os.path.exists(result_path):
             _raise_failure(proc)
         result: dict[str, Any] = json.loads(Path(result_path).read_text())
-    if reference:
-        from partita.backends.torch.train import reference_run
-
-        precision = program.PROGRAM["stages"][0].get("precision", "f32")  # the plan's dtype, as stage 0 runs it
-        model, training = program.PROGRAM["model"], program.PROGRAM["training"]
-        xs = list(extra_args)
-        data = {k: xs[xs.index(f) + 1] if f in xs[:-1] else d for k, (f, d) in _DATA_FLAGS.items()}  # the run's data
-        ref = reference_run(
-            model, training, steps, lr_lambda=program.lr_lambda, precision=precision,
-            data_file=data["data_file"], data_dtype=data["data_dtype"], data_fn=data["data_fn"],
-        )  # fmt: skip
-        result["reference_losses"] = ref["losses"]
+        if reference:
+            xs = list(extra_args)
+            data = {
+                k: xs[xs.index(f) + 1] if f in xs[:-1] else d for k, (f, d) in _DATA_FLAGS.items()
+            }  # the run's data
+            result.update(_parity().check_run(program, steps, data, result, tmp))
     if json_out:
         print(json.dumps(result, indent=1, sort_keys=True))
     return result
+
+
+def _parity() -> ModuleType:
+    from partita.backends.torch import parity  # imports torch: only for --reference
+
+    return parity
 
 
 def _per_node(

@@ -420,6 +420,56 @@ def full_grads(module: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def check_dp_units(module: nn.Module, dp: int, zero: int) -> None:
+    """Every parameter the stage's forward reads belongs to exactly one data-parallel unit (issue 31):
+    it is among the stage module's parameters (the optimizer's, and what the dp gradient sync and the
+    FSDP2 units of ``module`` cover), and under ZeRO (dp > 1) it is an FSDP2-managed DTensor on ``dp``.
+    PlanError naming the parameters otherwise: their replicas would train apart silently."""
+    share = getattr(module, "share_own", None)
+    if share is not None:  # a generic stage: the root's own parameters as the forward will read them
+        share()
+    root = module.__dict__.get("_root", module)
+    ours = {id(p) for p in module.parameters()}
+    outside = [n for n, p in root.named_parameters() if id(p) not in ours]
+    unsynced = []
+    if dp > 1 and zero > 0:
+        unsynced = [
+            n
+            for n, p in module.named_parameters()
+            if not (isinstance(p, DTensor) and "dp" in (p.device_mesh.mesh_dim_names or ()))
+        ]
+    if outside or unsynced:
+        names = sorted(outside + unsynced)
+        raise PlanError(
+            f"parameter(s) {names[:6]}{' ...' if len(names) > 6 else ''} of this stage belong to no data-parallel "
+            f"unit (dp={dp}, ZeRO-{zero}): their gradients would not be synchronized and the replicas would drift.",
+            "this is a Partita bug in setting up the stage; as a workaround move the parameters into a submodule "
+            "of the model, and report the model.",
+        )
+
+
+def refuse_batch_stats(model: nn.Module, split: bool) -> None:
+    """PlanError when ``model`` normalizes over the batch in training (BatchNorm) and the plan ``split``s
+    the batch (dp > 1 or several micro-batches): the program's twin of the compile-time refusal
+    (``driver._refuse_batch_stats``), for plans written by hand."""
+    bn = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+    if bn and split:
+        raise PlanError(
+            f"{type(model).__name__} normalizes over the batch in training (BatchNorm at {', '.join(bn[:4])}), and "
+            "this plan splits the batch over replicas or micro-batches: each piece would use its own batch "
+            "statistics, unlike one device (Partita does not synchronize them).",
+            "replace BatchNorm with GroupNorm or LayerNorm, or use a plan with dp=1 and one micro-batch.",
+        )
+
+
+def full_params(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded parameters by FQN (a collective over each DTensor's mesh: call on all stage ranks)."""
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone().cpu()
+        for n, p in module.named_parameters()
+    }
+
+
 def leave_process_group() -> None:
     """Destroy the process group and end this process at once (exit code 0), skipping interpreter
     finalization: there gloo (torch 2.13) sometimes aborts after a clean finish ("terminate called

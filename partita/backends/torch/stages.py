@@ -430,6 +430,7 @@ class GenericStage(nn.Module):
                 f"move them into a submodule of {type(model).__name__}, or compile without pipeline stages.",
             )
         self._parameters.update(own)  # single stage: the same objects under the same FQNs
+        self.__dict__["_own"] = tuple(own)  # the root's own parameters: share_own() hands ours to the forward
         self.__dict__["_root"] = model
         # Plain attributes go to __dict__: nn.Module.__setattr__ would refuse a name a child already has.
         self.__dict__.update(config=getattr(model, "config", None), arch=type(model).__name__, recompute="none")
@@ -524,6 +525,13 @@ class GenericStage(nn.Module):
         """(what this stage receives, what it sends): the tensors crossing its cuts."""
         return list(self._in), list(self._out)
 
+    def share_own(self) -> None:
+        """The model's forward reads the root's own parameters as this module holds them now (FSDP2
+        swaps its sharded / unsharded ones in here, the unit that owns them; issue 31)."""
+        root = self.__dict__["_root"]
+        for k in self.__dict__["_own"]:
+            root._parameters[k] = self._parameters[k]
+
     # ---- forward ---------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._done, self._got, self._calls, self._n = False, {}, {}, int(x.shape[0])
@@ -535,6 +543,7 @@ class GenericStage(nn.Module):
             inputs = {k: torch.zeros((n, *s), dtype=d, device=x.device) for k, (s, d) in self._info["inputs"].items()}
             inputs["__first__"] = inputs.pop(next(iter(self._info["inputs"])))
         root = self.__dict__["_root"]
+        self.share_own()
         first = inputs.pop("__first__")
         try:
             out = root(first, **inputs)

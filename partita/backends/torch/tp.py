@@ -67,14 +67,18 @@ q|k|v in one weight). A fused module placed ``"SS(d,g)"`` (``passes/fused_split.
 heads, so it stays ``colwise``; the adapter's ``strided_attrs`` names the parent's attributes
 that size the local split (GPT-2's ``split_size``), divided by tp on the rank. A contiguous
 ``"S(d)"`` on a fused module is gathered and attention runs on all heads, replicated. A row module whose parent has no sharded-output column gets its input
-replicated and slices it. Parameters of unsharded modules stay plain tensors: their inputs and
-output gradients are replicated over ``tp``, so their gradients agree without communication. Any
+replicated and slices it. Parameters of unsharded modules stay plain tensors: outside a
+parent of column modules their inputs and output gradients are replicated over ``tp``, so their gradients
+agree without communication; inside one, a module that takes a column module's sharded output (Qwen3's
+per-head ``q_norm``) has its parameters' gradients summed over ``tp`` (:func:`_region_params`), so no
+parameter ever holds a partial gradient. Any
 other sharded layout (e.g. a sharded norm weight) runs as ``generic``: DTensor propagation inside
 the module with a replicated input and output; correct, but its collectives are not predicted.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -88,6 +92,9 @@ from partita.backends.torch import moe
 from partita.errors import PlanError
 from partita.frontends.torch_shim import strided_shard
 
+# tests only: the module path of a row module whose forward all-reduce is dropped (a broken layout that
+# `partita run --reference` must catch: tests/runtime/test_run_reference.py)
+DROP_ENV = "PARTITA_TEST_DROP_ALL_REDUCE"
 COLUMN, COLUMN_GATHER, ROW, ROW_REPLICATED = "colwise", "colwise_gather", "rowwise", "rowwise_replicated"
 VOCAB, EMBED_DIM, GENERIC = "vocab", "embed_dim", "generic"
 EXPERT = moe.EXPERT  # an experts module sharded over tp by expert (backends/torch/moe.py: all_to_all dispatch)
@@ -294,9 +301,48 @@ class _Hooks:
     def __init__(self, mesh: DeviceMesh) -> None:
         self.mesh = mesh
         self.shared: dict[str, dict[int, tuple[torch.Tensor, DTensor]]] = {}
+        # per parent call (_region_params): the autograd node count when it began, and the grad_fn ids of its
+        # column modules' sharded outputs (sources) and of its row modules' whole outputs (stops)
+        self.begin: dict[str, int] = {}
+        self.sources: dict[str, set[int]] = {}
+        self.stops: dict[str, set[int]] = {}
+        self.alive: dict[str, list[Any]] = {}  # keeps the recorded nodes alive for the call (ids stay unique)
 
     def clear(self, parent: str) -> None:
         self.shared.pop(parent, None)
+
+    def start(self, parent: str) -> None:
+        """A region parent's forward begins: nodes created from now on belong to this call."""
+        for d in (self.sources, self.stops, self.alive):
+            d.pop(parent, None)
+        if torch.is_grad_enabled():
+            probe = torch.zeros((), requires_grad=True) * 1.0
+            self.begin[parent] = probe.grad_fn._sequence_nr()  # type: ignore[union-attr]
+
+    def mark(self, parent: str, out: Any, sharded: bool) -> None:
+        fn = getattr(out, "grad_fn", None)
+        if fn is not None:
+            (self.sources if sharded else self.stops).setdefault(parent, set()).add(id(fn))
+            self.alive.setdefault(parent, []).append(fn)
+
+    def from_shard(self, parent: str, xs: Sequence[Any]) -> bool:
+        """Whether any of ``xs`` was computed, inside this call of ``parent``, from a column module's
+        sharded output (not through a row module's output): a walk of the autograd graph back to the
+        nodes created before the call began."""
+        sources, stops, begin = self.sources.get(parent, set()), self.stops.get(parent, set()), self.begin.get(parent)
+        if not sources or begin is None:
+            return False
+        todo = [x.grad_fn for x in xs if isinstance(x, torch.Tensor) and x.grad_fn is not None]
+        seen: set[int] = set()
+        while todo:
+            fn = todo.pop()
+            if fn is None or id(fn) in seen or id(fn) in stops or fn._sequence_nr() < begin:
+                continue
+            if id(fn) in sources:
+                return True
+            seen.add(id(fn))
+            todo += [nxt for nxt, _ in fn.next_functions]
+        return False
 
     def replicated(self, parent: str, x: torch.Tensor) -> DTensor:
         """One Replicate DTensor per input tensor among a parent's column modules (one grad all-reduce)."""
@@ -346,17 +392,24 @@ class _Hooks:
 
         return hook
 
-    def post(self, role: str) -> Any:
+    def post(self, role: str, parent: str, drop: bool = False) -> Any:
         mesh = self.mesh
 
         def hook(mod: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
             if not isinstance(out, DTensor):
                 return out
-            if role in (COLUMN, COLUMN_SP):
+            if drop:  # a deliberately broken layout (DROP_ALL_REDUCE_ENV, tests only): this rank's partial sum
                 return out.to_local()
+            if role in (COLUMN, COLUMN_SP):  # this rank's heads / features (a source of _region_params)
+                res = out.to_local()
+                self.mark(parent, res, sharded=True)
+                return res
             if role == ROW_SP:  # Partial -> this rank's rows: a reduce-scatter (its gradient all-gathers)
-                return out.redistribute(mesh, [Shard(SEQ_DIM)]).to_local()
-            return out.redistribute(mesh, [Replicate()]).to_local()
+                res = out.redistribute(mesh, [Shard(SEQ_DIM)]).to_local()
+            else:
+                res = out.redistribute(mesh, [Replicate()]).to_local()
+            self.mark(parent, res, sharded=False)  # whole again (ROW_SP: rows, whole features)
+            return res
 
         return hook
 
@@ -445,7 +498,8 @@ def tensor_parallel(
             continue  # experts: forward replaced (moe.py); blocks: _sequence_region below
         mod, parent = module.get_submodule(path), path.rpartition(".")[0]
         mod.register_forward_pre_hook(hooks.pre(role, parent, _in_features(mod)))
-        mod.register_forward_hook(hooks.post(role))
+        mod.register_forward_hook(hooks.post(role, parent, drop=role == ROW and path == os.environ.get(DROP_ENV)))
+    _region_params(module, mesh, derived, hooks)
     _sequence_region(module, mesh, [p for p, r in derived.items() if r == SEQUENCE])
     for parent in sorted({p.rpartition(".")[0] for p, r in derived.items() if r == COLUMN_SP}):
         module.get_submodule(parent).register_forward_pre_hook(_gather_rows(mesh), with_kwargs=True)
@@ -541,3 +595,75 @@ def _sequence_region(module: nn.Module, mesh: DeviceMesh, blocks: Sequence[str])
 
 
 _SUMMED = "_partita_tp_summed"  # a plain parameter whose gradient hook sums it over tp (_sequence_region)
+_REGION = "_partita_tp_region"  # a plain parameter that ran inside a Megatron region (_region_params)
+_WHOLE = "_partita_tp_whole"  # a plain parameter of a tp parent that ran on whole (replicated) activations
+
+
+def _tp_sum(mesh: DeviceMesh) -> Any:
+    """A gradient hook: this rank's partial gradient -> the sum over tp (one all-reduce)."""
+
+    def summed(g: torch.Tensor) -> torch.Tensor:
+        return DTensor.from_local(g, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+
+    return summed
+
+
+def _region_params(module: nn.Module, mesh: DeviceMesh, roles: Mapping[str, str], hooks: _Hooks) -> None:
+    """No parameter of a tp parent holds a partial gradient (issue 31: Qwen3's per-head ``q_norm``).
+
+    A parent of column modules whose outputs stay sharded (attention's ``q/k/v_proj``, the MLP's
+    ``gate/up_proj``) computes, from those outputs up to its row module, on this rank's heads or
+    features only. A module inside the parent that is not itself a tp module (a per-head norm) and
+    takes such a tensor (:meth:`_Hooks.from_shard`: computed in this call from a column output, not
+    through a row output) computes its parameters' gradients from this rank's heads alone, so each is
+    summed over tp by a gradient hook (as the sequence-parallel norms are): every rank then holds the
+    full, equal gradient. One whose input is whole (DeepSeek-V3's ``kv_a_proj_with_mqa`` on the hidden
+    states) keeps its gradient. A parameter used both ways, or a plain parameter of the parent module
+    itself (its use inside the parent's forward cannot be placed; gpt-oss's per-head attention
+    ``sinks``), is refused: the plan must shard it or keep that module replicated.
+    """
+    parents = sorted({p.rpartition(".")[0] for p, r in roles.items() if r in (COLUMN, COLUMN_SP)})
+    tp_paths = set(roles)
+    summed = _tp_sum(mesh)
+    for parent in parents:
+        owner = module.get_submodule(parent)
+        own = [n for n, p in owner.named_parameters(recurse=False) if not isinstance(p, DTensor)]
+        if own and mesh.size() > 1:
+            raise PlanError(
+                f"{parent} ({type(owner).__name__}) holds parameter(s) {own} of its own, beside the tp-sharded "
+                "modules it calls; which heads or features they act on cannot be known, so their gradients could "
+                "not be made whole.",
+                "keep this module replicated over tp (no sharded placements under it), or shard those "
+                "parameters in the plan.",
+            )
+        owner.register_forward_pre_hook(lambda m, a, parent=parent: hooks.start(parent))
+        for sub, mod in owner.named_modules():
+            path = f"{parent}.{sub}" if sub else parent
+            if not sub or any(path == t or path.startswith(t + ".") for t in tp_paths):
+                continue
+            if not any(True for _ in mod.parameters(recurse=False)):
+                continue
+            mod.register_forward_pre_hook(_region_hook(parent, path, hooks, summed), with_kwargs=True)
+
+
+def _region_hook(parent: str, path: str, hooks: _Hooks, summed: Any) -> Any:
+    def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not torch.is_grad_enabled():
+            return
+        inside = hooks.from_shard(parent, [*args, *kwargs.values()])
+        for name, p in mod.named_parameters(recurse=False):
+            if isinstance(p, DTensor) or not p.requires_grad:
+                continue
+            # registered on the object the module runs with (under FSDP2 its unsharded parameter)
+            if getattr(p, _REGION if not inside else _WHOLE, False):
+                raise PlanError(
+                    f"{path}.{name} runs both on this rank's tp shard and on whole activations inside {parent}, "
+                    "so no one gradient rule fits it.",
+                    "keep this module replicated over tp (no sharded placements under it).",
+                )
+            if inside and not getattr(p, _SUMMED, False):  # one sum (a sequence-parallel block's may be there)
+                p.register_hook(summed)
+                setattr(p, _SUMMED, True)
+            setattr(p, _REGION if inside else _WHOLE, True)
+
+    return hook

@@ -156,11 +156,13 @@ def reference_run(
     data_dtype: str = "uint16",
     data_fn: str = "",
     precision: str = "f32",
+    params: bool = False,
 ) -> dict[str, Any]:
     """Single device, full global batch per step, f32 parameters computing as ``precision`` says
     (``parallel.precision_of``: "f32", "autocast" or "fsdp" in ``training["dtype"]``), the plan's optimizer, learning-rate schedule and
     clipping (``torch.nn.utils.clip_grad_norm_``): ``{"losses", "grads": {step: {fqn: t}}, "lrs", "grad_norms"}``;
-    under f16 the program's dynamic loss scaling too (``optim.LossScaler``: ``"loss_scales"``, ``"skipped_steps"``)."""
+    under f16 the program's dynamic loss scaling too (``optim.LossScaler``: ``"loss_scales"``, ``"skipped_steps"``);
+    ``params``: also ``"params"``, every parameter by FQN after the last step."""
     from partita.models.zoo import resolve_model
 
     handle = resolve_model(model_spec)
@@ -197,6 +199,8 @@ def reference_run(
         opt.zero_grad()
         losses.append(float(loss.detach()) / used)
     result = {"losses": losses, "grads": grads, "lrs": lrs, "grad_norms": norms}
+    if params:
+        result["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return result | ({"loss_scales": scales, "skipped_steps": skipped} if scaler else {})
 
 
@@ -279,6 +283,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dump-grads", default="", help="directory for full gradients at --dump-steps")
     ap.add_argument("--no-count", action="store_true", help="do not count collectives (no dispatch mode)")
     ap.add_argument("--dump-steps", default="", help="comma-separated 1-based steps, e.g. 1,3")
+    ap.add_argument("--dump-params", default="", help="directory for the full parameters after the last step")
+    ap.add_argument(
+        "--deterministic", action="store_true", help="torch.use_deterministic_algorithms (`partita run --reference`)"
+    )
     ap.add_argument("--backend", default="", help="process group backend (default: parallel.check_launch's)")
     ap.add_argument("--data-file", default="", help="flat binary of token ids (nanoGPT's train.bin)")
     ap.add_argument("--data-dtype", default="uint16", choices=sorted(tdata.DTYPES))
@@ -370,6 +378,8 @@ def _train(
     from partita.models.zoo import resolve_model
 
     rank, stages, training = dist.get_rank(), program["stages"], program["training"]
+    if getattr(args, "deterministic", False):
+        torch.use_deterministic_algorithms(True, warn_only=True)
     if tpar.backend_for("cuda", backend) == "nccl":  # each rank binds its node-local GPU
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
@@ -402,6 +412,8 @@ def _train(
     rt = StageRuntime(program, me, rank, device, meshes[me["index"]], loss_fn, boundary, (x0.shape[1:], x0.dtype))
     rt.pp_group = pp_group
     rt.module = setup_stage[me["index"]](model, rt)
+    tpar.check_dp_units(rt.module, me["dp"], me["zero_stage"])  # every parameter in one dp unit (issue 31)
+    tpar.refuse_batch_stats(model, any(s["dp"] > 1 for s in stages) or int(program["num_micro_batches"]) > 1)
     runner = make_runner(rt)
     opt = make_optimizer(rt.module.parameters(), training)
     sched = optim.make_scheduler(opt, training, args.steps, lr_lambda)
@@ -474,6 +486,8 @@ def _train(
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
             hook = (lambda k=step + 1: fault.fire("save", k, rank)) if fault is not None else None
             checkpoint.save(ckpt_dir, step + 1, rt.module, opt, {**meta, "losses": prior + losses}, hook)
+    if getattr(args, "dump_params", ""):  # after the last step; a collective over every stage's ranks
+        _dump_params(args.dump_params, rt, tied)
     extra = {"losses_all": prior + losses, "restart_count": restart, "resumed_from": str(found[1]) if found else None}
     extra |= {"grad_norms": norms, "lrs": lrs, "backend": backend, "data": source.kind, "materialized": built.how}
     if scaler is not None:
@@ -665,6 +679,15 @@ def _dump_grads(root: str, step: int, rt: StageRuntime, tied: list[list[str]]) -
     if rt.coords == (0, 0) and root:
         os.makedirs(root, exist_ok=True)
         torch.save(grads, os.path.join(root, f"grads_step{step}_rank{rt.rank}.pt"))
+
+
+def _dump_params(root: str, rt: StageRuntime, tied: list[list[str]]) -> None:
+    """Full parameters by (canonical) FQN, written by each stage's rank at (dp, tp) = (0, 0)."""
+    canon = {n: names[0] for names in tied for n in names}
+    params = {canon.get(n, n): p for n, p in tpar.full_params(rt.module).items()}
+    if rt.coords == (0, 0) and root:
+        os.makedirs(root, exist_ok=True)
+        torch.save(params, os.path.join(root, f"params_rank{rt.rank}.pt"))
 
 
 def _report(
