@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from partita.backends.torch import parallel as tpar
+from partita.errors import PlanError
 
 ALLOCATE_ERRORS = (RuntimeError, NotImplementedError, TypeError, AttributeError, ValueError)
 
@@ -149,7 +150,7 @@ def retie(model: nn.Module, tied: Sequence[Sequence[str]]) -> None:
             mod_name, _, attr = n.rpartition(".")
             try:
                 mod = model.get_submodule(mod_name) if mod_name else model
-            except AttributeError:
+            except (AttributeError, PlanError):  # dropped, or inside another stage's ghost
                 continue
             if isinstance(mod._parameters.get(attr), nn.Parameter):
                 present.append((mod, attr))
