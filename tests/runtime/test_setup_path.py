@@ -7,6 +7,8 @@ function, ``materialize.setup_stage``, and a tied model's stages are tied again 
   module it returns; a path setting a stage up some other way leaves the count at 0 and fails;
 * the stage set up on meta and filled shard by shard (tp = 2 on a fake world of 2: each rank's local
   shard) equals the single-device reference's weights, sliced;
+* the rehearsal pairs every send between two rehearsed ranks with its receive (``rehearse.pair_p2p``),
+  and reports a deliberately unpaired send added to a generated 1F1B schedule;
 * the tied-embedding Qwen2 reproduction: a pipeline stage of a generic (non-adapter) model holds a
   ``Ghost`` of the other stage's tied module, whose ``getattr`` answers with that module's meta
   parameter; ``retie`` took it for a holder and raised ``KeyError: "attribute 'weight' already
@@ -33,7 +35,7 @@ from partita.backends.torch.emit import emit_torch
 from partita.frontends import torch_shim
 from partita.models.families import config, write_config
 from partita.models.zoo import resolve_model
-from tests.runtime.plans import make_plan
+from tests.runtime.plans import layout, make_plan
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -144,3 +146,39 @@ def test_retie_skips_a_ghost_of_the_tied_module(tmp_path: Path) -> None:
         after = dict(stage.named_parameters())
         assert after.keys() == held.keys() and all(after[n] is held[n] for n in held)
         assert all(p.device.type == "cpu" for p in after.values())
+
+
+def _pipeline_roles(tmp: Path) -> tuple[Any, list[int]]:
+    plan = layout("gpt2-tiny", "pp_1f1b")
+    (tmp / "plan.json").write_text(plan.to_json())
+    (tmp / "program_torch.py").write_text(emit_torch(plan, "gpt2-tiny"))
+    return torch_launch.load_program(tmp), [s.ranks[0] for s in plan.stages]
+
+
+def test_rehearsal_pairs_every_send_with_its_receive(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The roles of a 2-stage 1F1B pipeline, played in turn: every send meets its receive. Then a
+    deliberately unpaired send (stage 0 sends one more tensor to stage 1 after its schedule) is
+    reported, naming both ranks; a run would hang there."""
+    program, ranks = _pipeline_roles(tmp_path)
+    got = {r: rehearse.rehearse_rank(program, r) for r in ranks}
+    # 4 micro-batches: stage 0 sends each activation and receives its gradient, stage 1 the other way
+    assert [sum(op == k for op, _, _ in got[ranks[0]].p2p) for k in ("send", "recv")] == [4, 4]
+    assert [sum(op == k for op, _, _ in got[ranks[1]].p2p) for k in ("send", "recv")] == [4, 4]
+    assert rehearse.pair_p2p(got) == {}
+
+    real = torch_train.forward_backward
+
+    def extra_send(runner: Any, rt: Any, me: Any, *args: Any) -> Any:
+        out = real(runner, rt, me, *args)
+        if me["index"] == 0:
+            torch.distributed.send(torch.zeros(16), dst=ranks[1], group=rt.pp_group)
+        return out
+
+    monkeypatch.setattr(torch_train, "forward_backward", extra_send)
+    got = {r: rehearse.rehearse_rank(program, r) for r in ranks}
+    found = rehearse.pair_p2p(got)
+    assert set(found) == set(ranks), found
+    assert (
+        "has no receive" in found[ranks[0]][0]
+        and f"rank {ranks[0]} sends 5 tensors to rank {ranks[1]}" in found[ranks[0]][0]
+    )

@@ -75,6 +75,7 @@ class RankResult:
     memory_by_category: dict[str, int]
     flops: int
     seconds: float = 0.0
+    p2p: list[list[Any]] = dataclasses.field(default_factory=list)  # [op ("send"/"recv"), peer rank, bytes] in order
 
 
 # ---- recording -------------------------------------------------------------------------------------
@@ -110,6 +111,7 @@ class StepRecorder(torch_shim.TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.events: list[tuple[str, str | None, int]] = []
+        self.p2p: list[list[Any]] = []  # [op, peer (global rank), bytes], in issue order (pair_p2p)
         self.flops = 0
         self.entry_mode: Any = None
 
@@ -129,6 +131,8 @@ class StepRecorder(torch_shim.TorchDispatchMode):
         ev = fidelity.collective_event(func, args)
         if ev is not None:
             self.events.append(ev)
+            if ev[0] == "p2p":
+                self.p2p.append(_p2p_record(func, args, ev))
         else:
             formula = torch_shim.flop_formula(func)
             if formula is not None:
@@ -137,6 +141,48 @@ class StepRecorder(torch_shim.TorchDispatchMode):
 
     def summary(self, axes: Mapping[str, str]) -> dict[str, dict[str, float]]:
         return fidelity.summarize(self.events, axes)  # type: ignore[return-value]
+
+
+def _p2p_record(func: Any, args: Sequence[Any], ev: tuple[str, str | None, int]) -> list[Any]:
+    """``[op, peer, bytes]`` of a ``c10d.send`` / ``c10d.recv_`` (``(tensors, group, peer, tag)``): the
+    peer as a global rank (the op names it by its rank in the group)."""
+    op = "send" if "send" in str(func) else "recv"
+    peer = int(args[2]) if len(args) > 2 and isinstance(args[2], int) else -1
+    if ev[1] is not None and peer >= 0:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        try:
+            peer = dist.get_global_rank(_resolve_process_group(ev[1]), peer)
+        except (RuntimeError, ValueError, KeyError):
+            pass
+    return [op, peer, int(ev[2])]
+
+
+def pair_p2p(results: Mapping[int, RankResult]) -> dict[int, list[str]]:
+    """Every send between two rehearsed ranks has its receive, in order and of the same size (the
+    ranks' p2p records of the measured step: each pair's sends and receives are FIFO). Returns, per
+    rank, what does not pair: a send without its receive, a receive without its send, a size that
+    differs. A peer that was not rehearsed (a folded tp rank) is not checked."""
+    out: dict[int, list[str]] = {}
+    for a, ra in results.items():
+        for b, rb in results.items():
+            sends = [n for op, peer, n in ra.p2p if op == "send" and peer == b]
+            recvs = [n for op, peer, n in rb.p2p if op == "recv" and peer == a]
+            if sends == recvs:
+                continue
+            k = next((i for i, (x, y) in enumerate(zip(sends, recvs)) if x != y), min(len(sends), len(recvs)))
+            if k < len(sends) and k < len(recvs):
+                why = f"send {k + 1} of rank {a} to rank {b} is {_fmt(sends[k])}, rank {b} receives {_fmt(recvs[k])}"
+            elif k < len(sends):
+                why = (f"rank {a} sends {len(sends)} tensors to rank {b}, which receives {len(recvs)}: send {k + 1} "
+                       f"({_fmt(sends[k])}) has no receive (the pipeline would hang)")  # fmt: skip
+            else:
+                why = (f"rank {b} receives {len(recvs)} tensors from rank {a}, which sends {len(sends)}: receive "
+                       f"{k + 1} ({_fmt(recvs[k])}) has no send (the pipeline would hang)")  # fmt: skip
+            out.setdefault(a, []).append("p2p: " + why)
+            if b != a:
+                out.setdefault(b, []).append("p2p: " + why)
+    return out
 
 
 # ---- one rank ----------------------------------------------------------------------------------------
@@ -221,6 +267,7 @@ def _rehearse_rank(program: Any, rank: int) -> RankResult:
             memory_by_category=cats,
             flops=rec.flops,
             seconds=time.perf_counter() - t0,
+            p2p=rec.p2p,
         )
     finally:
         dist.destroy_process_group()
@@ -489,13 +536,18 @@ def _rehearse(plan: Plan, plan_dir: Path, program: Mapping[str, Any], progress: 
     # the program's stages are pipeline positions: a chunked plan's chunks of one rank group merged, their
     # records together (chunks.physical_plan), which is what one rank of the group issues
     view = physical_plan(plan)
+    # the roles played together: every send between two of them must meet its receive (pair_p2p)
+    unpaired = pair_p2p({r: v for r, v in got.items() if isinstance(v, RankResult)})
     stages = []
     for index, ranks in plan_roles.items():
         failure = next((got[r] for r in ranks if isinstance(got[r], str)), None)
         if failure is not None:
             stages.append(failed_stage(view.stages[index], ranks, str(failure)))
         else:
-            stages.append(compare_stage(view.stages[index], [got[r] for r in ranks]))  # type: ignore[misc]
+            rec = compare_stage(view.stages[index], [got[r] for r in ranks])  # type: ignore[misc]
+            rec["mismatches"] += [m for r in ranks for m in unpaired.get(r, [])]
+            rec["match"] = not rec["mismatches"]
+            stages.append(rec)
     return {"match": all(s["match"] for s in stages), "stages": stages}
 
 
