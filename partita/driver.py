@@ -472,6 +472,7 @@ def compile_to_dir(
     progress: bool = False,
 ) -> Compiled:
     t0 = time.perf_counter()
+    model = resolve_spec(model)  # a model path: absolute in the program (it runs in the plan directory)
     cl = parse_cluster(cluster, gpus_per_node)
     _check_training(training)
     ident = spec_identity(model)
@@ -541,7 +542,37 @@ def _cached_outputs(entry: Path, model: str, out: Path, key: str, t0: float) -> 
     if name not in got:
         return None
     program = (name, got[name])
+    if program_model(program[1]) != model:  # emitted for another path to the same content (or a moved file)
+        return None  # the slow path emits the program again for this spec (the plan itself is still a hit)
     return _write_outputs(plan, model, out, cache_hit=True, key=key, program=program, t0=t0)
+
+
+def resolve_spec(spec: str) -> str:
+    """A model spec naming a file or directory (``config.json``, a model directory, with an optional
+    ``#task``), made absolute: every command reads the spec from the program, which runs in the plan
+    directory. Zoo names and ``module:factory`` specs are returned unchanged."""
+    base, sep, task = spec.partition("#")
+    if base and ":" not in base and Path(base).exists():
+        return str(Path(base).resolve()) + sep + task
+    return spec
+
+
+def program_model(source: str) -> str | None:
+    """The model spec a generated program was emitted for (its ``PROGRAM["model"]``), read without
+    running it; None when the source has none."""
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "PROGRAM" for t in node.targets):
+            if isinstance(node.value, ast.Dict):
+                for k, v in zip(node.value.keys, node.value.values):
+                    if isinstance(k, ast.Constant) and k.value == "model" and isinstance(v, ast.Constant):
+                        return str(v.value)
+    return None
 
 
 def _check_training(training: Any) -> None:
@@ -687,6 +718,15 @@ def _write_outputs(
     if program is not None:
         contents[program[0]] = program[1]
         files["program"] = str(out / program[0])
+    if framework == "torch" and program is not None:  # beside a multi-node program: its launch files
+        from partita.backends.torch import launch as torch_launch
+
+        for name, text in torch_launch.launch_files(plan).items():
+            contents[name] = text
+            files[name] = str(out / name)
+        for old in [*out.glob("launch_*.sh"), out / torch_launch.SBATCH_FILE]:
+            if old.name not in contents:
+                old.unlink(missing_ok=True)  # a previous plan's, in this directory
     contents[CACHE_FILE] = json.dumps({"key": key, "model": model_spec}, indent=1) + "\n"
     _write_all(out, contents)  # every file whole, or none (emitted before the first is written)
     return Compiled(out, plan, cache_hit, files, elapsed_s if t0 is None else time.perf_counter() - t0)
@@ -753,6 +793,7 @@ def compile_layout(
     hand-made layout (``search/entry/hand_plan.py``), priced as ``evaluate`` prices it; no search, no cache.
     A layout that cannot be built raises ``ConfigError`` before anything is written."""
     t0 = time.perf_counter()
+    model = resolve_spec(model)  # a model path: absolute in the program (it runs in the plan directory)
     _check_training(training)
     cl = parse_cluster(cluster, gpus_per_node)  # validate the cheap inputs before tracing
     from partita.search.entry.hand_plan import hand_plan

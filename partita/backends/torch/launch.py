@@ -178,6 +178,101 @@ def _per_node(
     return out
 
 
+# ---- launch files beside a multi-node program ----------------------------------------------------
+SBATCH_FILE = "launch.sbatch"
+
+
+def group_script_name(device: str) -> str:
+    """``launch_<device type>.sh`` (lower case, characters a file name keeps)."""
+    return "launch_" + "".join(c if c.isalnum() or c in "-_." else "_" for c in device.lower()) + ".sh"
+
+
+def node_groups(plan: Plan) -> list[tuple[str, list[int], list[tuple[int, ...]]]]:
+    """``(device type, node ranks, plan ranks per node)`` per device type, in order of its first node
+    (the group holding node rank 0 first): the plan's nodes (``hosts.plan_nodes``) grouped by type."""
+    from partita.backends.torch import hosts
+
+    out: dict[str, tuple[list[int], list[tuple[int, ...]]]] = {}
+    for k, (dev, ranks) in enumerate(hosts.plan_nodes(plan)):
+        got = out.setdefault(dev, ([], []))
+        got[0].append(k)
+        got[1].append(ranks)
+    return [(d, ks, rs) for d, (ks, rs) in out.items()]
+
+
+def launch_files(plan: Plan, program: str = PROGRAM_FILE) -> dict[str, str]:
+    """The files written beside the program of a plan on several nodes (none for one node): one
+    launch script per node group by device type (``launch_<type>.sh``: the static-rendezvous torchrun
+    command of the group's i-th node, with its node rank and process count) and ``launch.sbatch``, a
+    SLURM heterogeneous job with one component per device type, each running its group's script."""
+    groups = node_groups(plan)
+    total = sum(len(ks) for _, ks, _ in groups)
+    if total < 2:
+        return {}
+    files: dict[str, str] = {}
+    for dev, ks, ranks in groups:
+        name = group_script_name(dev)
+        lines = [
+            "#!/usr/bin/env bash",
+            f"# Partita launch of the {dev} nodes of this plan: {len(ks)} of its {total} nodes. Node i of this group",
+            "# (0-based; $SLURM_NODEID under launch.sbatch, else $PARTITA_NODE_INDEX) is node rank NODE_RANKS[i] of",
+            "# the static rendezvous at $MASTER_ADDR (the host of node rank 0) and runs these plan ranks:",
+            *(f"#   node {i}: node rank {k}, plan ranks {r[0]}..{r[-1]} ({len(r)} processes)" for i, (k, r) in
+              enumerate(zip(ks, ranks))),
+            "# Usage on each node: MASTER_ADDR=HOST PARTITA_NODE_INDEX=i bash " + name + " --steps N",
+            "set -euo pipefail",
+            'cd "$(dirname "${BASH_SOURCE[0]}")"',
+            "NODE_RANKS=(" + " ".join(str(k) for k in ks) + ")",
+            "NPROCS=(" + " ".join(str(len(r)) for r in ranks) + ")",
+            'i="${PARTITA_NODE_INDEX:-${SLURM_NODEID:-}}"',
+            'if [ -z "$i" ] || [ "$i" -ge ${#NODE_RANKS[@]} ]; then',
+            f'  echo "{name}: set PARTITA_NODE_INDEX to this node\'s index in the {dev} group (0..{len(ks) - 1})" >&2',
+            "  exit 2",
+            "fi",
+            ': "${MASTER_ADDR:?set MASTER_ADDR to the host of node rank 0}"',
+            f'exec "${{PYTHON:-python}}" -m torch.distributed.run --nnodes {total} --node-rank "${{NODE_RANKS[$i]}}" \\',
+            '  --nproc-per-node "${NPROCS[$i]}" --master-addr "$MASTER_ADDR" --master-port "${MASTER_PORT:-29500}" \\',
+            f'  {program} "$@"',
+            "",
+        ]  # fmt: skip
+        files[name] = "\n".join(lines)
+    head = ["#!/bin/bash", "# Partita: a SLURM heterogeneous job, one component per device type of the plan."]
+    head.append("# Submit from the plan directory: cd DIR && sbatch launch.sbatch --steps N")
+    head.append("#SBATCH --job-name=partita")
+    for c, (dev, ks, ranks) in enumerate(groups):
+        if c:
+            head.append("#SBATCH hetjob")
+        gpus = f" --gpus-per-node={max(len(r) for r in ranks)}" if _is_gpu(plan, dev) else ""
+        head.append(f"# component {c}: {len(ks)} {dev} node(s) (add the --partition / --constraint that selects them)")
+        head.append(f"#SBATCH --nodes={len(ks)} --ntasks-per-node=1 --exclusive{gpus}")
+    body = [
+        "set -euo pipefail",
+        'cd "${SLURM_SUBMIT_DIR:-.}"',
+        'export MASTER_ADDR="$(scontrol show hostnames "${SLURM_JOB_NODELIST_HET_GROUP_0:-$SLURM_JOB_NODELIST}" | head -n 1)"',
+        'export MASTER_PORT="${MASTER_PORT:-29500}"',
+        *(f'srun --het-group={c} bash {group_script_name(dev)} "$@" &' for c, (dev, _, _) in enumerate(groups)),
+        "wait",
+        "",
+    ]
+    files[SBATCH_FILE] = "\n".join(head + body)
+    return files
+
+
+def _is_gpu(plan: Plan, device: str) -> bool:
+    from partita.backends.torch import hosts
+
+    return str(hosts.device_spec(plan, device).get("kind", "gpu")) != "cpu"
+
+
+def run_line(plan: Plan) -> str:
+    """The program header's launch line: torchrun on one node, the launch files for several."""
+    groups = node_groups(plan)
+    if sum(len(ks) for _, ks, _ in groups) < 2:
+        return f"torchrun --nproc-per-node {plan.world_size} program_torch.py --steps N"
+    parts = ", ".join(f"{group_script_name(d)} on the {len(ks)} {d} node(s)" for d, ks, _ in groups)
+    return f"cd DIR && sbatch {SBATCH_FILE} --steps N  (SLURM heterogeneous job), or {parts}"
+
+
 def _check_uniform_nodes(plan: Plan, nnodes: int) -> None:
     """One command for every node places ranks by arrival order: right only for one device type."""
     from partita.backends.torch import hosts

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import types
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -46,9 +45,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from partita.backends.torch import fidelity, materialize, moe, optim
+from partita.backends.torch import fidelity, materialize, optim
 from partita.backends.torch import parallel as tpar
-from partita.backends.torch import stages as torch_stages
 from partita.backends.torch import train as torch_train
 from partita.backends.torch.chunks import physical_plan
 from partita.backends.torch.schedule import replica_ranges
@@ -77,6 +75,7 @@ class RankResult:
     memory_by_category: dict[str, int]
     flops: int
     seconds: float = 0.0
+    p2p: list[list[Any]] = dataclasses.field(default_factory=list)  # [op ("send"/"recv"), peer rank, bytes] in order
 
 
 # ---- recording -------------------------------------------------------------------------------------
@@ -112,6 +111,7 @@ class StepRecorder(torch_shim.TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.events: list[tuple[str, str | None, int]] = []
+        self.p2p: list[list[Any]] = []  # [op, peer (global rank), bytes], in issue order (pair_p2p)
         self.flops = 0
         self.entry_mode: Any = None
 
@@ -131,6 +131,8 @@ class StepRecorder(torch_shim.TorchDispatchMode):
         ev = fidelity.collective_event(func, args)
         if ev is not None:
             self.events.append(ev)
+            if ev[0] == "p2p":
+                self.p2p.append(_p2p_record(func, args, ev))
         else:
             formula = torch_shim.flop_formula(func)
             if formula is not None:
@@ -139,6 +141,48 @@ class StepRecorder(torch_shim.TorchDispatchMode):
 
     def summary(self, axes: Mapping[str, str]) -> dict[str, dict[str, float]]:
         return fidelity.summarize(self.events, axes)  # type: ignore[return-value]
+
+
+def _p2p_record(func: Any, args: Sequence[Any], ev: tuple[str, str | None, int]) -> list[Any]:
+    """``[op, peer, bytes]`` of a ``c10d.send`` / ``c10d.recv_`` (``(tensors, group, peer, tag)``): the
+    peer as a global rank (the op names it by its rank in the group)."""
+    op = "send" if "send" in str(func) else "recv"
+    peer = int(args[2]) if len(args) > 2 and isinstance(args[2], int) else -1
+    if ev[1] is not None and peer >= 0:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        try:
+            peer = dist.get_global_rank(_resolve_process_group(ev[1]), peer)
+        except (RuntimeError, ValueError, KeyError):
+            pass
+    return [op, peer, int(ev[2])]
+
+
+def pair_p2p(results: Mapping[int, RankResult]) -> dict[int, list[str]]:
+    """Every send between two rehearsed ranks has its receive, in order and of the same size (the
+    ranks' p2p records of the measured step: each pair's sends and receives are FIFO). Returns, per
+    rank, what does not pair: a send without its receive, a receive without its send, a size that
+    differs. A peer that was not rehearsed (a folded tp rank) is not checked."""
+    out: dict[int, list[str]] = {}
+    for a, ra in results.items():
+        for b, rb in results.items():
+            sends = [n for op, peer, n in ra.p2p if op == "send" and peer == b]
+            recvs = [n for op, peer, n in rb.p2p if op == "recv" and peer == a]
+            if sends == recvs:
+                continue
+            k = next((i for i, (x, y) in enumerate(zip(sends, recvs)) if x != y), min(len(sends), len(recvs)))
+            if k < len(sends) and k < len(recvs):
+                why = f"send {k + 1} of rank {a} to rank {b} is {_fmt(sends[k])}, rank {b} receives {_fmt(recvs[k])}"
+            elif k < len(sends):
+                why = (f"rank {a} sends {len(sends)} tensors to rank {b}, which receives {len(recvs)}: send {k + 1} "
+                       f"({_fmt(sends[k])}) has no receive (the pipeline would hang)")  # fmt: skip
+            else:
+                why = (f"rank {b} receives {len(recvs)} tensors from rank {a}, which sends {len(sends)}: receive "
+                       f"{k + 1} ({_fmt(recvs[k])}) has no send (the pipeline would hang)")  # fmt: skip
+            out.setdefault(a, []).append("p2p: " + why)
+            if b != a:
+                out.setdefault(b, []).append("p2p: " + why)
+    return out
 
 
 # ---- one rank ----------------------------------------------------------------------------------------
@@ -171,14 +215,11 @@ def _rehearse_rank(program: Any, rank: int) -> RankResult:
                     pp_group = g
         handle = resolve_model(prog["model"])
         x0, _ = torch_train.make_batch(handle, {**training, "global_batch": 1}, 0, 0)
-        # train._train's materialization (materialize.materialize): meta build, boundary shapes on meta,
-        # other stages' layers dropped. The stage is then set up on meta (split_stage, tp, FSDP2) and
-        # allocated by to_empty under the fake mode (FACTS.md's recipe); the initializer is skipped
-        model = handle.build("meta")
-        tied = tpar.tied_groups(model)
-        with _shape_only_experts(model):  # chunks: per virtual stage
-            boundary = materialize.boundary_shapes(model, torch_train.stage_cuts(prog), x0)
-        materialize._drop_other_layers(model, me["layers"], [n for s in stages for n in s["layers"]])
+        # train._train's setup path (materialize.build_stage, materialize.setup_stage): meta build, boundary
+        # shapes on meta, other stages' layers dropped, the program's setup_stage on meta, to_empty, the
+        # tied parameters tied again; to_empty runs under the fake mode here and nothing is filled
+        built = materialize.build_stage(handle, 0, torch_train.stage_cuts(prog), me["layers"], x0, fallback=False)
+        model, tied, boundary = built.model, built.tied, built.boundary
         tied_group, tied_n = torch_train._tied_group(model, tied, stages, rank)
         fake = torch_shim.fake_tensor_mode()
         # one real row (tiny): a masked-LM target count is counted from its labels (num_targets)
@@ -188,24 +229,21 @@ def _rehearse_rank(program: Any, rank: int) -> RankResult:
             torch_train.shift_labels(handle),
         )
         mesh = meshes[me["index"]]
-        meta = torch.device("meta")
-        rt = torch_train.StageRuntime(prog, me, rank, meta, mesh, loss_fn, boundary, (x0.shape[1:], x0.dtype))
+        rt = torch_train.StageRuntime(prog, me, rank, cpu, mesh, loss_fn, boundary, (x0.shape[1:], x0.dtype))
         rt.pp_group = pp_group
-        rt.module = program.SETUP_STAGE[me["index"]](model, rt)
+
+        @contextlib.contextmanager
+        def allocate() -> Iterator[None]:  # to_empty allocates fake tensors (FACTS.md's recipe)
+            with fake:
+                fake.allow_non_fake_inputs = True
+                try:
+                    yield
+                finally:
+                    fake.allow_non_fake_inputs = False
+
+        setup = program.SETUP_STAGE[me["index"]]
+        rt.module = materialize.setup_stage(built, setup, rt, cpu, fill=False, allocate=allocate)
         with fake:
-            fake.allow_non_fake_inputs = True
-            rt.module.to_empty(device=cpu)
-            if not rt.fsdp_modules:
-                # tied again, as train._train's materialize.retie after its to_empty, before the stage's
-                # setup (tp.apply keeps a tied DTensor one object): a V plan's rank group holding wte and
-                # lm_head once counted the tied gradient twice, at tp = 2 the parameter too
-                materialize.retie(rt.module, tied)
-            fake.allow_non_fake_inputs = False
-            rt.device = cpu
-            if isinstance(rt.module, tpar.StageModule):
-                rt.module.ctx.device = cpu
-            elif isinstance(rt.module, torch_stages.GenericStage):  # its ghosts' zeros: where the stage runs
-                rt.module.__dict__["_device"] = cpu
             runner: Any = program.make_runner(rt)
             if isinstance(runner, _torch_pipeline()):
                 x, out = rt.examples()
@@ -229,26 +267,10 @@ def _rehearse_rank(program: Any, rank: int) -> RankResult:
             memory_by_category=cats,
             flops=rec.flops,
             seconds=time.perf_counter() - t0,
+            p2p=rec.p2p,
         )
     finally:
         dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def _shape_only_experts(model: torch.nn.Module) -> Iterator[None]:
-    """MoE experts modules return an empty tensor of their input's shape while the boundary shapes are
-    computed on the meta device: the model's own routing loops over the experts a router picked
-    (``nonzero``, ``.item()``), which meta tensors cannot answer; an experts module's output has its
-    input's shape and dtype. (A real run computes them on real values when meta fails:
-    ``materialize.materialize``; the stage itself runs ``moe.py``, balanced under fake tensors.)"""
-    patched = [m for m in model.modules() if moe.is_experts_module(m)]
-    for m in patched:
-        m.forward = types.MethodType(lambda _self, h, *_a, **_k: torch.empty_like(h), m)
-    try:
-        yield
-    finally:
-        for m in patched:
-            del m.forward
 
 
 @contextlib.contextmanager
@@ -275,32 +297,7 @@ def _layer_norm_as_on_cuda() -> Iterator[None]:
         fn.layer_norm = original  # type: ignore[assignment]
 
 
-@contextlib.contextmanager
-def _unpacked_sequences() -> Iterator[None]:
-    """Hugging Face's causal-mask builder reads the position ids' values to detect packed sequences
-    (``masking_utils.find_packed_sequence_indices``: a ``.all()`` on the ids), which meta and fake
-    tensors do not have. The program's batches hold one sequence per row (``train.make_batch``), for
-    which that function answers None: the rehearsal gives that answer without reading values."""
-    try:
-        from transformers import masking_utils
-    except ImportError:  # no transformers: no Hugging Face model to rehearse
-        yield
-        return
-    original = getattr(masking_utils, "find_packed_sequence_indices", None)
-    if original is None:
-        yield
-        return
-
-    def find(position_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if position_ids.device.type == "meta" or torch_shim.is_fake(position_ids):
-            return None
-        return original(position_ids, *args, **kwargs)
-
-    masking_utils.find_packed_sequence_indices = find
-    try:
-        yield
-    finally:
-        masking_utils.find_packed_sequence_indices = original
+_unpacked_sequences = materialize.unpacked_sequences  # moved: the setup path uses it too
 
 
 def _torch_pipeline() -> Any:
@@ -539,13 +536,18 @@ def _rehearse(plan: Plan, plan_dir: Path, program: Mapping[str, Any], progress: 
     # the program's stages are pipeline positions: a chunked plan's chunks of one rank group merged, their
     # records together (chunks.physical_plan), which is what one rank of the group issues
     view = physical_plan(plan)
+    # the roles played together: every send between two of them must meet its receive (pair_p2p)
+    unpaired = pair_p2p({r: v for r, v in got.items() if isinstance(v, RankResult)})
     stages = []
     for index, ranks in plan_roles.items():
         failure = next((got[r] for r in ranks if isinstance(got[r], str)), None)
         if failure is not None:
             stages.append(failed_stage(view.stages[index], ranks, str(failure)))
         else:
-            stages.append(compare_stage(view.stages[index], [got[r] for r in ranks]))  # type: ignore[misc]
+            rec = compare_stage(view.stages[index], [got[r] for r in ranks])  # type: ignore[misc]
+            rec["mismatches"] += [m for r in ranks for m in unpaired.get(r, [])]
+            rec["match"] = not rec["mismatches"]
+            stages.append(rec)
     return {"match": all(s["match"] for s in stages), "stages": stages}
 
 

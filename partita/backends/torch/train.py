@@ -396,9 +396,9 @@ def _train(
 
     handle = resolve_model(program["model"])
     x0, _ = make_batch(handle, {**training, "global_batch": 1}, args.data_seed, 0)
-    # meta build, only this stage's layers allocated; boundary shapes from meta tensors (materialize.py)
+    # meta build, boundary shapes from meta tensors; the stage is set up below (materialize.py)
     cut = stage_cuts(program)  # model chunks (interleaved 1F1B, ZB-V): boundaries per virtual stage
-    built = materialize.materialize(handle, args.seed, cut, me["layers"], x0)
+    built = materialize.build_stage(handle, args.seed, cut, me["layers"], x0)
     model, tied, boundary = built.model, built.tied, built.boundary
     tied_group, tied_n = _tied_group(model, tied, stages, rank)
     _, y1 = make_batch(handle, {**training, "global_batch": 1}, args.data_seed, 0)
@@ -411,7 +411,8 @@ def _train(
         loss_fn = scaler.wrap(loss_fn)
     rt = StageRuntime(program, me, rank, device, meshes[me["index"]], loss_fn, boundary, (x0.shape[1:], x0.dtype))
     rt.pp_group = pp_group
-    rt.module = setup_stage[me["index"]](model, rt)
+    # setup_stage on meta, to_empty(device), each parameter's local shard filled (the rehearsal's path too)
+    rt.module = materialize.setup_stage(built, setup_stage[me["index"]], rt, device)
     tpar.check_dp_units(rt.module, me["dp"], me["zero_stage"])  # every parameter in one dp unit (issue 31)
     tpar.refuse_batch_stats(model, any(s["dp"] > 1 for s in stages) or int(program["num_micro_batches"]) > 1)
     runner = make_runner(rt)
