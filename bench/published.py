@@ -185,6 +185,7 @@ def evaluate_row(r: dict, eff: Efficiency | None = None) -> Evaluation:
         num_virtual=v,
         sequence_parallel=bool(r["sequence_parallel"]),
         costs=costs,
+        tp_style="megatron",  # the rows ran Megatron-LM's tensor parallelism (MosaicML's: tp=1), not ours
     )
 
 

@@ -74,6 +74,16 @@ class Evaluation:
         return dataclasses.asdict(self)
 
 
+def tp_style_of(graph: Graph) -> str:
+    """The tensor parallelism the emitted program runs, so the style every entry prices a layout with
+    (issue 32: ``partita evaluate`` and ``partita compile`` of one layout print one number): the torch
+    program's module roles for a torch graph (``backends/torch/tp.py``), Megatron's for a JAX one.
+    ``search/entry/hand_plan.py`` (compile) and ``driver.evaluate_model`` (evaluate) both call it;
+    ``evaluate_config``'s ``tp_style`` argument stays for the benchmarks that price *another* stack's
+    program (Megatron-LM's rows in ``bench/costmodel_accuracy.py`` and ``bench/published.py``)."""
+    return "torch" if graph.meta.get("framework") != "jax" else "megatron"
+
+
 def block_kind(graph: Graph) -> str:
     """The most repeated layer kind (the transformer block)."""
     kinds = [lay.kind for lay in graph.layers]
