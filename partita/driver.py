@@ -760,7 +760,7 @@ def evaluate_model(
 ) -> Any:
     _check_training(training)
     cl = parse_cluster(cluster, gpus_per_node)  # validate the cheap inputs before tracing
-    from partita.search.entry.evaluate import check_sequence_parallel, evaluate_config
+    from partita.search.entry.evaluate import check_sequence_parallel, evaluate_config, tp_style_of
 
     check_sequence_parallel(sequence_parallel)
 
@@ -777,6 +777,7 @@ def evaluate_model(
         recompute=recompute,
         schedule=schedule,
         num_virtual=num_virtual,
+        tp_style=tp_style_of(traced.graph),  # the program's tp, as compile_layout prices it (issue 32)
     )
 
 

@@ -29,7 +29,7 @@ def test_tp_dims_reads_heads_and_weight_dims(g12) -> None:  # noqa: ANN001
     [
         ({"tp": 5}, r"attention heads 12.*not divisible by 5.*1, 2, 3, 4, 6"),
         ({"tp": 8, "dp": 2, "pp": 1}, r"dp\*tp\*pp = 16 exceeds the cluster's 8 devices.*dp=1 fits"),
-        ({"pp": 3}, r"4 blocks do not split into pp=3"),
+        ({"pp": 5}, r"4 blocks do not split into pp=5 stages: every stage needs at least one"),
         ({"dp": 3}, r"global batch 16 is not a multiple"),
         ({"pp": 2, "num_virtual": 2}, r"virtual stages need the interleaved_1f1b schedule"),
         ({"pp": 2, "num_virtual": 4, "schedule": "interleaved_1f1b"}, r"4 blocks do not split into pp=2 stages of 4"),
@@ -180,3 +180,21 @@ def test_zb_h1_refuses_what_no_runtime_runs_and_the_cli_accepts_it(g12, capsys) 
     assert main([*argv, "--pp", "2", "--dp", "2", "--schedule", "zb_h1", "--zero", "3"]) == 2
     err = capsys.readouterr().err
     assert "ZeRO-3" in err and "Fix:" in err and "Traceback" not in err
+
+
+def test_uneven_stage_split_is_priced_with_lighter_end_stages(g12) -> None:  # noqa: ANN001
+    """Issue 32: a layer count pp does not divide (Llama 3 405B: 126 layers on 16 stages) is a layout
+    that ran; the end stages hold one block fewer, and compile builds the very ranges evaluate priced."""
+    from partita.search.entry.evaluate import blocks_per_stage, megatron_split
+    from partita.search.entry.hand_plan import hand_plan
+
+    assert blocks_per_stage(126, 16) == [7] + [8] * 14 + [7]
+    assert blocks_per_stage(4, 3) == [1, 2, 1] and blocks_per_stage(5, 3) == [1, 2, 2]
+    cl = parse_cluster("8xA100-80G")
+    kw = {"tp": 1, "pp": 3, "dp": 2, "micro_batch": 1}
+    ev = evaluate_config(g12, cl, TR, **kw)
+    assert any("one fewer on stages 0, 2" in n for n in ev.notes)
+    blocks = [sum(lay.kind == g12.layers[1].kind for lay in g12.layers[a:b]) for a, b in megatron_split(g12, 3)]
+    assert blocks == [1, 2, 1]
+    plan = hand_plan(g12, cl, TR, **kw)
+    assert [len(s.layers) for s in plan.stages] == [b - a for a, b in megatron_split(g12, 3)]

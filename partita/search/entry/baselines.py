@@ -22,7 +22,7 @@ from partita.cluster import Cluster, NodeGroup
 from partita.errors import ConfigError
 from partita.ir import Graph
 from partita.plan import Plan
-from partita.search.entry.evaluate import Evaluation, evaluate_config
+from partita.search.entry.evaluate import Evaluation, block_kind, evaluate_config
 from partita.search.entry.planner import DEFAULT_OPTIONS, Option, Search, plan_graph, powers_of_two
 from partita.search.pipeline import schedule as sched
 from partita.search.pipeline.stage_cost import SolverCosts
@@ -57,8 +57,9 @@ def megatron_grid(
     n = cluster.num_devices
     gpn = cluster.gpus_per_node(cluster.device_types()[0].name)
     best, count = None, 0
+    blocks = sum(lay.kind == block_kind(graph) for lay in graph.layers)
     for tp in powers_of_two(min(8, gpn)):
-        for pp in range(1, n // tp + 1):
+        for pp in (p for p in range(1, n // tp + 1) if blocks % p == 0):  # the grid's even splits only
             for dp in powers_of_two(n // (tp * pp)):
                 for b in powers_of_two(max_micro_batch):
                     if training.global_batch % (b * dp):

@@ -2,13 +2,14 @@
 
 Used by ``partita evaluate``, the Megatron-grid baseline (``search/entry/baselines.py``) and the
 cost-model accuracy benchmark (``bench/costmodel_accuracy.py``). Stages split the repeated blocks
-evenly (Megatron's rule); the first stage also holds the layers before the first block (embedding),
+evenly (Megatron's rule; when ``pp`` does not divide them, the end stages hold one block fewer first,
+:func:`blocks_per_stage`); the first stage also holds the layers before the first block (embedding),
 the last the layers after the last block (head). Every stage runs on the cluster's first device type.
 
 A layout that cannot be built is refused with one :class:`~partita.errors.ConfigError` before
 anything is priced (:func:`check_layout`): attention heads, key/value heads or block weight dims
-not divisible by ``tp``; ``dp * tp * pp`` above the devices of the type that runs it; blocks that do not split into ``pp``
-stages (times ``num_virtual`` chunks); virtual stages without the interleaved schedule; a
+not divisible by ``tp``; ``dp * tp * pp`` above the devices of the type that runs it; more stages than blocks,
+or blocks that do not split evenly into ``pp`` stages of ``num_virtual`` chunks; virtual stages without the interleaved schedule; a
 zero-bubble schedule (``zb_h1``) with ZeRO-2/3 or recompute, which no runtime runs
 (:func:`check_split_backward`). Under ``zb_h1`` each stage's deferred weight gradients are priced
 with its own layers (``search/pipeline/zero_bubble.py``), as the planner prices them.
@@ -74,23 +75,50 @@ class Evaluation:
         return dataclasses.asdict(self)
 
 
+def tp_style_of(graph: Graph) -> str:
+    """The tensor parallelism the emitted program runs, so the style every entry prices a layout with
+    (issue 32: ``partita evaluate`` and ``partita compile`` of one layout print one number): the torch
+    program's module roles for a torch graph (``backends/torch/tp.py``), Megatron's for a JAX one.
+    ``search/entry/hand_plan.py`` (compile) and ``driver.evaluate_model`` (evaluate) both call it;
+    ``evaluate_config``'s ``tp_style`` argument stays for the benchmarks that price *another* stack's
+    program (Megatron-LM's rows in ``bench/costmodel_accuracy.py`` and ``bench/published.py``)."""
+    return "torch" if graph.meta.get("framework") != "jax" else "megatron"
+
+
 def block_kind(graph: Graph) -> str:
     """The most repeated layer kind (the transformer block)."""
     kinds = [lay.kind for lay in graph.layers]
     return max(set(kinds), key=lambda k: (kinds.count(k), -kinds.index(k)))
 
 
+def blocks_per_stage(n: int, pp: int) -> list[int]:
+    """Blocks on each of ``pp`` stages: ``n / pp`` each when it divides; else ``ceil(n / pp)`` each,
+    one block fewer on the end stages first (stage 0, stage pp-1, stage 1, stage pp-2, ...), which
+    also hold the embedding and the head: Megatron-LM's uneven split (``--decoder-first-pipeline-num-layers``
+    / ``--decoder-last-pipeline-num-layers``; Llama 3 405B ran 126 layers on 16 stages, 7 on the first and
+    last). ConfigError when a stage would get none."""
+    if pp > n:
+        raise ConfigError(
+            f"{n} blocks do not split into pp={pp} stages: every stage needs at least one block.",
+            f"use pp <= {n}.",
+        )
+    per = -(-n // pp)
+    counts = [per] * pp
+    ends = [i // 2 if i % 2 == 0 else pp - 1 - i // 2 for i in range(pp)]  # 0, pp-1, 1, pp-2, ...
+    for i in ends[: per * pp - n]:
+        counts[i] -= 1
+    return counts
+
+
 def megatron_split(graph: Graph, pp: int) -> list[tuple[int, int]]:
-    """Layer-index ranges of ``pp`` stages: blocks split evenly, pre/post layers on the ends."""
+    """Layer-index ranges of ``pp`` stages: blocks split by :func:`blocks_per_stage` (evenly when
+    ``pp`` divides them), pre/post layers on the ends."""
     kinds = [lay.kind for lay in graph.layers]
     block = block_kind(graph)
     idx = [i for i, k in enumerate(kinds) if k == block]
-    first, last, n = idx[0], idx[-1], len(idx)
-    if n % pp:
-        divisors = [d for d in range(1, n + 1) if n % d == 0]
-        raise ConfigError(f"{n} blocks do not split into pp={pp} stages.", f"use a divisor of {n}: {divisors}.")
-    per = n // pp
-    bounds = [first + i * per for i in range(pp)] + [last + 1]
+    first, last = idx[0], idx[-1]
+    counts = blocks_per_stage(len(idx), pp)
+    bounds = [first + sum(counts[:i]) for i in range(pp)] + [last + 1]
     bounds[0], bounds[-1] = 0, len(kinds)
     return [(bounds[i], bounds[i + 1]) for i in range(pp)]
 
@@ -209,7 +237,14 @@ def check_layout(
                 f"{n} blocks do not split into pp={pp} stages of {num_virtual} virtual chunks each.",
                 f"use pp * virtual stages dividing {n}.",
             )
-    megatron_split(graph, pp)  # pp must divide the blocks
+    n_blocks = sum(lay.kind == block_kind(graph) for lay in graph.layers)
+    counts = blocks_per_stage(n_blocks, pp)  # every stage holds at least one block
+    if len(set(counts)) > 1:
+        notes.append(
+            f"{n_blocks} blocks on {pp} stages: {max(counts)} per stage, one fewer on stages "
+            f"{', '.join(str(i) for i, c in enumerate(counts) if c < max(counts))} (the end stages first, which also "
+            "hold the embedding and the head, as Megatron-LM's uneven split)."
+        )
     for t in sorted({t for t in tps if vocab and vocab % t}):
         notes.append(
             f"vocabulary {vocab} is not divisible by tp={t}: the embedding and output layer stay replicated on the "

@@ -23,7 +23,7 @@ import numpy as np
 from partita.cluster import Cluster
 from partita.errors import ConfigError
 from partita.ir import Graph
-from partita.search.entry.evaluate import block_kind, check_layout, megatron_split, tp_dims
+from partita.search.entry.evaluate import block_kind, check_layout, megatron_split, tp_dims, tp_style_of
 from partita.search.entry.planner import Option, Search, powers_of_two
 from partita.search.pipeline import schedule as sched
 from partita.search.pipeline.stage_cost import SolverCosts
@@ -31,12 +31,6 @@ from partita.search.pricing.config import SearchOptions, TrainingConfig
 from partita.search.program.plan_build import Candidate, StagePick
 
 SCHEDULE = "1f1b"
-
-
-def tp_style_of(graph: Graph) -> str:
-    """The tensor parallelism ``partita compile --tp`` emits (``search/entry/hand_plan.py``): the torch
-    program's module roles for a torch graph, Megatron's for a JAX one."""
-    return "torch" if graph.meta.get("framework") != "jax" else "megatron"
 
 
 def _layouts(graph: Graph, cluster: Cluster, training: TrainingConfig, max_micro_batch: int) -> list[tuple]:

@@ -22,7 +22,7 @@ import numpy as np
 from partita.cluster import Cluster
 from partita.ir import Graph
 from partita.plan import Plan
-from partita.search.entry.evaluate import check_layout, megatron_split, stage_tps
+from partita.search.entry.evaluate import check_layout, megatron_split, stage_tps, tp_style_of
 from partita.search.entry.planner import Option, Search
 from partita.search.pipeline import schedule as sched
 from partita.search.pipeline.stage_cost import SolverCosts
@@ -81,9 +81,7 @@ def hand_plan(
     tps = stage_tps(tp, pp)
     opts = SearchOptions(zero_stages=(zero_stage,), recompute=(recompute,), max_layer_units=0, max_tp=max(tps))
     # the program's own tp (issue 15 item 1): torch graphs take the roles backends/torch/tp.py builds
-    costs = SolverCosts(
-        graph, cluster, training, tp_style="torch" if graph.meta.get("framework") != "jax" else "megatron"
-    )
+    costs = SolverCosts(graph, cluster, training, tp_style=tp_style_of(graph))  # evaluate_model's too
     search = Search(graph, cluster, training, opts, costs, None)
     dev = cluster.device_types()[0]
     m = training.global_batch // (micro_batch * dp)
