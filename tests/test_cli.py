@@ -181,8 +181,10 @@ def test_ctrl_c_inside_a_weakref_callback_still_ends_the_command(tmp_path) -> No
     ], p.stderr
 
 
-def test_evaluate_prints_memory_readably(capsys) -> None:
+def test_evaluate_prints_memory_readably(capsys, monkeypatch) -> None:
     import re
+
+    monkeypatch.setenv("COLUMNS", "160")  # the per-stage table's headers unwrapped
 
     argv = ["evaluate", "gpt2-tiny", "--cluster", "4xA100-80G", "--global-batch", "8", "--seq", "32", "--dp", "4"]
     assert main(argv) == 0

@@ -785,7 +785,7 @@ _HUGE = "100000000000000000000"
 
 NEW_CASES: list[Case] = [
     # ---- no upper bounds -------------------------------------------------------------------------
-    _bound("huge-device-count", "a device count of 10^8", _compile("100000000xA100"),
+    _bound("huge-device-count", "a device count of 10^8", _compile("100000000xA100-80G"),
            ("100,000,000 devices", "1,048,576", "smaller cluster"), "slow: SystemError / MemoryError after a minute"),
     _bound("huge-node-count-file", "num_nodes: 10^12 in a cluster file", _C["nan"][1],
            ("8,000,000,000,000 devices", "smaller cluster"), "slow: MemoryError",

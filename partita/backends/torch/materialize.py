@@ -235,7 +235,7 @@ def unpacked_sequences() -> Iterator[None]:
 
 
 def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
+    from partita.frontends.torch_shim import is_fake
 
     return bool(is_fake(t))
 
