@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from partita.errors import ConfigError, PartitaError
+from partita.outputs import _check_cache_dir, _check_out_dir, _check_writable_target, os_error_text
 
 DEFAULT_MODEL = "gpt3-6.7b"
 DEFAULT_CLUSTER = "mixed-lab"
@@ -143,88 +144,6 @@ def _training(args: argparse.Namespace) -> Any:
     return TrainingConfig(global_batch=args.global_batch, seq_len=args.seq, dtype=dtype, optimizer=args.optimizer)
 
 
-def _probe_dir(d: Any, what: str) -> None:
-    """Create directory ``d`` (and its parents) and a file in it, then remove what was created: an output
-    place that cannot be written is refused before any work, and nothing is left behind."""
-    import tempfile
-    from pathlib import Path
-
-    d = Path(d)
-    created = [q for q in (d, *d.parents) if not q.exists()]
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(dir=d, prefix=".partita-probe-")
-        os.close(fd)
-        os.unlink(name)
-    except OSError as e:
-        raise ConfigError(
-            f"{what} {d} cannot be written ({e.strerror or e}).",
-            "pick a directory this user can write (not under /proc or /sys, not on a read-only file system).",
-        ) from None
-    finally:
-        for q in created:  # innermost first
-            try:
-                q.rmdir()
-            except OSError:
-                pass
-
-
-def _check_writable_target(path: str, flag: str, want_dir: bool) -> None:
-    """Refuse an output path that cannot be created before any work starts (nothing written half-way)."""
-    from pathlib import Path
-
-    p = Path(path)
-    if want_dir:
-        existing = next(q for q in (p, *p.parents) if q.exists() or q == Path("."))
-        if existing.exists() and not existing.is_dir():
-            raise ConfigError(f"{flag} {path}: {existing} is a file, not a directory.", f"pass a directory to {flag}.")
-        _probe_dir(p, f"{flag} directory")
-        return
-    if p.is_dir():
-        raise ConfigError(f"{flag} {path} is a directory.", f"pass a file name, e.g. {flag} {p / 'plan.html'}.")
-    if not p.parent.is_dir():
-        raise ConfigError(f"{flag} {path}: directory {p.parent} does not exist.", "create it or pick another path.")
-    _probe_dir(p.parent, f"{flag}: directory")
-
-
-PLAN_DIR_MARKS = ("plan.json", "cache_key.json")  # what makes a directory a Partita plan directory
-
-
-def _check_out_dir(path: str, force: bool) -> None:
-    """``--out`` into a non-empty directory that is not a Partita plan directory would overwrite the user's
-    own files (a ``report.txt``): refused unless ``--force``."""
-    from pathlib import Path
-
-    p = Path(path)
-    if force or not p.is_dir():
-        return
-    try:
-        entries = sorted(q.name for q in p.iterdir())
-    except OSError:
-        return  # _probe_dir names it
-    if entries and not any(m in entries for m in PLAN_DIR_MARKS):
-        shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
-        raise ConfigError(
-            f"--out {path} is a directory holding other files ({shown}), not a Partita plan directory; "
-            "the compile would overwrite plan.json, report.txt and the program there.",
-            "pass an empty or new directory to --out, or --force to write there anyway.",
-        )
-
-
-def _check_cache_dir() -> None:
-    from partita.driver import cache_dir
-
-    d = cache_dir()
-    if d.exists() and not d.is_dir():
-        raise ConfigError(
-            f"the compile cache directory {d} is a file.", "set PARTITA_CACHE_DIR to a directory (or remove the file)."
-        )
-    try:
-        _probe_dir(d / "plans", "the compile cache directory")
-    except ConfigError as e:
-        raise ConfigError(e.problem, "set PARTITA_CACHE_DIR to a writable directory.") from None
-
-
 def cmd_compile(args: argparse.Namespace) -> int:
     from partita.driver import compile_to_dir
 
@@ -244,7 +163,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
         else:
             print(result.as_text())
         return 0
-    _check_cache_dir()
+    from partita.driver import cache_dir
+
+    _check_cache_dir(cache_dir())
     result = compile_to_dir(
         model,
         cluster,
@@ -708,29 +629,6 @@ def _paragraph(text: str) -> str:
     """One paragraph of 100 columns with no breaks inside names such as A100-80G or a path, so the
     message can be copied back."""
     return textwrap.fill(text, 100, break_on_hyphens=False, break_long_words=False)
-
-
-def os_error_text(err: OSError) -> str:
-    """An OSError as one sentence naming the path, what the system said, and the fix."""
-    import errno
-
-    path = err.filename if err.filename is not None else "a file"
-    why = err.strerror or str(err)
-    code = err.errno
-    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
-        fix = "make it writable (or readable) for this user, or pick a path on a writable file system."
-    elif code == errno.ENOENT:
-        fix = "create the directory first, or fix the path."
-    elif code == errno.EISDIR:
-        fix = "pass a file path, not a directory."
-    elif code == errno.ENOTDIR:
-        fix = "a part of the path is a file, not a directory: pick another path."
-    elif code in (errno.ENOSPC, errno.EDQUOT):
-        fix = "free some space, or pick a path on another file system."
-    else:
-        fix = "check the path and its permissions, or pick another path."
-    other = f" (and {err.filename2})" if getattr(err, "filename2", None) else ""
-    return f"cannot use {path}{other}: {why}. Fix: {fix}"
 
 
 _POSITIONAL = {"model": "MODEL", "dir": "DIR", "dirs": "DIR"}

@@ -28,7 +28,19 @@ from typing import TYPE_CHECKING, Any
 from partita.cluster import Cluster, parse_cluster
 from partita.errors import ConfigError, ModelError, PlanError
 from partita.frontends.trace import TRACE_BATCH, seq_default, trace_handle
+from partita.outputs import (  # noqa: F401  (re-exported: tests and callers read them from driver)
+    HASH_FILE,
+    _atomic_write,
+    _is_factory_spec,
+    _user_frame,
+    _write_all,
+    file_hashes,
+    store_cache_entry,
+    user_code,
+    verified_entry,
+)
 from partita.plan import Plan
+from partita.run_checks import _check_program, _check_resume, _check_run_log, _flag_value, check_data_fn  # noqa: F401
 from partita.version import __version__
 
 if TYPE_CHECKING:  # annotations only: the driver needs the IR (and sympy) only when it traces
@@ -128,69 +140,6 @@ def trace_model(spec: str, *, batch: int = TRACE_BATCH, seq: int | None = None) 
         t0 = time.perf_counter()
         graph = trace_handle(handle, batch=batch, seq=seq)
     return Traced(handle, graph, time.perf_counter() - t0)
-
-
-def _is_factory_spec(spec: str) -> bool:
-    return ":" in spec and not Path(spec.rpartition("#")[0] or spec).exists()
-
-
-@contextlib.contextmanager
-def user_code(spec: str, what: str = "model factory") -> Any:
-    """The guard around a user's ``package.module:function`` (a model factory and its example inputs, a
-    data function): importing it, calling it. An error the user's code raised (a syntax error, an
-    exception at import or in the call, ``sys.exit``) becomes one ``ModelError`` naming the function and
-    its error, its traceback kept for ``--verbose``; an error of Partita's own keeps its traceback."""
-    if not _is_factory_spec(spec):
-        yield
-        return
-    mod_name, _, fn_name = spec.partition("#")[0].partition(":")
-    if not all(p.isidentifier() for p in mod_name.split(".")) or not fn_name.isidentifier():
-        raise ModelError(
-            f"{what} {spec!r} is not of the form package.module:function.",
-            "write the module's import path, a colon and the function's name, e.g. mymodels:build.",
-        )
-    from partita.errors import PartitaError
-
-    try:
-        yield
-    except (PartitaError, KeyboardInterrupt, GeneratorExit):
-        raise
-    except (Exception, SystemExit) as e:  # noqa: BLE001 - sorted below: the user's, or re-raised
-        where = _user_frame(e, mod_name)
-        if where is None:
-            raise
-        import traceback
-
-        detail = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-        said = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"raised {type(e).__name__}: {e}"
-        raise ModelError(
-            f"{what} {spec!r} {said} ({where}).",
-            "fix that code so the function runs on its own (`python -c 'import ...'`); --verbose shows its traceback.",
-            detail,
-        ) from None
-
-
-def _user_frame(e: BaseException, mod_name: str) -> str | None:
-    """Where in the user's module ``e`` came from (``file.py:LINE``), or None when it did not."""
-    import importlib.util
-    import traceback
-
-    try:
-        spec = importlib.util.find_spec(mod_name)
-        origin = os.path.realpath(spec.origin) if spec is not None and spec.origin else None
-    except (ImportError, ValueError, SyntaxError, AttributeError):
-        origin = None
-    if isinstance(e, SyntaxError) and e.filename and (origin is None or os.path.realpath(e.filename) == origin):
-        return f"{Path(e.filename).name}:{e.lineno}"
-    frames = traceback.extract_tb(e.__traceback__)
-    for fr in reversed(frames):
-        if origin is not None and os.path.realpath(fr.filename) == origin:
-            return f"{Path(fr.filename).name}:{fr.lineno}"
-    # calling what the factory returned as its example inputs, when that is not a function
-    last = frames[-1] if frames else None
-    if isinstance(e, TypeError) and "not callable" in str(e) and last and last.filename.endswith("zoo.py"):
-        return "its example inputs are not a function"
-    return None
 
 
 # ---- planning and compiling --------------------------------------------------------------
@@ -444,7 +393,6 @@ def _refuse_batch_stats(graph: Graph) -> None:
     """Refuse a model that normalizes over the batch in training (BatchNorm; issue 31): every plan splits
     the batch (data-parallel replicas, micro-batches), so each piece would normalize by its own statistics
     and train differently from one device. Synchronized batch statistics are not implemented."""
-    from partita.errors import ModelError
     from partita.ir import Prim
 
     where = sorted(
@@ -581,108 +529,6 @@ def _check_training(training: Any) -> None:
             f"global batch {training.global_batch} and sequence length {training.seq_len} must be positive.",
             "pass --global-batch N and --seq S with N, S >= 1.",
         )
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    """``text`` to ``path`` through a temporary name and a rename; the temporary file is removed on
-    any failure (a full disk, a read-only directory), so nothing half-written is left behind."""
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-
-
-def _write_all(out: Path, contents: Mapping[str, str]) -> None:
-    """Every file of ``contents`` into ``out``, whole or not at all: all are written to temporary names
-    first and renamed only once every one is written; on a failure the temporary files are removed, and
-    ``out`` too when this call created it."""
-    created = [d for d in (out, *out.parents) if not d.exists()]
-    out.mkdir(parents=True, exist_ok=True)
-    tmps: list[tuple[Path, Path]] = []
-    try:
-        for name, text in contents.items():
-            tmp = out / f".{name}.tmp{os.getpid()}"
-            tmps.append((tmp, out / name))
-            tmp.write_text(text)
-        for tmp, final in tmps:
-            os.replace(tmp, final)
-    except BaseException:
-        for tmp, _ in tmps:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-        for d in created:  # innermost first
-            with contextlib.suppress(OSError):
-                d.rmdir()
-        raise
-
-
-def file_hashes(contents: Mapping[str, str]) -> dict[str, str]:
-    return {name: hashlib.sha256(text.encode()).hexdigest() for name, text in sorted(contents.items())}
-
-
-HASH_FILE = "hashes.json"
-
-
-def store_cache_entry(entry: Path, contents: Mapping[str, str]) -> None:
-    """A compile-cache entry, whole or not at all: the files and ``hashes.json`` (the sha256 of each)
-    are written into a temporary directory beside it, which is then renamed into place. A cache that
-    cannot be written leaves the compile's ``--out`` as it is, and says so in a warning."""
-    import shutil
-    import warnings
-
-    tmp = entry.with_name(f".{entry.name}.tmp{os.getpid()}")
-    try:
-        tmp.mkdir(parents=True, exist_ok=True)
-        for name, text in contents.items():
-            (tmp / name).write_text(text)
-        (tmp / HASH_FILE).write_text(json.dumps(file_hashes(contents), indent=1, sort_keys=True) + "\n")
-        if entry.exists():  # a damaged or older entry: replaced
-            shutil.rmtree(entry, ignore_errors=True)
-        try:
-            os.rename(tmp, entry)
-        except OSError:
-            if not (entry / HASH_FILE).exists():  # not a concurrent compile's finished entry
-                raise
-    except OSError as e:
-        warnings.warn(
-            f"partita: the compile cache entry {entry} could not be written ({e.strerror or e}); the outputs are "
-            "complete, the next compile searches again. Set PARTITA_CACHE_DIR to a writable directory.",
-            stacklevel=2,
-        )
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def verified_entry(entry: Path, names: Sequence[str]) -> dict[str, str] | None:
-    """The named files of a cache entry when every one matches the content hash stored with it; None
-    (and a warning saying why, when the entry exists) otherwise: the caller recompiles."""
-    import warnings
-
-    if not entry.is_dir():
-        return None
-    try:
-        hashes = json.loads((entry / HASH_FILE).read_text())
-        got = {name: (entry / name).read_text() for name in names}
-    except (OSError, ValueError) as e:
-        why = f"{HASH_FILE} or a file is missing or unreadable ({type(e).__name__})"
-        got, hashes = {}, None
-    else:
-        bad = [n for n in names if not isinstance(hashes, dict) or hashes.get(n) != file_hashes({n: got[n]})[n]]
-        why = f"{', '.join(bad)} do{'es' if len(bad) == 1 else ''} not match the content hash stored with it"
-        if not bad:
-            return got
-    warnings.warn(
-        f"partita: the compile cache entry {entry} is damaged ({why}); recompiling.",
-        stacklevel=2,
-    )
-    import shutil
-
-    shutil.rmtree(entry, ignore_errors=True)  # never served again; the recompile writes it anew
-    return None
 
 
 def _write_outputs(
@@ -872,85 +718,6 @@ def run_plan(
     return result
 
 
-def _flag_value(args: Sequence[str], flag: str) -> str | None:
-    """The value of ``flag`` in ``args`` (``--flag V`` or ``--flag=V``; the last one wins), or None."""
-    got = None
-    for k, a in enumerate(args):
-        if a == flag and k + 1 < len(args):
-            got = args[k + 1]
-        elif a.startswith(flag + "="):
-            got = a[len(flag) + 1 :]
-    return got
-
-
-def _check_program(plan_dir: str | Path, plan: Plan) -> None:
-    """The generated program beside the plan must be whole Python: a truncated or damaged one is named
-    here, before any launch (the ranks' tracebacks would not say what is wrong)."""
-    d = Path(plan_dir) if Path(plan_dir).is_dir() else Path(plan_dir).parent
-    name = "program_jax.py" if plan.model.get("framework") == "jax" else "program_torch.py"
-    path = d / name
-    if not path.is_file():
-        return  # the launcher names a missing program
-    try:
-        compile(path.read_bytes(), str(path), "exec")
-    except (SyntaxError, ValueError) as e:
-        line = f" (line {e.lineno}: {e.msg})" if isinstance(e, SyntaxError) else ""
-        raise PlanError(
-            f"{path} is not valid Python{line}; it is truncated or damaged.",
-            f"recompile: `partita compile ... --out {d} --force` writes it again.",
-        ) from None
-
-
-def _check_resume(plan_dir: str | Path, extra_args: Sequence[str]) -> None:
-    """``--resume`` needs a published checkpoint (``step-NNNNNN/partita_step.json``) to resume from."""
-    import re
-
-    d = Path(plan_dir) if Path(plan_dir).is_dir() else Path(plan_dir).parent
-    root = Path(_flag_value(extra_args, "--checkpoint-dir") or d / "checkpoints")
-    found = root.is_dir() and any(
-        re.fullmatch(r"step-\d{6}", p.name) and (p / "partita_step.json").is_file() for p in root.iterdir()
-    )
-    if not found:
-        raise PlanError(
-            f"--resume: there is no checkpoint under {root} to resume from.",
-            "drop --resume to start at step 1 (with --checkpoint-every N to write checkpoints), or pass the run's "
-            "checkpoint directory after `--`: `-- --checkpoint-dir DIR`.",
-        )
-
-
-def check_data_fn(spec: str) -> None:
-    """``--data-fn module:function``: importable, callable, and callable as ``function(step, rows, seq_len)``,
-    checked here before any rank starts (each rank would otherwise fail with its own traceback)."""
-    import importlib
-    import inspect
-
-    from partita.errors import ConfigError
-
-    if ":" not in spec:
-        raise ConfigError(f"--data-fn {spec!r} is not module:function.", "pass e.g. --data-fn mydata:batch.")
-    with user_code(spec, "--data-fn"):
-        mod_name, _, fn_name = spec.partition(":")
-        try:
-            fn = getattr(importlib.import_module(mod_name), fn_name)
-        except (ImportError, AttributeError) as e:
-            if isinstance(e, ImportError) and _user_frame(e, mod_name) is not None:
-                raise
-            raise ConfigError(
-                f"--data-fn {spec!r} cannot be loaded ({e}).", "pass module:function importable here."
-            ) from None
-    if not callable(fn):
-        raise ConfigError(f"--data-fn {spec!r} is {type(fn).__name__}, not a function.", "pass module:function.")
-    try:
-        inspect.signature(fn).bind(0, [0], 1)
-    except TypeError as e:
-        raise ConfigError(
-            f"--data-fn {spec!r} cannot be called as function(step, rows, seq_len): {e}.",
-            "give it the signature (step, rows, seq_len) -> (inputs, labels).",
-        ) from None
-    except ValueError:
-        pass  # no signature to read (a builtin): called as it is
-
-
 def rehearse(plan_dir: str, progress: Any = None) -> dict[str, Any]:
     """``partita rehearse DIR``: run the emitted program at full scale on fake tensors and a fake
     process group (torch, ``backends/torch/rehearse.py``) or compile its step for the full device
@@ -983,23 +750,6 @@ def _rehearse_jax(plan: Plan, plan_dir: str, progress: Any) -> dict[str, Any]:
         )
         stages.append(compare_stage(s, [res]))
     return {"match": all(s["match"] for s in stages), "stages": stages}
-
-
-def _check_run_log(plan_dir: str) -> None:
-    """A run log beside the plan that is not whole JSON is named, not silently left out of the report."""
-    from partita.report.run_log import RUN_LOG_FILE
-
-    d = Path(plan_dir) if Path(plan_dir).is_dir() else Path(plan_dir).parent
-    path = d / RUN_LOG_FILE
-    if not path.exists():
-        return
-    try:
-        json.loads(path.read_bytes().decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise PlanError(
-            f"{path} is not a whole run log ({type(e).__name__}); it may be truncated.",
-            f"remove it, or run `partita run {d}` again to write it anew.",
-        ) from None
 
 
 def report(dirs: Sequence[str], html: str | None = None, verbose: bool = False) -> str:
