@@ -606,9 +606,11 @@ def evaluate_model(
 ) -> Any:
     _check_training(training)
     cl = parse_cluster(cluster, gpus_per_node)  # validate the cheap inputs before tracing
-    from partita.search.entry.evaluate import check_sequence_parallel, evaluate_config, tp_style_of
+    from partita.search.entry.evaluate import evaluate_config, tp_style_of
+    from partita.search.program import sequence_parallel as sp
 
-    check_sequence_parallel(sequence_parallel)
+    if sequence_parallel:  # what the runtime does not build with it, refused before tracing (as compile_layout)
+        sp.check(tp=tp, dp=dp, zero_stage=zero_stage, recompute=recompute, schedule=schedule, num_virtual=num_virtual)
 
     traced = trace_model(model, batch=TRACE_BATCH, seq=training.seq_len)
     return evaluate_config(
@@ -623,6 +625,7 @@ def evaluate_model(
         recompute=recompute,
         schedule=schedule,
         num_virtual=num_virtual,
+        sequence_parallel=sequence_parallel,
         tp_style=tp_style_of(traced.graph),  # the program's tp, as compile_layout prices it (issue 32)
     )
 

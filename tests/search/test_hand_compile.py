@@ -48,10 +48,10 @@ def test_hand_layout_is_emitted_and_recorded(tmp_path: Path, capsys) -> None:  #
     assert plan["predicted"]["step_time_s"] == pytest.approx(ev.predicted_step_time_s, rel=1e-6)
 
 
-def test_evaluate_refuses_sequence_parallelism(capsys: pytest.CaptureFixture) -> None:
-    assert main(["evaluate", *BASE, "--tp", "2", "--sequence-parallel"]) == 2
+def test_evaluate_refuses_sequence_parallelism_where_compile_does(capsys: pytest.CaptureFixture) -> None:
+    assert main(["evaluate", *BASE, "--tp", "2", "--sequence-parallel", "--recompute", "full"]) == 2
     err = capsys.readouterr().err
-    assert "not priced by `partita evaluate`" in err and "Fix:" in err and "Traceback" not in err
+    assert "sequence parallelism cannot be built" in err and "Fix:" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize(

@@ -14,9 +14,12 @@ zero-bubble schedule (``zb_h1``) with ZeRO-2/3 or recompute, which no runtime ru
 (:func:`check_split_backward`). Under ``zb_h1`` each stage's deferred weight gradients are priced
 with its own layers (``search/pipeline/zero_bubble.py``), as the planner prices them.
 A ``tp`` wider than a node is priced over the network and said so in the notes (the planner
-itself never searches it, rule R1). Sequence parallelism (``sequence_parallel=True``) is refused here: it is
-no dimension of the search and ``evaluate`` does not price it; a hand layout's ``partita compile
---sequence-parallel`` builds it (``search/program/sequence_parallel.py``, ``backends/torch/tp.py``).
+itself never searches it, rule R1). Sequence parallelism (``sequence_parallel=True``, Megatron's) is priced
+as ``partita compile --sequence-parallel`` prices it (``search/program/sequence_parallel.py``): the same
+step time (on a ring an all-reduce costs a reduce-scatter plus an all-gather), and each stage's saved
+activations of the blocks' tp-replicated ops kept for ``s/t`` rows (``sequence_parallel.activation_delta``,
+one function for both); the layouts the runtime does not build with it are refused with compile's words
+(``sequence_parallel.check``). It is no dimension of the search.
 
 The :class:`Evaluation` carries memory per device by category (parameters, gradients, optimizer
 state, activations: the same terms ``search/stage_ranges.StageParts`` sums), whether it fits, the
@@ -50,6 +53,9 @@ from partita.search.pipeline.zero_bubble import RUNNABLE_ZERO, HeldCounts, count
 from partita.search.pricing.config import SearchOptions, TrainingConfig
 from partita.search.pricing.precision import choose_precision, precision_note
 from partita.search.program.plan_build import Candidate, StagePick
+from partita.search.program.records import NOT_BLOCKS
+from partita.search.program.sequence_parallel import activation_delta, check_strategies
+from partita.search.program.sequence_parallel import check as sequence_parallel_check
 
 MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
 
@@ -158,18 +164,6 @@ def tp_dims(graph: Graph) -> tuple[dict[str, set[int]], int | None]:
     return {k: v for k, v in need.items() if v}, vocab
 
 
-def check_sequence_parallel(sequence_parallel: bool) -> None:
-    """Refuse Megatron sequence parallelism here (module docstring): ``partita evaluate`` and the
-    search price programs without it; a hand layout's compile builds it (``search/program/sequence_parallel.py``)."""
-    if sequence_parallel:
-        raise ConfigError(
-            "sequence parallelism is not priced by `partita evaluate` or the search: only a hand-made layout's "
-            "compile builds it (search/program/sequence_parallel.py writes its roles, records and memory into the plan).",
-            "run `partita compile MODEL --tp T --pp P --dp D --micro-batch B --sequence-parallel` instead "
-            "(its report and plan.json carry the prediction), or drop --sequence-parallel.",
-        )
-
-
 def check_layout(
     graph: Graph,
     cluster: Cluster,
@@ -182,12 +176,13 @@ def check_layout(
     schedule: str = "1f1b",
     num_virtual: int = 1,
     sequence_parallel: bool = False,
+    recompute: str = "none",
     dims: tuple[dict[str, set[int]], int | None] | None = None,
 ) -> list[str]:
     """Refuse a layout that cannot be built (module docstring); return notes on one that can.
     ``tp``: one degree for every stage, or one per stage (:func:`stage_tps`). ``dims``:
-    ``tp_dims(graph)`` when the caller checks many layouts of one graph (computed once)."""
-    check_sequence_parallel(sequence_parallel)
+    ``tp_dims(graph)`` when the caller checks many layouts of one graph (computed once).
+    ``sequence_parallel``: refused where the runtime does not build it (``sequence_parallel.check``)."""
     for name, val in (("pp", pp), ("dp", dp), ("micro_batch", micro_batch), ("num_virtual", num_virtual)):
         if val < 1:
             raise ConfigError(f"{name}={val} must be >= 1.", f"pass a positive {name}.")
@@ -210,6 +205,10 @@ def check_layout(
             f"lower a degree (dp={fit} fits with {degrees})" + ", or use a larger cluster."
             if fit
             else "lower a degree or use a larger cluster.",
+        )
+    if sequence_parallel:
+        sequence_parallel_check(
+            tp=tps, dp=dp, zero_stage=0, recompute=recompute, schedule=schedule, num_virtual=num_virtual
         )
     notes = [] if len(set(tps)) == 1 else [_hetero_tp_note(tps, dp)]
     need, vocab = dims if dims is not None else tp_dims(graph)
@@ -373,6 +372,36 @@ def memory_by_category(cand: Candidate, i: int) -> dict[str, float]:
     }
 
 
+def sequence_parallel_saved(cand: Candidate, training: TrainingConfig) -> tuple[float, ...]:
+    """Per stage, the bytes per device that Megatron sequence parallelism changes in the saved
+    activations (negative: saved): ``sequence_parallel.activation_delta`` of the stage's blocks with
+    the layer ILP's strategies, times the micro-batches in flight, as ``partita compile
+    --sequence-parallel`` writes it into the Plan. Refused (ConfigError, compile's words) where a
+    block's tp does not split it into column / row pairs."""
+    from partita.ir import DTYPE_BYTES
+
+    search = cand.search
+    g = search.graph
+    low = DTYPE_BYTES.get(training.dtype, 4)
+    out = []
+    for i, p in enumerate(cand.stages):
+        dev, _, mb = p.option.devices[0]
+        a0, b0 = search.units[p.k][0], search.units[p.j - 1][1]
+        blocks = [lay.name for lay in g.layers[a0:b0] if lay.name not in NOT_BLOCKS]
+        z, r = p.option.combos[p.combo]
+        if p.option.tp < 2 or not blocks:
+            out.append(0.0)
+            continue
+        strategy: dict[str, str] = {}
+        for li in range(a0, b0):
+            strategy.update(search.costs.solution(li, dev, p.option.tp, mb).op_strategies)
+        check_strategies(g, blocks, strategy)
+        fsdp = cand.dp > 1 and z >= 1
+        delta = activation_delta(g, blocks, strategy, p.option.tp, r, low, fsdp, (mb, training.seq_len))
+        out.append(delta * sched.in_flight(cand.schedule, i, len(cand.stages), cand.m, cand.v))
+    return tuple(out)
+
+
 _FLOPS: dict[tuple[int, int], tuple[Graph, float, float]] = {}
 
 
@@ -431,6 +460,7 @@ def evaluate_config(
         schedule=schedule,
         num_virtual=num_virtual,
         sequence_parallel=sequence_parallel,
+        recompute=recompute,
     )
     if zero_stage and dp == 1:
         notes.append(f"ZeRO-{zero_stage} with dp=1 shards nothing: priced as ZeRO-0.")
@@ -470,6 +500,16 @@ def evaluate_config(
     picks = tuple(StagePick(a, b, opt, 0) for a, b in megatron_split(graph, pp))
     cand = Candidate(dp, micro_batch, m, schedule, v, picks, search)
     mem = tuple(cand.memory(i) for i in range(pp))
+    by_category = tuple(memory_by_category(cand, i) for i in range(pp))
+    if sequence_parallel:
+        saved = sequence_parallel_saved(cand, training)
+        mem = tuple(x + d for x, d in zip(mem, saved))
+        by_category = tuple(c | {"activations": c["activations"] + d} for c, d in zip(by_category, saved))
+        notes.append(
+            "sequence parallel (Megatron): the blocks' norms and residual stream keep s/tp rows per rank, "
+            f"{-min(saved) / 2**30:.1f} GiB of activations less per device at most; the step time is the layout's "
+            "without it (a ring all-reduce costs its reduce-scatter plus its all-gather)."
+        )
     cap = dev.memory_bytes * search.factors.memory_usable
     pt = cand.pipeline
     step = cand.step_time
@@ -485,6 +525,7 @@ def evaluate_config(
         "recompute": recompute,
         "schedule": schedule,
         "num_virtual_stages": v,
+        "sequence_parallel": sequence_parallel,
         "dtype": training.dtype,
         "device": dev.name,
         "devices_used": used,
@@ -502,7 +543,7 @@ def evaluate_config(
         cap,
         all(x <= cap for x in mem),
         training.global_batch * training.seq_len / step,
-        tuple(memory_by_category(cand, i) for i in range(pp)),
+        by_category,
         layout,
         flops / step / (used * dev.flops(training.dtype)),
         flops / step / cluster.peak_flops(training.dtype),

@@ -68,6 +68,22 @@ def check(
         raise ConfigError(f"sequence parallelism cannot be built here: {why}.", f"{fix}.")
 
 
+def check_strategies(graph: Graph, blocks: Sequence[str], strategy: dict[str, str]) -> None:
+    """:func:`_check_blocks` by the layer ILP's strategies (``partita evaluate``, which has no tp plan):
+    each block needs a column and a row matmul over tp, else ConfigError with the same words."""
+    index = {lay.name: lay for lay in graph.layers}
+    for b in blocks:
+        roles = {_role(strategy.get(n, "")) for n in index[b].nodes}
+        if {"col", "row"} <= roles:
+            continue
+        raise ConfigError(
+            f"sequence parallelism needs each block's attention and MLP split over tp as Megatron column / row "
+            f"pairs, and this layout does not split {b} that way: its attention would see only this rank's rows.",
+            "drop --sequence-parallel, or use a layout whose tp splits the blocks (a larger model, micro-batch or "
+            "sequence makes the layer ILP split them).",
+        )
+
+
 def _in_block(path: str, blocks: Sequence[str]) -> str | None:
     return next((b for b in blocks if path == b or path.startswith(b + ".")), None)
 
@@ -161,44 +177,14 @@ def _check_blocks(graph: Graph, blocks: Sequence[str], tp_plan: Any) -> None:
 
 
 def _memory(plan: Plan, graph: Graph, s: Stage, blocks: Sequence[str], size: tuple[int, int]) -> dict[str, Any]:
-    """``s.predicted`` with the activations the blocks keep for ``s/t`` rows (module docstring):
-
-    * no recompute: every saved tensor the tp-replicated ops of a block count (``saved.replicated_bytes``:
-      the norms' inputs and outputs, the block input) is kept for this rank's rows; the column modules'
-      inputs stay whole (all-gathered, saved by their matmuls);
-    * selective recompute: of what the policy keeps (block input, matmul and collective outputs), the
-      block input and each row module's collective output are this rank's rows, and each column
-      parent's all-gathered input (a collective output) is kept whole in the training dtype.
-
-    Times per the non-SP layout's (an all-reduce is priced as a reduce-scatter plus an all-gather)."""
+    """``s.predicted`` with the activations the blocks keep for ``s/t`` rows (:func:`activation_delta`)
+    times the micro-batches in flight. Times per the non-SP layout's (an all-reduce is priced as a
+    reduce-scatter plus an all-gather)."""
     from partita.ir import DTYPE_BYTES
-    from partita.search.layer.layer_strategies import needs_grad
-    from partita.search.layer.saved import replicated_bytes, saved_plan
 
-    t, rows, seq = s.tp, *size
     low = DTYPE_BYTES.get(str(plan.training.get("dtype", "f32")), 4)
-    fsdp = s.dp > 1 and s.zero_stage >= 1  # FSDP2's MixedPrecisionPolicy: search/layer/saved.py's "low" mode
-    mode = "f32" if low >= 4 else "low" if fsdp else "autocast"
-    grad, env = needs_grad(graph), {"B": rows, "S": seq}
-    strategy = dict(s.op_strategies)
-    index = {lay.name: lay for lay in graph.layers}
-    delta = 0.0
-    for name in blocks:
-        lay = index[name]
-        if s.recompute == "none":
-            sp = saved_plan(graph, lay, mode, low, grad)
-            kept = frozenset(n for n in lay.nodes if strategy.get(n, "R") == "R")
-            delta -= (1 - 1 / t) * replicated_bytes(graph, lay, sp, kept, env)
-            continue
-        facts = records.GraphFacts(graph)
-        elems = rows * facts.boundary_elems(name, seq)  # b*s*h: the block input, a row output, a column input
-        parents = {
-            graph.node(n).module.rpartition(".")[0] for n in lay.nodes if strategy.get(n, "").endswith(":colwise")
-        }
-        num_rows = sum(1 for n in lay.nodes if strategy.get(n, "").endswith(":rowwise"))
-        delta -= (1 - 1 / t) * elems * (low if fsdp else records.F32)  # the block input (the residual stream)
-        delta -= (1 - 1 / t) * elems * low * num_rows  # each row output: reduce-scattered
-        delta += elems * low * len(parents)  # each column parent's gathered input
+    fsdp = s.dp > 1 and s.zero_stage >= 1
+    delta = activation_delta(graph, blocks, dict(s.op_strategies), s.tp, s.recompute, low, fsdp, size)
     pred: dict[str, Any] = dict(s.predicted)
     cats: dict[str, float] = dict(pred.get("memory_by_category", {}))
     flight = float(pred.get("in_flight", 1.0))
@@ -208,6 +194,71 @@ def _memory(plan: Plan, graph: Graph, s: Stage, blocks: Sequence[str], size: tup
     if "memory_bytes" in pred:
         pred["memory_bytes"] = pred["memory_bytes"] + delta * flight
     return pred
+
+
+def activation_delta(
+    graph: Graph,
+    blocks: Sequence[str],
+    strategy: dict[str, str],
+    t: int,
+    recompute: str,
+    low: int,
+    fsdp: bool,
+    size: tuple[int, int],
+) -> float:
+    """Bytes per micro-batch that sequence parallelism changes in the saved activations of ``blocks``
+    (negative: saved), given each op's tp strategy (``strategy``: node -> the layer ILP's choice, a
+    column matmul ``n@tp`` / ``...:colwise``, a row matmul ``k@tp`` / ``...:rowwise``), ``low`` the
+    training dtype's bytes, ``fsdp`` whether FSDP2's MixedPrecisionPolicy runs the stage
+    (``search/layer/saved.py``'s "low" mode) and ``size`` = (micro-batch rows, sequence). One function
+    for the Plan (:func:`_memory`) and ``partita evaluate`` (``search/entry/evaluate.py``):
+
+    * no recompute: every saved tensor the tp-replicated ops of a block count (``saved.replicated_bytes``:
+      the norms' inputs and outputs, the block input) is kept for this rank's rows; the column modules'
+      inputs stay whole (all-gathered, saved by their matmuls);
+    * selective recompute: of what the policy keeps (block input, matmul and collective outputs), the
+      block input and each row module's collective output are this rank's rows, and each column
+      group's all-gathered input (a collective output) is kept whole in the training dtype."""
+    from partita.search.layer.layer_strategies import needs_grad
+    from partita.search.layer.saved import replicated_bytes, saved_plan
+
+    rows, seq = size
+    mode = "f32" if low >= 4 else "low" if fsdp else "autocast"
+    grad, env = needs_grad(graph), {"B": rows, "S": seq}
+    index = {lay.name: lay for lay in graph.layers}
+    facts = records.GraphFacts(graph)
+    delta = 0.0
+    for name in blocks:
+        lay = index[name]
+        if recompute == "none":
+            sp = saved_plan(graph, lay, mode, low, grad)
+            kept = frozenset(n for n in lay.nodes if strategy.get(n, "R") == "R")
+            delta -= (1 - 1 / t) * replicated_bytes(graph, lay, sp, kept, env)
+            continue
+        elems = rows * facts.boundary_elems(name, seq)  # b*s*h: the block input, a row output, a column input
+        # each column group's gathered input, once (q/k/v or gate/up read one normed tensor)
+        parents = {_activation_input(graph, n) for n in lay.nodes if _role(strategy.get(n, "")) == "col"}
+        num_rows = sum(1 for n in lay.nodes if _role(strategy.get(n, "")) == "row")
+        delta -= (1 - 1 / t) * elems * (low if fsdp else records.F32)  # the block input (the residual stream)
+        delta -= (1 - 1 / t) * elems * low * num_rows  # each row output: reduce-scattered
+        delta += elems * low * len(parents)  # each column parent's gathered input
+    return delta
+
+
+def _activation_input(graph: Graph, node: str) -> str:
+    """A matmul's activation operand (the input that is no parameter)."""
+    n = graph.node(node)
+    return next((x for x in n.inputs if graph.tensors[x].role is not Role.PARAMETER), n.inputs[0])
+
+
+def _role(strategy: str) -> str:
+    """``col`` / ``row`` for a tp-split matmul's strategy (the torch program's roles, or Megatron's
+    output / reduction split), else ``""``."""
+    if strategy.endswith(":colwise") or strategy == "n@tp":
+        return "col"
+    if strategy.endswith(":rowwise") or strategy == "k@tp":
+        return "row"
+    return ""
 
 
 def _plain_params(graph: Graph, blocks: Sequence[str], roles: dict[str, str]) -> list[tuple[str, str]]:
