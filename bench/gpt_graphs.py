@@ -21,12 +21,15 @@ def gpt_graph(
     *,
     megatron_2021: bool = False,
     skip_passes: tuple[str, ...] = (),
+    mpt: bool = False,
 ) -> Graph:
     """GPT-2-architecture model of these dims (the zoo's gpt3 entries), traced at batch 2 (symbolic B).
 
     ``megatron_2021`` traces ``bench/megatron_gpt.py`` instead: the model Megatron-LM ran when the
     measured rows of ``a100_megatron_measured.csv`` were taken (per-head fused QKV, unfused
-    attention, dropout 0.1). ``skip_passes``: pass names left out (ablations).
+    attention, dropout 0.1). ``skip_passes``: pass names left out (ablations). ``mpt``: the GPT-2
+    architecture as MosaicML's MPT benchmarks ran it: no dropout, exact (erf) GELU (MPT's biases, which
+    GPT-2 cannot drop, stay: a few elementwise adds per block).
     """
     from partita.driver import source_fingerprint, trace_handle
     from partita.models import resolve_model
@@ -36,6 +39,7 @@ def gpt_graph(
     name = (
         f"gpt_h{hidden}_a{heads}_l{layers}_s{seq}"
         + ("_meg21" if megatron_2021 else "")
+        + ("_mpt" if mpt else "")
         + "".join(f"_no-{p}" for p in skip_passes)
     )
     name += f"_{source_fingerprint(TRACE_SOURCES)[:10]}"  # a graph from older tracer / pass code is not reused
@@ -59,6 +63,11 @@ def gpt_graph(
                 "n_layer": layers,
                 "vocab_size": vocab,
                 "n_positions": seq,
+                **(
+                    {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "activation_function": "gelu"}
+                    if mpt
+                    else {}
+                ),
             }
         )
     )

@@ -8,7 +8,8 @@ step time with the source's own FLOP formula, ``published_step_s``). What the so
 is in the row's ``assumed`` column; ``partita/data/README.md`` lists the sources.
 
 Each row is priced the way ``partita evaluate`` prices it (``search.entry.evaluate.evaluate_config``
-on ``{gpus}x{device}``, the shipped defaults): GPT rows on the model Megatron-LM ran
+on ``{gpus}x{device}``, the shipped defaults), as the program it ran (the ``program`` column,
+``PROGRAM_STYLE``): GPT rows on the model Megatron-LM ran
 (``bench/megatron_gpt.py``) or the GPT-2 architecture (MosaicML's MPT benchmarks), Llama rows on a
 Hugging Face Llama config. A row whose layout ``evaluate`` cannot express (context parallelism, an
 uneven stage split, sequence parallelism today) is reported as refused, with the refusal's words:
@@ -56,6 +57,12 @@ INT_FIELDS = (
 ).split()
 BUCKETS = ((8, 8), (9, 64), (65, 512), (513, 4096), (4097, 1 << 30))
 FAMILY = {"A100-80G": "A100", "A100-40G": "A100", "H100-80G": "H100", "H200": "H100"}
+# The program each row ran, as the tensor parallelism / kernels it is priced with (``evaluate_config``'s
+# ``tp_style``; ``search/layer/intra_op.program_fusion``): Megatron-LM's (Megatron-style tp, hand-fused
+# pointwise kernels: the profile's fusion share); llm-foundry's FSDP with eager PyTorch outside its flash
+# attention, which is what Partita's own torch program runs (``"torch"``: no pointwise fusion). Llama 3's
+# stack is priced as Megatron-style (an assumption, in its rows' ``assumed`` column).
+PROGRAM_STYLE = {"megatron-lm": "megatron", "llm-foundry": "torch", "llama3": "megatron"}
 
 
 def load_rows() -> list[dict]:
@@ -137,8 +144,8 @@ def graph(r: dict) -> Graph:
     if key not in _GRAPHS:
         if r["arch"] == "megatron_gpt":
             _GRAPHS[key] = gpt_graph(r["hidden"], r["heads"], r["layers"], r["seq"], r["vocab"], megatron_2021=True)
-        elif r["arch"] == "gpt2":
-            _GRAPHS[key] = gpt_graph(r["hidden"], r["heads"], r["layers"], r["seq"], r["vocab"])
+        elif r["arch"] in ("gpt2", "mpt"):
+            _GRAPHS[key] = gpt_graph(r["hidden"], r["heads"], r["layers"], r["seq"], r["vocab"], mpt=r["arch"] == "mpt")
         elif r["arch"] == "llama":
             _GRAPHS[key] = llama_graph(r)
         else:
@@ -162,11 +169,12 @@ def evaluate_row(r: dict, eff: Efficiency | None = None) -> Evaluation:
     cl = parse_cluster(f"{r['gpus']}x{r['device']}", calibrated=eff is None)
     tr = TrainingConfig(global_batch=r["global_batch"], seq_len=r["seq"])
     g = graph(r)
+    style = PROGRAM_STYLE[r["program"]]
     costs = None
     if eff is not None:
-        key = (id(g), r["gpus"], r["device"], eff)
+        key = (id(g), r["gpus"], r["device"], eff, style)
         if key not in _COSTS:
-            _COSTS[key] = SolverCosts(g, cl, tr, tp_style="megatron")
+            _COSTS[key] = SolverCosts(g, cl, tr, tp_style=style)
             _COSTS[key]._cm[cl.groups[0].device.name] = CostModel(cl.groups[0].device, eff)
         costs = _COSTS[key]
         costs.training = tr
@@ -185,7 +193,7 @@ def evaluate_row(r: dict, eff: Efficiency | None = None) -> Evaluation:
         num_virtual=v,
         sequence_parallel=bool(r["sequence_parallel"]),
         costs=costs,
-        tp_style="megatron",  # the rows ran Megatron-LM's tensor parallelism (MosaicML's: tp=1), not ours
+        tp_style=style,  # the program the row ran (PROGRAM_STYLE)
     )
 
 

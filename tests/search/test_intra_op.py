@@ -195,6 +195,15 @@ def test_pointwise_fusion_share_prices_marked_traffic() -> None:
     assert fused < 0.35 * eager  # 6 tensor passes -> 2 (read x, write c); b is then FLOP-bound
     assert fused < half < eager
 
+    # issue 32: fusion is the priced program's, not the device's. Partita's torch program (tp_style
+    # "torch") runs eager PyTorch: a profile fitted on Megatron-LM's fused kernels (fusion 1, as the
+    # shipped A100 profile) does not make it faster; Megatron-LM's program ("megatron") takes the profile's.
+    def styled(style: str) -> float:
+        cm = CostModel(A100, dataclasses.replace(Efficiency(), pointwise_fusion=1.0, kernel_overhead_s=0.0))
+        return solve_layer(g, g.layers[0], mesh, env=env, dtype="bf16", cost_model=cm, tp_style=style).forward_time_s
+
+    assert styled("torch") == pytest.approx(eager) and styled("megatron") == pytest.approx(fused)
+
 
 def test_gpt2_fused_qkv_is_split_per_head() -> None:
     """GPT-2's q|k|v in one weight (passes/fused_split.py): the Megatron layout has no all-gather.

@@ -174,8 +174,7 @@ class _LayerProblem:
     ) -> None:
         self.g, self.layer, self.mesh, self.env, self.dtype, self.cm = graph, layer, mesh, env, dtype, cm
         self.boundary = boundary
-        # share of fusable pointwise traffic the engine removes: XLA always fuses; torch per profile
-        self.fusion = 1.0 if graph.meta.get("framework") == "jax" else cm.efficiency.pointwise_fusion
+        self.fusion = program_fusion(graph, tp_style, cm)
         torch = graph.meta.get("framework") == "torch"  # a traced torch model (not JAX, not a test IR)
         self.state_bytes = program_state_bytes(graph, dtype, optimizer)  # as the graph's program keeps them
         self.nodes = [graph.node(n) for n in layer.nodes]
@@ -633,6 +632,20 @@ def _collectives(raw: Sequence[tuple[str, int, float, str, str]], mesh: LogicalM
 
 
 FORBIDDEN = 1e3  # seconds: a tp transition the torch runtime cannot build (never the optimum: all-R is free of it)
+
+
+def program_fusion(graph: Graph, tp_style: str, cm: CostModel) -> float:
+    """Share of the fusable pointwise traffic (``passes/fusion.py``) the priced program removes: a property
+    of the program, not of the device (issue 32). XLA always fuses (JAX graphs: 1); Partita's torch program
+    (``tp_style="torch"``) runs eager PyTorch, which fuses nothing (0), whatever the device's profile says;
+    another stack's program (``"megatron"``: Megatron-LM's hand-fused bias-GeLU, scale-mask-softmax and
+    bias-dropout-add; ``"auto"``: a what-if) takes the profile's ``Efficiency.pointwise_fusion``, which the
+    shipped A100 profile fitted on Megatron-LM runs (``partita/data/a100_megatron_calibration.json``)."""
+    if graph.meta.get("framework") == "jax":
+        return 1.0
+    if tp_style == "torch":
+        return 0.0
+    return cm.efficiency.pointwise_fusion
 
 
 def solve_layer(
