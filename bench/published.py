@@ -10,10 +10,11 @@ is in the row's ``assumed`` column; ``partita/data/README.md`` lists the sources
 Each row is priced the way ``partita evaluate`` prices it (``search.entry.evaluate.evaluate_config``
 on ``{gpus}x{device}``, the shipped defaults), as the program it ran (the ``program`` column,
 ``PROGRAM_STYLE``): GPT rows on the model Megatron-LM ran
-(``bench/megatron_gpt.py``) or the GPT-2 architecture (MosaicML's MPT benchmarks), Llama rows on a
-Hugging Face Llama config. A row whose layout ``evaluate`` cannot express (context parallelism, an
-uneven stage split, sequence parallelism today) is reported as refused, with the refusal's words:
-never dropped.
+(``bench/megatron_gpt.py``) or the GPT-2 architecture as MPT runs it (MosaicML's benchmarks: no dropout,
+exact GELU, ``arch`` ``mpt``), Llama rows on a Hugging Face Llama config. Sequence parallelism is priced as
+``evaluate --sequence-parallel`` prices it (``search/program/sequence_parallel.activation_delta``). A row whose
+layout ``evaluate`` cannot express (context parallelism today) is reported as refused, with the refusal's
+words: never dropped.
 
 Reports per row predicted vs published, the median |error|, the mean signed error
 (``(predicted - published) / published``: positive = predicted too slow) per device type and per

@@ -54,3 +54,14 @@ def test_conversions_reproduce_what_the_sources_state(rows: list[dict]) -> None:
 def test_refusals_are_reported_not_dropped(rows: list[dict]) -> None:
     cp = [r for r in rows if r["cp"] > 1]
     assert cp and all("context parallelism" in (published.refusal(r) or "") for r in cp)
+
+
+def test_every_row_names_the_program_it_is_priced_as(rows: list[dict]) -> None:
+    """Each row is priced as the software it ran (``PROGRAM_STYLE``): Megatron-LM's rows with Megatron's
+    fused program, llm-foundry's FSDP rows as eager PyTorch (Partita's own torch program)."""
+    for r in rows:
+        assert r["program"] in published.PROGRAM_STYLE, r["row"]
+    assert {published.PROGRAM_STYLE[r["program"]] for r in rows if r["source"] == "mosaicml"} == {"torch"}
+    assert {published.PROGRAM_STYLE[r["program"]] for r in rows if r["source"].startswith(("nara", "korth"))} == {
+        "megatron"
+    }

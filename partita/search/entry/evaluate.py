@@ -376,7 +376,8 @@ def sequence_parallel_saved(cand: Candidate, training: TrainingConfig) -> tuple[
     """Per stage, the bytes per device that Megatron sequence parallelism changes in the saved
     activations (negative: saved): ``sequence_parallel.activation_delta`` of the stage's blocks with
     the layer ILP's strategies, times the micro-batches in flight, as ``partita compile
-    --sequence-parallel`` writes it into the Plan. Refused (ConfigError, compile's words) where a
+    --sequence-parallel`` writes it into the Plan (Megatron-LM's program, ``tp_style="megatron"``, keeps
+    the column inputs for ``s/t`` rows and gathers them again in the backward). Refused (ConfigError, compile's words) where a
     block's tp does not split it into column / row pairs."""
     from partita.ir import DTYPE_BYTES
 
@@ -397,7 +398,8 @@ def sequence_parallel_saved(cand: Candidate, training: TrainingConfig) -> tuple[
             strategy.update(search.costs.solution(li, dev, p.option.tp, mb).op_strategies)
         check_strategies(g, blocks, strategy)
         fsdp = cand.dp > 1 and z >= 1
-        delta = activation_delta(g, blocks, strategy, p.option.tp, r, low, fsdp, (mb, training.seq_len))
+        regather = search.costs.tp_style == "megatron"  # Megatron-LM's program (activation_delta)
+        delta = activation_delta(g, blocks, strategy, p.option.tp, r, low, fsdp, (mb, training.seq_len), regather)
         out.append(delta * sched.in_flight(cand.schedule, i, len(cand.stages), cand.m, cand.v))
     return tuple(out)
 

@@ -205,6 +205,7 @@ def activation_delta(
     low: int,
     fsdp: bool,
     size: tuple[int, int],
+    regather: bool = False,
 ) -> float:
     """Bytes per micro-batch that sequence parallelism changes in the saved activations of ``blocks``
     (negative: saved), given each op's tp strategy (``strategy``: node -> the layer ILP's choice, a
@@ -218,7 +219,9 @@ def activation_delta(
       inputs stay whole (all-gathered, saved by their matmuls);
     * selective recompute: of what the policy keeps (block input, matmul and collective outputs), the
       block input and each row module's collective output are this rank's rows, and each column
-      group's all-gathered input (a collective output) is kept whole in the training dtype."""
+      group's all-gathered input (a collective output) is kept whole in the training dtype; with
+      ``regather`` (Megatron-LM's program: its column layer saves its input's ``s/t`` rows and all-gathers
+      them again in the backward, Korthikanti et al. 2022 sec. 4.2.3) that input is kept for ``s/t`` rows too."""
     from partita.search.layer.layer_strategies import needs_grad
     from partita.search.layer.saved import replicated_bytes, saved_plan
 
@@ -241,7 +244,7 @@ def activation_delta(
         num_rows = sum(1 for n in lay.nodes if _role(strategy.get(n, "")) == "row")
         delta -= (1 - 1 / t) * elems * (low if fsdp else records.F32)  # the block input (the residual stream)
         delta -= (1 - 1 / t) * elems * low * num_rows  # each row output: reduce-scattered
-        delta += elems * low * len(parents)  # each column parent's gathered input
+        delta += elems * low * len(parents) / (t if regather else 1)  # each column group's gathered input
     return delta
 
 
