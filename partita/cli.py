@@ -244,6 +244,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         gpus_per_node=args.gpus_per_node,
         num_virtual=args.virtual_stages,
         sequence_parallel=args.sequence_parallel,
+        cp=args.cp,
     )
     out = ev.to_dict() if hasattr(ev, "to_dict") else dict(vars(ev))
     if args.json:
@@ -396,6 +397,10 @@ def _add_training(p: argparse.ArgumentParser, defaults: bool = True) -> None:
     )
 
 
+_CP_HELP = (
+    "context parallelism: the sequence split over cp ranks, keys and values all-gathered for attention "
+    "(search/pricing/context_parallel.py); dp*cp*tp*pp devices"
+)
 _SP_HELP = (
     "Megatron sequence parallelism (compile with a hand-made layout: tp >= 2, 1f1b / gpipe, recompute none or "
     "selective); `evaluate` refuses it (exit 2 with the reason)"
@@ -482,6 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"])
     s.add_argument("--virtual-stages", type=int, default=1, help="model chunks per stage (interleaved_1f1b)")
     s.add_argument("--sequence-parallel", action="store_true", help=_SP_HELP)
+    s.add_argument("--cp", type=int, default=1, help=_CP_HELP)
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_evaluate)
 

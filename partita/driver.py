@@ -603,12 +603,16 @@ def evaluate_model(
     gpus_per_node: int | None = None,
     num_virtual: int = 1,
     sequence_parallel: bool = False,
+    cp: int = 1,
 ) -> Any:
     _check_training(training)
     cl = parse_cluster(cluster, gpus_per_node)  # validate the cheap inputs before tracing
     from partita.search.entry.evaluate import check_sequence_parallel, evaluate_config, tp_style_of
 
     check_sequence_parallel(sequence_parallel)
+    from partita.search.pricing.context_parallel import check_degree
+
+    check_degree(training.seq_len, cp)  # the rest of context_parallel.check needs the graph
 
     traced = trace_model(model, batch=TRACE_BATCH, seq=training.seq_len)
     return evaluate_config(
@@ -624,6 +628,7 @@ def evaluate_model(
         schedule=schedule,
         num_virtual=num_virtual,
         tp_style=tp_style_of(traced.graph),  # the program's tp, as compile_layout prices it (issue 32)
+        cp=cp,
     )
 
 
