@@ -11,7 +11,8 @@ keys and values of the whole sequence, gathered over the ``cp`` axis just before
   queries meet ``S`` keys, not ``S / cp``: ``cp * (S / cp)**2 = S**2 / cp`` per rank), forward and
   backward (2x, ``cost_model.BACKWARD_MULTIPLIER``);
 - communication, per attention and micro-batch: forward one all-gather of K and one of V over ``cp``
-  (output: the whole sequence's K or V of this rank's tp share of the key/value heads), backward one
+  (output: the whole sequence's K or V of this rank's tp share of the key/value heads, before grouped-query
+  attention repeats them for the query heads: :func:`_stored_numel`), backward one
   reduce-scatter of their gradients (input of the same size). The program issues them on the
   attention's critical path (the attention needs the gathered K/V; the layer's input gradient needs
   the scattered dK/dV), so they are priced **exposed**, not overlapped with compute. (A ring scheme
@@ -130,6 +131,7 @@ def layer_terms(
     if cp == 1 or not nodes:
         return CPTerms()
     env = {"B": 1, "S": local_seq}
+    producers = graph.producers()
     item = DTYPE_BYTES[dtype] if DTYPE_BYTES.get(dtype, 4) < 4 else 4  # K/V in the attention's compute dtype
     fwd = bwd = gather = scatter = gathered = saved = 0.0
     for n in nodes:
@@ -142,13 +144,30 @@ def layer_terms(
         bwd += cm.backward_compute_time(Prim.ATTENTION, cp * flops, 0.0, dtype) - cm.backward_compute_time(
             Prim.ATTENTION, flops, 0.0, dtype
         )
-        local = sum(math.prod(dim_size(d, env) for d in t.shape) for t in (k, v)) * per_sample / tp * item
+        local = sum(_stored_numel(graph, t.name, env, producers) for t in (k, v)) * per_sample / tp * item
         whole = local * cp  # the all-gathers' outputs (the reduce-scatters' inputs)
         gather += sum(cm.collective_time("all_gather", whole / 2, link) for _ in range(2))  # K, then V
         scatter += sum(cm.collective_time("reduce_scatter", whole / 2, link) for _ in range(2))
         gathered += whole
         saved += whole - local
     return CPTerms(len(nodes), fwd, bwd, gather, scatter, gathered / len(nodes), saved)
+
+
+_VIEWS = (Prim.RESHAPE, Prim.EXPAND, Prim.PERMUTE)
+
+
+def _stored_numel(graph: Graph, name: str, env: dict[str, int], producers: dict[str, Node]) -> int:
+    """Elements of the K (or V) the model computes, before views expand it: grouped-query attention's
+    ``repeat_kv`` (an EXPAND between RESHAPEs) feeds the attention ``heads / kv_heads`` copies of each
+    key/value head, and the program gathers the key/value heads themselves (``backends/torch/context_parallel``
+    is called with them). The smallest tensor on the chain of views that ends at the attention's input."""
+    best = math.prod(dim_size(d, env) for d in graph.tensors[name].shape)
+    node = producers.get(name)
+    while node is not None and node.prim in _VIEWS and node.inputs:
+        name = node.inputs[0]
+        best = min(best, math.prod(dim_size(d, env) for d in graph.tensors[name].shape))
+        node = producers.get(name)
+    return best
 
 
 def size_text(nbytes: float) -> str:
