@@ -10,8 +10,8 @@ is in the row's ``assumed`` column; ``partita/data/README.md`` lists the sources
 Each row is priced the way ``partita evaluate`` prices it (``search.entry.evaluate.evaluate_config``
 on ``{gpus}x{device}``, the shipped defaults): GPT rows on the model Megatron-LM ran
 (``bench/megatron_gpt.py``) or the GPT-2 architecture (MosaicML's MPT benchmarks), Llama rows on a
-Hugging Face Llama config. A row whose layout ``evaluate`` cannot express (context parallelism, an
-uneven stage split, sequence parallelism today) is reported as refused, with the refusal's words:
+Hugging Face Llama config. A row whose layout ``evaluate`` cannot express (sequence parallelism today, with or
+without context parallelism) is reported as refused, with the refusal's words:
 never dropped.
 
 Reports per row predicted vs published, the median |error|, the mean signed error
@@ -148,8 +148,11 @@ def graph(r: dict) -> Graph:
 
 def refusal(r: dict) -> str | None:
     """Why ``evaluate`` cannot express the row before anything is traced, or None."""
-    if r["cp"] > 1:
-        return f"context parallelism (cp={r['cp']}) is no dimension of Partita's layouts"
+    if r["cp"] > 1 and r["sequence_parallel"]:  # evaluate prices cp (issue 36) but refuses SP: said before tracing
+        return (
+            f"context parallelism (cp={r['cp']}) is priced, but the row also ran Megatron sequence parallelism, "
+            "which evaluate does not price"
+        )
     return None
 
 
@@ -184,6 +187,7 @@ def evaluate_row(r: dict, eff: Efficiency | None = None) -> Evaluation:
         schedule="interleaved_1f1b" if v > 1 else "1f1b",
         num_virtual=v,
         sequence_parallel=bool(r["sequence_parallel"]),
+        cp=r["cp"],
         costs=costs,
         tp_style="megatron",  # the rows ran Megatron-LM's tensor parallelism (MosaicML's: tp=1), not ours
     )
