@@ -32,6 +32,7 @@ LIMITS: dict[str, tuple[int, int]] = {
     "batch": (1, 1 << 16),
     "steps": (1, 10_000_000),
     "tp": (1, 1024),
+    "cp": (1, 1024),
     "pp": (1, 4096),
     "dp": (1, 1 << 20),
     "micro_batch": (1, 1 << 24),

@@ -993,6 +993,13 @@ NEW_CASES: list[Case] = [
          ("program_torch.py is not valid Python", "--force"),
          _plan(edit=_truncate_program),
          before="misleading: 'not the program this Partita emits'"),
+    # ---- context parallelism (issue 36) ----------------------------------------------------------
+    Case("cp-not-dividing-seq", "training", "evaluate --cp not dividing the sequence length",
+         ("evaluate", "gpt2-tiny", "--cluster", "8xCPU", "--global-batch", "8", "--seq", "30", "--cp", "4"),
+         ("cp=4 does not divide the sequence length 30", "use a cp dividing 30"), before="new option"),
+    Case("cp-no-sequence", "training", "evaluate --cp on a model traced without a sequence dimension",
+         (*_EV, "--cp", "2"), ("without a symbolic sequence length", "--cp 1"), before="new option"),
+    _bound("huge-cp", "evaluate --cp 10^5", (*_EV, "--cp", "100000"), ("--cp is 100000", "N <= 1024"), "new option"),
 ]  # fmt: skip
 CASES += NEW_CASES
 
