@@ -74,16 +74,12 @@ class ContextParallelCosts(SolverCosts):
 
 def with_terms(cost: LayerCost, t: cpx.CPTerms) -> LayerCost:
     """``cost`` with the context-parallel terms ``t`` added (module docstring)."""
-    alt = (
-        {}
-        if cost.activation_bytes_alt is None
-        else {"activation_bytes_alt": cost.activation_bytes_alt + t.extra_saved_bytes}
-    )
+    alt = cost.activation_bytes_alt
     return dataclasses.replace(
         cost,
         forward_s=cost.forward_s + t.extra_forward_s + t.gather_s,
         backward_s=cost.backward_s + t.extra_backward_s + t.scatter_s,
         comm_s=cost.comm_s + t.comm_s,
         activation_bytes=cost.activation_bytes + t.extra_saved_bytes,
-        **alt,
+        activation_bytes_alt=None if alt is None else alt + t.extra_saved_bytes,  # the autocast program's (stage_cost)
     )
