@@ -85,6 +85,10 @@ def test_evaluate_splits_the_sequence_over_cp(g) -> None:  # noqa: ANN001
     assert any(
         "context parallelism cp=4 (all_gather_kv)" in n and "4,096 of every sample's 16,384" in n for n in four.notes
     )
+    from partita.report import evaluate_text
+
+    text = " ".join(evaluate_text(four.to_dict(), width=200).split())
+    assert "dp 2 x cp 4 x tp 2 x pp 1 on 16 of 64 devices" in text
 
 
 def test_zero_shards_over_dp_times_cp(g) -> None:  # noqa: ANN001
