@@ -85,6 +85,10 @@ def test_evaluate_splits_the_sequence_over_cp(g) -> None:  # noqa: ANN001
     assert any(
         "context parallelism cp=4 (all_gather_kv)" in n and "4,096 of every sample's 16,384" in n for n in four.notes
     )
+    per_block = four.layout["context_parallel"]
+    assert per_block["gathered_bytes_per_block"] == pytest.approx(2 * 1 * TR.seq_len * HIDDEN / 2 * 2)  # K+V, b 1, tp 2
+    assert (per_block["tokens_per_rank"], per_block["crosses_nodes"]) == (4096, False)  # cp x tp = 8: one node
+    assert "context_parallel" not in one.layout
     from partita.report import evaluate_text
 
     text = " ".join(evaluate_text(four.to_dict(), width=200).split())

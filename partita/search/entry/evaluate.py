@@ -499,7 +499,8 @@ def evaluate_config(
     flops = model_flops(graph, full, costs.linear_batch)  # at the whole sequence: every query meets every key
     used = dp * cp * tp * pp
     if cp > 1:
-        notes.append(_cp_note(graph, cluster, costs, dev, tp, micro_batch, cp))
+        note, per_block = _cp_terms(graph, cluster, costs, dev, tp, micro_batch, cp)
+        notes.append(note)
     layout = {
         "dp": dp,
         "tp": tp,
@@ -517,6 +518,7 @@ def evaluate_config(
         "devices_total": cluster.num_devices,
         "calibration": dev.profile or "none",
         "network": cluster.network_for(dev.name).describe(),
+        **({"context_parallel": per_block} if cp > 1 else {}),
     }
     return Evaluation(
         step,
@@ -536,9 +538,11 @@ def evaluate_config(
     )
 
 
-def _cp_note(graph: Graph, cluster: Cluster, costs: Any, dev: Any, tp: int, micro_batch: int, cp: int) -> str:
-    """What a context-parallel layout's prediction assumes (``search/pricing/context_parallel.py``),
-    with the terms of one transformer block."""
+def _cp_terms(
+    graph: Graph, cluster: Cluster, costs: Any, dev: Any, tp: int, micro_batch: int, cp: int
+) -> tuple[str, dict[str, Any]]:
+    """What a context-parallel layout's prediction assumes (``search/pricing/context_parallel.py``), as a
+    note and as data (``layout["context_parallel"]``): the terms of one transformer block per micro-batch."""
     blk = next(i for i, lay in enumerate(graph.layers) if lay.kind == block_kind(graph))
     t = costs.terms(blk, dev, tp, micro_batch)
     base = SolverCosts.layer(costs, blk, dev, tp, micro_batch)
@@ -548,6 +552,16 @@ def _cp_note(graph: Graph, cluster: Cluster, costs: Any, dev: Any, tp: int, micr
         if cpx.cp_link(dev, cp, tp, cluster.gpus_per_node(dev.name), cluster.network_for(dev.name)).crosses_nodes
         else "the node's links"
     )
+    data = {
+        "scheme": cpx.SCHEME,
+        "tokens_per_rank": costs.training.seq_len,
+        "gathered_bytes_per_block": t.gathered_bytes * t.num_attention,
+        "all_gather_s_per_block": t.gather_s,
+        "reduce_scatter_s_per_block": t.scatter_s,
+        "extra_attention_s_per_block": t.extra_forward_s + t.extra_backward_s,
+        "block_s_at_local_seq": block_s,
+        "crosses_nodes": link == "the network",
+    }
     return (
         f"context parallelism cp={cp} ({cpx.SCHEME}): each rank holds {costs.training.seq_len:,} of every sample's "
         f"{costs.full_training.seq_len:,} tokens; per block and micro-batch the attention gathers "
@@ -556,4 +570,4 @@ def _cp_note(graph: Graph, cluster: Cluster, costs: Any, dev: Any, tp: int, micr
         f"{(t.extra_forward_s + t.extra_backward_s) * 1e3:.2f} ms more attention against the whole sequence, "
         f"on a block of {block_s * 1e3:.2f} ms at {costs.training.seq_len:,} tokens; gradients are synchronized "
         "and ZeRO shards over dp x cp."
-    )
+    ), data
