@@ -142,3 +142,36 @@ def test_cli_evaluate_prices_cp_on_a_zoo_model(capsys: pytest.CaptureFixture) ->
     assert any(
         "context parallelism cp=4 (all_gather_kv)" in n and "512 of every sample's 2,048" in n for n in out["notes"]
     )
+
+
+def test_cp_adds_its_terms_once_per_block_and_micro_batch(g) -> None:  # noqa: ANN001
+    """The wiring: a cp layout costs what dp x cp replicas of S / cp tokens cost (the same layout without cp at
+    the local sequence, cp times the samples) plus, per micro-batch and block, the attention terms; its
+    activations exceed theirs by the gathered K/V kept per micro-batch in flight."""
+    import dataclasses
+
+    cl = parse_cluster("64xH100-80G")
+    cp, dp, b = 4, 2, 2
+    kw = dict(tp=2, pp=1, micro_batch=b, tp_style="torch")
+    with_cp = evaluate_config(g, cl, TR, dp=dp, cp=cp, **kw)
+    local = dataclasses.replace(TR, seq_len=TR.seq_len // cp, global_batch=TR.global_batch * cp)
+    plain = evaluate_config(g, cl, local, dp=dp * cp, **kw)
+    dev = cl.device_types()[0]
+    link = cpx.cp_link(dev, cp, 2, 8, cl.network_for(dev.name))
+    t = cpx.layer_terms(
+        g,
+        _block(g),
+        CostModel.for_device(dev),
+        link,
+        cp=cp,
+        tp=2,
+        micro_batch=b,
+        local_seq=TR.seq_len // cp,
+        dtype="bf16",
+    )
+    m = with_cp.layout["num_micro_batches"]
+    blocks = len(g.layers)
+    per_mb = t.extra_forward_s + t.extra_backward_s + t.comm_s
+    assert with_cp.predicted_step_time_s - plain.predicted_step_time_s == pytest.approx(m * blocks * per_mb, rel=1e-6)
+    extra = with_cp.memory_by_category[0]["activations"] - plain.memory_by_category[0]["activations"]
+    assert extra == pytest.approx(blocks * t.extra_saved_bytes, rel=1e-6)  # one micro-batch in flight (pp 1)
