@@ -129,19 +129,21 @@ def test_cli_refuses_a_cp_not_dividing_the_sequence_before_tracing(capsys: pytes
     assert rc == 2 and "cp=4 does not divide the sequence length 30" in err and "Traceback" not in err
 
 
-@pytest.mark.slow  # llama-7b's layer ILPs at S / cp (no torch; ~20-60 s on 2 shared cores)
-def test_cli_evaluate_prices_cp_on_a_zoo_model(capsys: pytest.CaptureFixture) -> None:
-    """``partita evaluate --cp`` end to end (the stored llama-7b trace: no torch): the layout it prints in
-    JSON is the one asked, on dp x cp x tp x pp devices, with the note saying what cp costs."""
+def test_cli_evaluate_prices_cp(g, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """``partita evaluate --cp`` through the CLI and the driver (the trace replaced by the builder's graph, so
+    no torch): the JSON layout is the one asked, on dp x cp x tp x pp devices, with the note saying what cp costs."""
     import json
+    import types
 
-    argv = ["evaluate", "llama-7b", "--cluster", "64xH100-80G", "--global-batch", "8", "--seq", "2048"]
+    import partita.driver
+
+    monkeypatch.setattr(partita.driver, "trace_model", lambda *a, **k: types.SimpleNamespace(graph=g))
+    argv = ["evaluate", "gpt2-tiny", "--cluster", "64xH100-80G", "--global-batch", "8", "--seq", "16384"]
     rc = main([*argv, "--tp", "8", "--dp", "2", "--cp", "4", "--micro-batch", "1", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and (out["layout"]["cp"], out["layout"]["devices_used"]) == (4, 64)
-    assert any(
-        "context parallelism cp=4 (all_gather_kv)" in n and "512 of every sample's 2,048" in n for n in out["notes"]
-    )
+    assert out["layout"]["context_parallel"]["tokens_per_rank"] == 4096
+    assert any("context parallelism cp=4 (all_gather_kv)" in n for n in out["notes"])
 
 
 def test_cp_adds_its_terms_once_per_block_and_micro_batch(g) -> None:  # noqa: ANN001
