@@ -131,11 +131,9 @@ def layer_terms(
     if cp == 1 or not nodes:
         return CPTerms()
     env = {"B": 1, "S": local_seq}
-    producers = graph.producers()
-    item = DTYPE_BYTES[dtype] if DTYPE_BYTES.get(dtype, 4) < 4 else 4  # K/V in the attention's compute dtype
     fwd = bwd = gather = scatter = gathered = saved = 0.0
     for n in nodes:
-        q, k, v = (graph.tensors[x] for x in n.inputs[:3])
+        q = graph.tensors[n.inputs[0]]
         per_sample = micro_batch / max(1, dim_size(q.shape[0], env))  # a static-batch graph: per traced sample
         flops = float(dim_size(FLOP_RULES[Prim.ATTENTION](n, graph), env)) * per_sample / tp  # passes/annotate's rule
         fwd += cm.compute_time(Prim.ATTENTION, cp * flops, 0.0, dtype) - cm.compute_time(
@@ -144,13 +142,32 @@ def layer_terms(
         bwd += cm.backward_compute_time(Prim.ATTENTION, cp * flops, 0.0, dtype) - cm.backward_compute_time(
             Prim.ATTENTION, flops, 0.0, dtype
         )
-        local = sum(_stored_numel(graph, t.name, env, producers) for t in (k, v)) * per_sample / tp * item
-        whole = local * cp  # the all-gathers' outputs (the reduce-scatters' inputs)
-        gather += sum(cm.collective_time("all_gather", whole / 2, link) for _ in range(2))  # K, then V
-        scatter += sum(cm.collective_time("reduce_scatter", whole / 2, link) for _ in range(2))
-        gathered += whole
-        saved += whole - local
+        k_whole, v_whole = gathered_kv(
+            graph, n, cp=cp, tp=tp, micro_batch=micro_batch, local_seq=local_seq, dtype=dtype
+        )
+        gather += cm.collective_time("all_gather", k_whole, link) + cm.collective_time("all_gather", v_whole, link)
+        scatter += cm.collective_time("reduce_scatter", k_whole, link) + cm.collective_time(
+            "reduce_scatter", v_whole, link
+        )
+        gathered += k_whole + v_whole
+        saved += (k_whole + v_whole) * (cp - 1) / cp
     return CPTerms(len(nodes), fwd, bwd, gather, scatter, gathered / len(nodes), saved)
+
+
+def gathered_kv(
+    graph: Graph, node: Node, *, cp: int, tp: int, micro_batch: int, local_seq: int, dtype: str
+) -> tuple[float, float]:
+    """Bytes of the whole sequence's K and of its V that attention ``node`` all-gathers over ``cp`` (the
+    all-gathers' outputs, the dK / dV reduce-scatters' inputs): the key/value heads of this rank's tp
+    share, ``micro_batch`` samples, in the attention's compute dtype. :func:`layer_terms` prices these and
+    the Plan records them (``search/program/context_parallel.py``)."""
+    env = {"B": 1, "S": local_seq}
+    producers = graph.producers()
+    item = DTYPE_BYTES[dtype] if DTYPE_BYTES.get(dtype, 4) < 4 else 4  # K/V in the attention's compute dtype
+    q, k, v = (graph.tensors[x] for x in node.inputs[:3])
+    per_sample = micro_batch / max(1, dim_size(q.shape[0], env))  # a static-batch graph: per traced sample
+    k_local, v_local = (_stored_numel(graph, t.name, env, producers) * per_sample / tp * item for t in (k, v))
+    return k_local * cp, v_local * cp
 
 
 _VIEWS = (Prim.RESHAPE, Prim.EXPAND, Prim.PERMUTE)
