@@ -1000,6 +1000,11 @@ NEW_CASES: list[Case] = [
     Case("cp-no-sequence", "training", "evaluate --cp on a model traced without a sequence dimension",
          (*_EV, "--cp", "2"), ("without a symbolic sequence length", "--cp 1"), before="new option"),
     _bound("huge-cp", "evaluate --cp 10^5", (*_EV, "--cp", "100000"), ("--cp is 100000", "N <= 1024"), "new option"),
+    Case("compile-cp", "training", "compile --cp 2 (priced, not emitted yet)",
+         (*_compile("4xCPU", "gpt2-tiny", "--dp", "2", "--cp", "2"),),
+         ("--cp 2: context parallelism is priced", "compile without --cp"), before="new option"),
+    _plan_case("plan-cp-not-dividing-seq", "a stage's cp not dividing the sequence (cp: 3)",
+               lambda d: d["stages"][0].update(cp=3), ("cp=3, which does not divide training.seq_len",), "new option"),
 ]  # fmt: skip
 CASES += NEW_CASES
 

@@ -20,8 +20,10 @@ intercept the attention (``_context_parallel/_attention.py``: no entry for
 ``_scaled_dot_product_flash_attention_for_cpu``).
 
 Status (issue 36): this module and its gloo test (``tests/runtime/test_context_parallel_multiprocess.py``:
-a tiny Llama at dp 2 x cp 2 against one device, per parameter) are the runtime's scheme; the Plan does
-not carry ``cp`` yet and the emitter does not call it, so ``partita compile`` has no ``--cp``.
+a tiny Llama at dp 2 x cp 2 against one device, per parameter) are the runtime's scheme. The Plan carries
+``Stage.cp`` and the records of these collectives (``search/program/context_parallel.py``), but the
+emitter does not call this module yet: it refuses a plan with ``cp > 1``, and ``partita compile --cp``
+is refused.
 """
 
 from __future__ import annotations
