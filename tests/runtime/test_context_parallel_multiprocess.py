@@ -7,7 +7,8 @@ for attention): the loss and every parameter's gradient summed over the ranks eq
 step of the same model with Hugging Face's own attention (rtol 1e-4, atol 1e-5). The K/V all-gathers
 and their gradients' reduce-scatters the program ran, counted per rank, are the ones
 ``search/pricing/context_parallel.py`` prices: two of each per block, each all-gather's output of the
-size ``layer_terms`` gives (the traced model's attention shapes at the rank's batch and ``S / cp``).
+size ``layer_terms`` gives (the traced model's attention shapes at the rank's batch and ``S / cp``), and
+equal the Plan's records of that layout (``search/program/context_parallel.attention_records``).
 """
 
 from __future__ import annotations
@@ -28,8 +29,11 @@ def test_context_parallel_matches_one_device_and_its_pricing(tmp_path: Path) -> 
     from partita.cluster import parse_cluster
     from partita.driver import trace_model
     from partita.models import families
+    from partita.plan import Plan, Stage
     from partita.search.pricing import context_parallel as cpx
     from partita.search.pricing.cost_model import CostModel
+    from partita.search.program import context_parallel as cp_records
+    from partita.search.program import records
 
     out = tmp_path / "cp.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
@@ -67,3 +71,11 @@ def test_context_parallel_matches_one_device_and_its_pricing(tmp_path: Path) -> 
         priced = sum(t.gathered_bytes * t.num_attention for t in terms)
         assert res["collectives"]["all_gather"] == [2 * len(blocks), priced]
         assert res["collectives"]["reduce_scatter"] == [2 * len(blocks), priced]
+        # the Plan's records of this layout (search/program/context_parallel.py) are what the scheme issued
+        names = [lay.name for lay in graph.layers]
+        stage = Stage(0, tuple(names), dev.name, (0, 1, 2, 3), dp=dp, tp=1, cp=cp)
+        training = {"global_batch": 4, "seq_len": 16, "dtype": "f32"}
+        plan = Plan({"name": "llama", "layers": names}, {"name": "4xCPU"}, training, (stage,), "1f1b", 4 // dp, 1)
+        recorded = records.summary(cp_records.attention_records(graph, plan, 0))
+        assert [recorded["all_gather@cp"][k] for k in ("count", "bytes")] == res["collectives"]["all_gather"]
+        assert [recorded["reduce_scatter@cp"][k] for k in ("count", "bytes")] == res["collectives"]["reduce_scatter"]
