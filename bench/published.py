@@ -13,7 +13,7 @@ on ``{gpus}x{device}``, the shipped defaults), as the program it ran (the ``prog
 (``bench/megatron_gpt.py``) or the GPT-2 architecture as MPT runs it (MosaicML's benchmarks: no dropout,
 exact GELU, ``arch`` ``mpt``), Llama rows on a Hugging Face Llama config. Sequence parallelism is priced as
 ``evaluate --sequence-parallel`` prices it (``search/program/sequence_parallel.activation_delta``). A row whose
-layout ``evaluate`` cannot express (context parallelism today) is reported as refused, with the refusal's
+layout ``evaluate`` cannot express is reported as refused, with the refusal's
 words: never dropped.
 
 Reports per row predicted vs published, the median |error|, the mean signed error
@@ -156,8 +156,11 @@ def graph(r: dict) -> Graph:
 
 def refusal(r: dict) -> str | None:
     """Why ``evaluate`` cannot express the row before anything is traced, or None."""
-    if r["cp"] > 1:
-        return f"context parallelism (cp={r['cp']}) is no dimension of Partita's layouts"
+    if r["cp"] > 1 and r["sequence_parallel"]:  # evaluate prices cp (issue 36) but refuses SP: said before tracing
+        return (
+            f"context parallelism (cp={r['cp']}) is priced, but the row also ran Megatron sequence parallelism, "
+            "which evaluate does not price"
+        )
     return None
 
 
@@ -193,6 +196,7 @@ def evaluate_row(r: dict, eff: Efficiency | None = None) -> Evaluation:
         schedule="interleaved_1f1b" if v > 1 else "1f1b",
         num_virtual=v,
         sequence_parallel=bool(r["sequence_parallel"]),
+        cp=r["cp"],
         costs=costs,
         tp_style=style,  # the program the row ran (PROGRAM_STYLE)
     )

@@ -32,6 +32,7 @@ LIMITS: dict[str, tuple[int, int]] = {
     "batch": (1, 1 << 16),
     "steps": (1, 10_000_000),
     "tp": (1, 1024),
+    "cp": (1, 1024),
     "pp": (1, 4096),
     "dp": (1, 1 << 20),
     "micro_batch": (1, 1 << 24),
@@ -151,6 +152,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     cluster = args.cluster or DEFAULT_CLUSTER
     _check_writable_target(args.out, "--out", want_dir=True)
     _check_out_dir(args.out, args.force)
+    _refuse_cp(args.cp)
     layout = _hand_layout(args)
     if layout is not None:
         from partita.driver import compile_layout
@@ -183,6 +185,20 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
         print(f"compile cache: {cache_dir()} (set PARTITA_CACHE_DIR to move it; --force recompiles)")
     return 0
+
+
+def _refuse_cp(cp: int | None) -> None:
+    """`partita compile --cp N` (N > 1) is refused before anything is traced or written (issue 36): the Plan
+    carries a cp degree per stage and its collective records (``search/program/context_parallel.py``), but no
+    emitter builds the cp mesh axis and the sequence split yet, so a program would not train what the plan says."""
+    if cp is not None and cp > 1:
+        raise ConfigError(
+            f"--cp {cp}: context parallelism is priced (`partita evaluate --cp`) and its runtime scheme exists "
+            "(backends/torch/context_parallel.py), but `partita compile` cannot emit it yet: the emitted program "
+            "would not split the sequence over a cp mesh axis, so it would not train the plan it was given.",
+            f"price the layout with `partita evaluate MODEL --cluster ... --cp {cp}`, and compile without --cp "
+            "(or --cp 1).",
+        )
 
 
 _LAYOUT_FLAGS = ("tp", "pp", "dp", "micro_batch")
@@ -244,6 +260,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         gpus_per_node=args.gpus_per_node,
         num_virtual=args.virtual_stages,
         sequence_parallel=args.sequence_parallel,
+        cp=args.cp,
     )
     out = ev.to_dict() if hasattr(ev, "to_dict") else dict(vars(ev))
     if args.json:
@@ -396,6 +413,10 @@ def _add_training(p: argparse.ArgumentParser, defaults: bool = True) -> None:
     )
 
 
+_CP_HELP = (
+    "context parallelism: the sequence split over cp ranks, keys and values all-gathered for attention "
+    "(search/pricing/context_parallel.py); dp*cp*tp*pp devices"
+)
 _SP_HELP = (
     "Megatron sequence parallelism (compile with a hand-made layout: tp >= 2, 1f1b / gpipe, recompute none or "
     "selective); `evaluate` refuses it (exit 2 with the reason)"
@@ -467,6 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--virtual-stages", type=int, default=None, help="model chunks per stage (interleaved_1f1b; default 2)"
     )
     hand.add_argument("--sequence-parallel", action="store_true", help=_SP_HELP)
+    hand.add_argument("--cp", type=int, default=None, help=_CP_HELP + "; compile refuses cp > 1 (not emitted yet)")
     s.set_defaults(fn=cmd_compile)
 
     s = sub.add_parser("evaluate", help="predict a fixed Megatron-style configuration")
@@ -482,6 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"])
     s.add_argument("--virtual-stages", type=int, default=1, help="model chunks per stage (interleaved_1f1b)")
     s.add_argument("--sequence-parallel", action="store_true", help=_SP_HELP)
+    s.add_argument("--cp", type=int, default=1, help=_CP_HELP)
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_evaluate)
 

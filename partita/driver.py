@@ -603,6 +603,7 @@ def evaluate_model(
     gpus_per_node: int | None = None,
     num_virtual: int = 1,
     sequence_parallel: bool = False,
+    cp: int = 1,
 ) -> Any:
     _check_training(training)
     cl = parse_cluster(cluster, gpus_per_node)  # validate the cheap inputs before tracing
@@ -611,6 +612,9 @@ def evaluate_model(
 
     if sequence_parallel:  # what the runtime does not build with it, refused before tracing (as compile_layout)
         sp.check(tp=tp, dp=dp, zero_stage=zero_stage, recompute=recompute, schedule=schedule, num_virtual=num_virtual)
+    from partita.search.pricing.context_parallel import check_degree
+
+    check_degree(training.seq_len, cp)  # the rest of context_parallel.check needs the graph
 
     traced = trace_model(model, batch=TRACE_BATCH, seq=training.seq_len)
     return evaluate_config(
@@ -627,6 +631,7 @@ def evaluate_model(
         num_virtual=num_virtual,
         sequence_parallel=sequence_parallel,
         tp_style=tp_style_of(traced.graph),  # the program's tp, as compile_layout prices it (issue 32)
+        cp=cp,
     )
 
 

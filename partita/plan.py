@@ -8,6 +8,11 @@ Vocabulary (Megatron's, so hand-made configurations read the same):
 
 * a stage runs a contiguous range of layers on ``dp * tp`` ranks arranged as a 2-D mesh with axes
   ``("dp", "tp")``; rank ``ranks[i * tp + j]`` sits at mesh coordinate ``(i, j)``;
+* context parallelism (issue 36): a stage with ``cp > 1`` runs on ``dp * cp * tp`` ranks, mesh axes
+  ``("dp", "cp", "tp")``, tp fastest: rank ``ranks[(i * cp + c) * tp + j]`` at ``(i, c, j)`` holds
+  tokens ``c * S / cp`` to ``(c + 1) * S / cp - 1`` of its replica's samples (``search/pricing/context_parallel.py``);
+  parameters are replicated over cp as over dp. ``cp = 1`` (the default) is not written to plan.json,
+  so plans without it read and write as before; no emitter runs ``cp > 1`` yet (they refuse it);
 * ``micro_batch_size`` is samples per micro-batch per data-parallel replica; a stage whose replicas
   run on different device types may split each micro-batch unevenly: ``batch_shares[i]`` samples
   for replica ``i`` (they sum to ``micro_batch_size * dp``), and gradients are averaged with those
@@ -104,10 +109,11 @@ class Stage:
     tp_plan: Mapping[str, str] = dataclasses.field(default_factory=dict)  # module -> torch tp role (search/strategies)
     collectives: tuple[Collective, ...] = ()
     predicted: Mapping[str, float] = dataclasses.field(default_factory=dict)  # compute_s, comm_s, memory...
+    cp: int = 1  # context parallelism: the sequence split over a mesh axis between dp and tp (module docstring)
 
     @property
     def num_devices(self) -> int:
-        return self.dp * self.tp
+        return self.dp * self.cp * self.tp
 
     @property
     def mesh_shape(self) -> tuple[int, int]:
@@ -121,8 +127,13 @@ class Stage:
         return self.tp > 1 and not sharded and not self.tp_plan
 
     def coords(self, rank: int) -> tuple[int, int]:
+        """``rank``'s (dp, tp) coordinates; its cp coordinate is :meth:`cp_index`."""
         i = self.ranks.index(rank)
-        return (i // self.tp, i % self.tp)
+        return (i // (self.cp * self.tp), i % self.tp)
+
+    def cp_index(self, rank: int) -> int:
+        """``rank``'s coordinate on the cp axis: which ``1 / cp`` of the sequence it holds (0 when cp = 1)."""
+        return (self.ranks.index(rank) // self.tp) % self.cp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +203,8 @@ class Plan:
         d = dataclasses.asdict(self)
         d["format"] = PLAN_FORMAT
         for s in d["stages"]:  # a large stage's ranks as runs (issue 20); Stage.ranks stays a tuple
+            if s["cp"] == 1:  # no context parallelism: not written (plans without it stay byte-identical)
+                del s["cp"]
             if len(s["ranks"]) > RANK_RUNS_ABOVE:
                 s["ranks"] = rank_runs(s["ranks"])
         used = d["cluster"].get("rank_map")  # plan rank -> cluster rank, as runs when large
@@ -327,6 +340,7 @@ def _read_stage(field: _FieldReader, s: Any, k: int) -> Stage:
         tp_plan=field(s, "tp_plan", dict, {}),
         collectives=tuple(Collective(**c) for c in field(s, "collectives", list, [])),
         predicted=field(s, "predicted", dict, {}),
+        cp=field(s, "cp", int, 1),
     )
     field.prefix = ""
     return stage
@@ -427,8 +441,12 @@ def validate(plan: Plan, source: str = "plan") -> None:
     first_chunk = _check_chunks(plan, source) if plan.chunked else {}
     for s in plan.stages:
         where = f"{source}: stage {s.index}"
-        if s.dp < 1 or s.tp < 1 or len(s.ranks) != s.dp * s.tp:
-            raise PlanError(f"{where} has dp={s.dp}, tp={s.tp} but {len(s.ranks)} ranks.", "need dp*tp ranks.")
+        if s.cp != 1:
+            _check_cp(plan, s, where)
+        if s.dp < 1 or s.tp < 1 or len(s.ranks) != s.dp * s.cp * s.tp:
+            cp = f", cp={s.cp}" if s.cp != 1 else ""
+            need = "dp*cp*tp" if s.cp != 1 else "dp*tp"
+            raise PlanError(f"{where} has dp={s.dp}{cp}, tp={s.tp} but {len(s.ranks)} ranks.", f"need {need} ranks.")
         if seen & set(s.ranks) and s.index not in first_chunk:
             raise PlanError(f"{where} reuses ranks {sorted(seen & set(s.ranks))}.", "each rank is in one stage.")
         seen |= set(s.ranks)
@@ -461,6 +479,28 @@ def validate(plan: Plan, source: str = "plan") -> None:
         )
 
 
+def _check_cp(plan: Plan, s: Stage, where: str) -> None:
+    """A stage's context-parallel degree: at least 1, the same on every stage (the sequence is split once,
+    before the first stage; a pipeline boundary passes each rank its own slice), dividing the sequence."""
+    fix = "recompile the plan; do not edit plan.json by hand."
+    if s.cp < 1:
+        raise PlanError(f"{where} has cp={s.cp}; context parallelism splits the sequence over cp >= 1 ranks.", fix)
+    seq = plan.training.get("seq_len")
+    if isinstance(seq, int) and not isinstance(seq, bool) and seq % s.cp:
+        raise PlanError(
+            f"{where} has cp={s.cp}, which does not divide training.seq_len={seq}: every rank of a "
+            "context-parallel group holds the same number of tokens.",
+            fix,
+        )
+    others = sorted({t.cp for t in plan.stages} - {s.cp})
+    if others:
+        raise PlanError(
+            f"{where} has cp={s.cp} but other stages have cp={others}: the sequence is split once for the "
+            "whole pipeline.",
+            fix,
+        )
+
+
 def _check_chunks(plan: Plan, source: str) -> dict[int, Stage]:
     """A chunked plan (stages sharing ranks): the schedule places chunks, every chunk repeats its
     position's ranks and mesh, positions are disjoint. Returns chunk index -> its position's first
@@ -477,7 +517,7 @@ def _check_chunks(plan: Plan, source: str) -> dict[int, Stage]:
     p, out = n // v, {}
     for r, group in enumerate(plan.positions()):
         head = group[0]
-        key = lambda s: (s.ranks, s.dp, s.tp, s.batch_shares, s.zero_stage, s.device_type, s.replica_device_types)  # noqa: E731
+        key = lambda s: (s.ranks, s.dp, s.cp, s.tp, s.batch_shares, s.zero_stage, s.device_type, s.replica_device_types)  # noqa: E731
         for s in group[1:]:
             if key(s) != key(head):
                 raise PlanError(

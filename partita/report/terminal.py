@@ -511,7 +511,9 @@ def evaluate_text(ev: Mapping[str, Any], width: int | None = None) -> str:
         rows.append(
             [
                 "layout",
-                f"dp {lay.get('dp')} x tp {lay.get('tp')} x pp {lay.get('pp')} on "
+                f"dp {lay.get('dp')} x "
+                + (f"cp {lay.get('cp')} x " if (lay.get("cp") or 1) > 1 else "")  # context parallelism
+                + f"tp {lay.get('tp')} x pp {lay.get('pp')} on "
                 + (f"{used} of {plural(int(total), 'device')}" if used and total else "the cluster")
                 + f" ({lay.get('device')}); {plural(int(lay.get('num_micro_batches') or 0), 'micro-batch', 'micro-batches')}"
                 f" of {lay.get('micro_batch')} per replica, {lay.get('schedule')}, ZeRO-{lay.get('zero_stage')}, "

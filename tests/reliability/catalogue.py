@@ -993,6 +993,18 @@ NEW_CASES: list[Case] = [
          ("program_torch.py is not valid Python", "--force"),
          _plan(edit=_truncate_program),
          before="misleading: 'not the program this Partita emits'"),
+    # ---- context parallelism (issue 36) ----------------------------------------------------------
+    Case("cp-not-dividing-seq", "training", "evaluate --cp not dividing the sequence length",
+         ("evaluate", "gpt2-tiny", "--cluster", "8xCPU", "--global-batch", "8", "--seq", "30", "--cp", "4"),
+         ("cp=4 does not divide the sequence length 30", "use a cp dividing 30"), before="new option"),
+    Case("cp-no-sequence", "training", "evaluate --cp on a model traced without a sequence dimension",
+         (*_EV, "--cp", "2"), ("without a symbolic sequence length", "--cp 1"), before="new option"),
+    _bound("huge-cp", "evaluate --cp 10^5", (*_EV, "--cp", "100000"), ("--cp is 100000", "N <= 1024"), "new option"),
+    Case("compile-cp", "training", "compile --cp 2 (priced, not emitted yet)",
+         (*_compile("4xCPU", "gpt2-tiny", "--dp", "2", "--cp", "2"),),
+         ("--cp 2: context parallelism is priced", "compile without --cp"), before="new option"),
+    _plan_case("plan-cp-not-dividing-seq", "a stage's cp not dividing the sequence (cp: 3)",
+               lambda d: d["stages"][0].update(cp=3), ("cp=3, which does not divide training.seq_len",), "new option"),
 ]  # fmt: skip
 CASES += NEW_CASES
 

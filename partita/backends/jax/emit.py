@@ -27,6 +27,7 @@ from partita.backends.jax import fidelity as fid
 from partita.backends.jax import parallel as jp
 from partita.errors import PlanError
 from partita.plan import Plan, chunks_per_rank, placements_to_str, shares
+from partita.search.program import context_parallel as cp_records
 
 DEFAULT_LR = 1e-3
 
@@ -59,6 +60,7 @@ def _optimizer_src(training: Mapping[str, Any]) -> str:
 
 
 def _check(plan: Plan) -> None:
+    cp_records.refuse_emit(plan, "JAX")
     if plan.num_stages > 1 and plan.schedule == "interleaved_1f1b" and plan.num_virtual_stages > 1 and not plan.chunked:
         raise PlanError(  # issue 15 item 5: chunks not laid out; plain 1F1B would run under the interleaved price
             f"interleaved 1F1B with {plan.num_virtual_stages} virtual stages cannot be emitted for JAX from a plan "

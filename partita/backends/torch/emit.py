@@ -73,6 +73,7 @@ from partita.backends.torch import launch as torch_launch
 from partita.errors import PartitaError, PlanError
 from partita.plan import Plan, Stage, shares
 from partita.search.pipeline.schedule import pipeline_actions, splits_backward
+from partita.search.program import context_parallel as cp_records
 from partita.search.program import records
 
 _HEADER = '''"""Partita program: {model} on {cluster} ({world} ranks), {num_stages} stage(s), schedule {schedule}.
@@ -418,6 +419,7 @@ def check_schedule(plan: Plan) -> None:
 
 def emit_torch(plan: Plan, model_spec: str) -> str:
     """The source of one Python module that trains ``plan`` for ``model_spec`` under torchrun."""
+    cp_records.refuse_emit(plan, "PyTorch")
     check_schedule(plan)
     kind = _runner_kind(plan)
     chunked, plan = plan, vchunks.physical_plan(plan)  # chunks of a rank group: one setup_stage (chunks.py)

@@ -40,6 +40,7 @@ from partita.errors import ConfigError
 from partita.ir import Graph, Prim, dim_size
 from partita.search.entry.planner import Option, Search
 from partita.search.pipeline import schedule as sched
+from partita.search.pipeline.cp_costs import ContextParallelCosts
 from partita.search.pipeline.stage_cost import (
     SolverCosts,
     StageFactors,
@@ -50,6 +51,7 @@ from partita.search.pipeline.stage_cost import (
 )
 from partita.search.pipeline.stage_ranges import grad_transient
 from partita.search.pipeline.zero_bubble import RUNNABLE_ZERO, HeldCounts, counts, in_flight_table
+from partita.search.pricing import context_parallel as cpx
 from partita.search.pricing.config import SearchOptions, TrainingConfig
 from partita.search.pricing.precision import choose_precision, precision_note
 from partita.search.program.plan_build import Candidate, StagePick
@@ -178,15 +180,18 @@ def check_layout(
     sequence_parallel: bool = False,
     recompute: str = "none",
     dims: tuple[dict[str, set[int]], int | None] | None = None,
+    cp: int = 1,
 ) -> list[str]:
     """Refuse a layout that cannot be built (module docstring); return notes on one that can.
     ``tp``: one degree for every stage, or one per stage (:func:`stage_tps`). ``dims``:
     ``tp_dims(graph)`` when the caller checks many layouts of one graph (computed once).
-    ``sequence_parallel``: refused where the runtime does not build it (``sequence_parallel.check``)."""
-    for name, val in (("pp", pp), ("dp", dp), ("micro_batch", micro_batch), ("num_virtual", num_virtual)):
+    ``sequence_parallel``: refused where the runtime does not build it (``sequence_parallel.check``). ``cp``:
+    context parallelism (``search/pricing/context_parallel.py``), ``dp * cp * tp`` devices per stage."""
+    for name, val in (("pp", pp), ("dp", dp), ("micro_batch", micro_batch), ("num_virtual", num_virtual), ("cp", cp)):
         if val < 1:
             raise ConfigError(f"{name}={val} must be >= 1.", f"pass a positive {name}.")
     tps = stage_tps(tp, pp)
+    cpx.check(graph, training, cp)  # context parallelism: a sequence to split, attention to gather for
     why = graph.meta.get("no_pipeline")  # the runtime cannot cut this model (frontends/trace_torch.py)
     if pp > 1 and why:
         raise ConfigError(
@@ -195,14 +200,16 @@ def check_layout(
         )
     dev = cluster.device_types()[0]
     have = cluster.count(dev.name)
-    used = dp * sum(tps)
+    used = dp * cp * sum(tps)
     if used > have:
-        fit = have // sum(tps)
+        fit = have // (cp * sum(tps))
         other = f" (every stage runs on the first device type, {dev.name}; the cluster has {cluster.num_devices})"
         degrees = f"tp={tps[0]}, pp={pp}" if len(set(tps)) == 1 else f"tp={','.join(map(str, tps))}"
         raise ConfigError(
-            f"dp*tp*pp = {used} exceeds the cluster's {have} devices{other if have < cluster.num_devices else ''}.",
-            f"lower a degree (dp={fit} fits with {degrees})" + ", or use a larger cluster."
+            f"dp*{'cp*' if cp > 1 else ''}tp*pp = {used} exceeds the cluster's {have} devices"
+            f"{other if have < cluster.num_devices else ''}.",
+            f"lower a degree (dp={fit} fits with {degrees}{f', cp={cp}' if cp > 1 else ''})"
+            + ", or use a larger cluster."
             if fit
             else "lower a degree or use a larger cluster.",
         )
@@ -444,12 +451,15 @@ def evaluate_config(
     costs: SolverCosts | None = None,
     factors: StageFactors | None = None,
     tp_style: str = "megatron",
+    cp: int = 1,
 ) -> Evaluation:
     """Predicted step time and memory of one configuration (module docstring).
 
     ``tp_style="megatron"`` (the default) prices ``tp`` as Megatron-LM's tensor parallelism: the
     weights are split and activations stay whole on the tp group. ``"auto"`` lets the intra-op ILP
-    pick any sharding on the tp axis (what ``partita compile`` does).
+    pick any sharding on the tp axis (what ``partita compile`` does). ``cp > 1``: context parallelism
+    (``search/pricing/context_parallel.py``): layers priced at ``S / cp`` by ``ContextParallelCosts``,
+    ``dp * cp`` replicas for the gradient sync and ZeRO, ``dp * cp * tp * pp`` devices.
     """
     notes = check_layout(
         graph,
@@ -463,8 +473,9 @@ def evaluate_config(
         num_virtual=num_virtual,
         sequence_parallel=sequence_parallel,
         recompute=recompute,
+        cp=cp,
     )
-    if zero_stage and dp == 1:
+    if zero_stage and dp * cp == 1:
         notes.append(f"ZeRO-{zero_stage} with dp=1 shards nothing: priced as ZeRO-0.")
         zero_stage = 0
     check_split_backward(schedule, pp, zero_stage, recompute)
@@ -475,15 +486,27 @@ def evaluate_config(
             training = chosen
     opts = SearchOptions(zero_stages=(zero_stage,), recompute=(recompute,), max_layer_units=0, max_tp=tp)
     if costs is None:
-        costs = SolverCosts(graph, cluster, training, tp_style=tp_style)
+        costs = (
+            ContextParallelCosts(graph, cluster, training, cp, tp_style=tp_style)
+            if cp > 1
+            else SolverCosts(graph, cluster, training, tp_style=tp_style)
+        )
+    elif cp != getattr(costs, "cp", 1):
+        raise ConfigError(
+            f"the shared SolverCosts price cp={getattr(costs, 'cp', 1)}, this call asks cp={cp}.",
+            "build ContextParallelCosts(..., cp) for a context-parallel layout (search/pipeline/cp_costs.py).",
+        )
     elif costs.tp_style != tp_style:
         raise ConfigError(
             f"the shared SolverCosts price tp_style={costs.tp_style!r}, this call asks {tp_style!r}.",
             "build SolverCosts(..., tp_style=...) with the style you evaluate.",
         )
+    full = training
+    training = costs.training  # the sequence each layer is solved at: S / cp (context_parallel.local_training)
+    dp_all = dp * cp  # the replicas parameters are synchronized and sharded over
     search = Search(graph, cluster, training, opts, costs, factors)
     dev = cluster.device_types()[0]
-    m = training.global_batch // (micro_batch * dp)
+    m = full.global_batch // (micro_batch * dp)
     v = num_virtual if schedule == "interleaved_1f1b" else 1
     if sched.splits_backward(
         schedule
@@ -493,14 +516,14 @@ def evaluate_config(
         in_flight = np.array(sched.in_flight_by_stages_left(schedule, pp, m, v))
     split = sched.splits_backward(schedule)  # W's gradient copy (stage_cost.static_memory)
     got = search.arrays(
-        ((dev, dp, micro_batch),), dp, tp, in_flight, sched.p2p_multiplier(schedule, v), split_backward=split
+        ((dev, dp_all, micro_batch),), dp_all, tp, in_flight, sched.p2p_multiplier(schedule, v), split_backward=split
     )
     if got is None:
         raise ConfigError(f"the model cannot run with tp={tp} on {dev.name}.", "use another tp.")
     per_combo, combos, stack = got
-    opt = Option(0, tp, tp, ((dev, dp, micro_batch),), (), per_combo, combos, stack)
+    opt = Option(0, tp, tp, ((dev, dp_all, micro_batch),), (), per_combo, combos, stack)
     picks = tuple(StagePick(a, b, opt, 0) for a, b in megatron_split(graph, pp))
-    cand = Candidate(dp, micro_batch, m, schedule, v, picks, search)
+    cand = Candidate(dp_all, micro_batch, m, schedule, v, picks, search)
     mem = tuple(cand.memory(i) for i in range(pp))
     by_category = tuple(memory_by_category(cand, i) for i in range(pp))
     if sequence_parallel:
@@ -515,12 +538,16 @@ def evaluate_config(
     cap = dev.memory_bytes * search.factors.memory_usable
     pt = cand.pipeline
     step = cand.step_time
-    flops = model_flops(graph, training, costs.linear_batch)
-    used = dp * tp * pp
+    flops = model_flops(graph, full, costs.linear_batch)  # at the whole sequence: every query meets every key
+    used = dp * cp * tp * pp
+    if cp > 1:
+        note, per_block = _cp_terms(graph, cluster, costs, dev, tp, micro_batch, cp)
+        notes.append(note)
     layout = {
         "dp": dp,
         "tp": tp,
         "pp": pp,
+        "cp": cp,
         "micro_batch": micro_batch,
         "num_micro_batches": m,
         "zero_stage": zero_stage,
@@ -534,6 +561,7 @@ def evaluate_config(
         "devices_total": cluster.num_devices,
         "calibration": dev.profile or "none",
         "network": cluster.network_for(dev.name).describe(),
+        **({"context_parallel": per_block} if cp > 1 else {}),
     }
     return Evaluation(
         step,
@@ -544,10 +572,45 @@ def evaluate_config(
         mem,
         cap,
         all(x <= cap for x in mem),
-        training.global_batch * training.seq_len / step,
+        full.global_batch * full.seq_len / step,
         by_category,
         layout,
         flops / step / (used * dev.flops(training.dtype)),
         flops / step / cluster.peak_flops(training.dtype),
         tuple(notes),
     )
+
+
+def _cp_terms(
+    graph: Graph, cluster: Cluster, costs: Any, dev: Any, tp: int, micro_batch: int, cp: int
+) -> tuple[str, dict[str, Any]]:
+    """What a context-parallel layout's prediction assumes (``search/pricing/context_parallel.py``), as a
+    note and as data (``layout["context_parallel"]``): the terms of one transformer block per micro-batch."""
+    blk = next(i for i, lay in enumerate(graph.layers) if lay.kind == block_kind(graph))
+    t = costs.terms(blk, dev, tp, micro_batch)
+    base = SolverCosts.layer(costs, blk, dev, tp, micro_batch)
+    block_s = (base[0].forward_s + base[0].backward_s) if base is not None else 0.0
+    link = (
+        "the network"
+        if cpx.cp_link(dev, cp, tp, cluster.gpus_per_node(dev.name), cluster.network_for(dev.name)).crosses_nodes
+        else "the node's links"
+    )
+    data = {
+        "scheme": cpx.SCHEME,
+        "tokens_per_rank": costs.training.seq_len,
+        "gathered_bytes_per_block": t.gathered_bytes * t.num_attention,
+        "all_gather_s_per_block": t.gather_s,
+        "reduce_scatter_s_per_block": t.scatter_s,
+        "extra_attention_s_per_block": t.extra_forward_s + t.extra_backward_s,
+        "block_s_at_local_seq": block_s,
+        "crosses_nodes": link == "the network",
+    }
+    return (
+        f"context parallelism cp={cp} ({cpx.SCHEME}): each rank holds {costs.training.seq_len:,} of every sample's "
+        f"{costs.full_training.seq_len:,} tokens; per block and micro-batch the attention gathers "
+        f"{cpx.size_text(t.gathered_bytes)} of keys and values over {link} ({t.gather_s * 1e3:.2f} ms forward, "
+        f"{t.scatter_s * 1e3:.2f} ms for their gradients' reduce-scatter, priced exposed) and computes "
+        f"{(t.extra_forward_s + t.extra_backward_s) * 1e3:.2f} ms more attention against the whole sequence, "
+        f"on a block of {block_s * 1e3:.2f} ms at {costs.training.seq_len:,} tokens; gradients are synchronized "
+        "and ZeRO shards over dp x cp."
+    ), data

@@ -1,0 +1,134 @@
+"""Context parallelism in the torch runtime: the all-gather-K/V scheme ``search/pricing/context_parallel.py`` prices.
+
+Each of the ``cp`` ranks of a context-parallel group holds ``S / cp`` consecutive tokens of every sample
+(:func:`shard_sequence`; rank ``r`` the tokens ``r * S / cp`` to ``(r + 1) * S / cp - 1``). Every op
+but attention is per token and runs unchanged on that slice. Attention (:func:`attention`, registered
+with Hugging Face's attention interface under :data:`ATTENTION` by :func:`install`) all-gathers the
+keys and values of the whole sequence over the group (:func:`gather_sequence`: one all-gather
+(``all_gather_single``) for K and one for V forward; their gradients one reduce-scatter
+(``reduce_scatter_single``) each backward, summed: every rank's queries read every rank's keys), then runs SDPA of the local
+queries against them under the causal mask of the local queries' global positions. Rotary
+embeddings read the tokens' global positions (:func:`position_ids`), and the labels are shifted over
+the whole sequence before it is split (:func:`shift_then_shard`), so a next-token target that crosses
+a shard boundary is counted once, on the rank of its input token; the loss of each rank is its targets'
+sum over the global target count, and the gradients summed over the ``dp x cp`` ranks are the
+single-device mean (parameters are replicated over cp exactly as over dp).
+
+torch's own ``torch.distributed.tensor.experimental.context_parallel`` is not used: in torch 2.13 it
+dispatches on the CUDA SDPA kernels (flash, efficient, cuDNN) only, so on CPU and gloo it would not
+intercept the attention (``_context_parallel/_attention.py``: no entry for
+``_scaled_dot_product_flash_attention_for_cpu``).
+
+Status (issue 36): this module and its gloo test (``tests/runtime/test_context_parallel_multiprocess.py``:
+a tiny Llama at dp 2 x cp 2 against one device, per parameter) are the runtime's scheme. The Plan carries
+``Stage.cp`` and the records of these collectives (``search/program/context_parallel.py``), but the
+emitter does not call this module yet: it refuses a plan with ``cp > 1``, and ``partita compile --cp``
+is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+ATTENTION = "partita_cp"  # the name models' configs set as _attn_implementation
+IGNORE_INDEX = -100  # F.cross_entropy's default: the one target a shifted sequence lacks
+
+_GROUP: list[Any] = [None]  # the process group of this rank's cp axis (install)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather of ``x [B, H, s, D]`` on dim 2 over ``group``; backward: reduce-scatter (sum) of the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        cp = dist.get_world_size(group)
+        chunks = torch.empty((cp * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        _gather(chunks, x.contiguous(), group=group)  # ranks' tensors stacked on dim 0
+        return torch.cat(chunks.chunk(cp, dim=0), dim=2)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        cp = dist.get_world_size(ctx.group)
+        stacked = torch.cat(grad.chunk(cp, dim=2), dim=0).contiguous()  # rank r's slice at rows r * B ...
+        out = torch.empty((stacked.shape[0] // cp, *stacked.shape[1:]), dtype=grad.dtype, device=grad.device)
+        _scatter(out, stacked, op=dist.ReduceOp.SUM, group=ctx.group)
+        return out, None
+
+
+def _gather(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
+    """``all_gather_single`` (``all_gather_into_tensor``'s name since torch 2.11), else the older name."""
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
+
+
+def _scatter(out: torch.Tensor, x: torch.Tensor, op: Any, group: Any) -> None:
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, x, op=op, group=group)
+
+
+def gather_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """``x`` of every rank of ``group``, concatenated on the sequence dim (2) in rank order."""
+    return _GatherSequence.apply(x, group)
+
+
+def attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Hugging Face's attention interface (``[B, H, s, D]`` in, ``[B, s, H, D]`` out) with the keys and
+    values gathered over the cp group (module docstring). ``attention_mask`` (the model's mask of the local
+    slice alone) is not used: the causal mask is built from the queries' global positions."""
+    group = _GROUP[0]
+    if group is None:
+        raise RuntimeError("context_parallel.attention called before context_parallel.install(group)")
+    if dropout:
+        raise RuntimeError("context-parallel attention runs without attention dropout (set attention_dropout=0)")
+    s = query.shape[2]
+    k, v = gather_sequence(key, group), gather_sequence(value, group)
+    q_pos = torch.arange(s, device=query.device) + dist.get_rank(group) * s
+    mask = q_pos[:, None] >= torch.arange(k.shape[2], device=query.device)[None, :]
+    out = F.scaled_dot_product_attention(
+        query, k, v, attn_mask=mask, scale=scaling, enable_gqa=k.shape[1] != query.shape[1]
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def install(group: Any) -> None:
+    """Register :func:`attention` as :data:`ATTENTION` (and SDPA's mask builder under the same name) and
+    bind this rank's cp group; a model then uses it with ``config._attn_implementation = ATTENTION``."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    ALL_ATTENTION_FUNCTIONS.register(ATTENTION, attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    _GROUP[0] = group
+
+
+def shard_sequence(x: torch.Tensor, rank: int, cp: int, dim: int = 1) -> torch.Tensor:
+    """Rank ``rank``'s ``1 / cp`` of ``x`` along the sequence ``dim`` (consecutive tokens)."""
+    s = x.shape[dim]
+    if s % cp:
+        raise ValueError(f"sequence length {s} is not divisible by cp={cp}")
+    return x.narrow(dim, rank * (s // cp), s // cp)
+
+
+def position_ids(seq_len: int, rank: int, cp: int, device: Any = None) -> torch.Tensor:
+    """``[1, S / cp]``: the global positions of rank ``rank``'s tokens (rotary embeddings read them)."""
+    local = seq_len // cp
+    return (torch.arange(local, device=device) + rank * local).unsqueeze(0)
+
+
+def shift_then_shard(labels: torch.Tensor, rank: int, cp: int) -> torch.Tensor:
+    """Next-token targets of rank ``rank``'s tokens: ``labels[:, 1:]`` over the whole sequence, the last
+    position :data:`IGNORE_INDEX`, then split (module docstring)."""
+    shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
+    return shard_sequence(shifted, rank, cp)

@@ -1,0 +1,155 @@
+"""Context parallelism in the Plan (issue 36): a cp degree per stage (data, plan.json, validated on reading),
+its collective records (``search/program/context_parallel.py``), and the refusals while no emitter runs it.
+
+Records are checked against closed forms of the builder's GPT (hidden 1024, 16 heads, bf16): per block
+and micro-batch, K and V of the whole sequence (``b x S x hidden / tp`` elements each) all-gathered over
+cp forward and their gradients reduce-scattered backward; the gradient all-reduce of every parameter
+(f32) over the ``dp * cp`` ranks that replicate it; pipeline transfers of each rank's ``S / cp`` tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from partita.cli import main
+from partita.errors import ConfigError, PlanError
+from partita.ir import Role, dim_size
+from partita.plan import Plan, Stage
+from partita.search.program import context_parallel as cpr
+from partita.search.program import records
+from tests.search.builders import gpt
+
+HIDDEN, HEADS, SEQ, LAYERS = 1024, 16, 4096, 2
+
+
+@pytest.fixture(scope="module")
+def g():  # noqa: ANN201
+    return gpt(LAYERS, HIDDEN, HEADS)
+
+
+def _plan(g, *, dp: int = 2, cp: int = 2, tp: int = 1, pp: int = 1, mb: int = 2, recompute: str = "none") -> Plan:  # noqa: ANN001
+    names = [lay.name for lay in g.layers]
+    per = -(-len(names) // pp)
+    n = dp * cp * tp
+    stages = tuple(
+        Stage(
+            k,
+            tuple(names[k * per : (k + 1) * per]),
+            "H100-80G",
+            tuple(range(k * n, (k + 1) * n)),
+            dp=dp,
+            tp=tp,
+            cp=cp,
+            recompute=recompute,
+        )  # fmt: skip
+        for k in range(pp)
+    )
+    return Plan(
+        model={"name": "gpt", "layers": names},
+        cluster={"name": "c"},
+        training={"global_batch": 4 * mb * dp, "seq_len": SEQ, "dtype": "bf16"},
+        stages=stages,
+        schedule="1f1b",
+        micro_batch_size=mb,
+        num_micro_batches=4,
+    )
+
+
+def _params_numel(g) -> int:  # noqa: ANN001
+    return sum(math.prod(dim_size(d) for d in t.shape) for t in g.tensors.values() if t.role is Role.PARAMETER)
+
+
+def test_cp_round_trips_and_places_ranks_dp_cp_tp(g) -> None:  # noqa: ANN001
+    p = _plan(g, dp=2, cp=2, tp=2)
+    text = p.to_json()
+    back = Plan.from_json(text)
+    assert back.to_json() == text and back.stages[0].cp == 2 and back.world_size == 8
+    s = back.stages[0]
+    assert s.num_devices == 8
+    # ranks (dp, cp, tp), tp fastest: rank 6 = (i=1, c=1, j=0)
+    assert [(s.coords(r), s.cp_index(r)) for r in (0, 1, 2, 5, 6)] == [
+        ((0, 0), 0),
+        ((0, 1), 0),
+        ((0, 0), 1),
+        ((1, 1), 0),
+        ((1, 0), 1),
+    ]
+
+
+def test_cp_1_is_not_written(g) -> None:  # noqa: ANN001
+    """Plans without context parallelism are byte-identical to before the field (golden files unchanged)."""
+    d = json.loads(_plan(g, cp=1).to_json())
+    assert all("cp" not in s for s in d["stages"]) and Plan.from_dict(d).stages[0].cp == 1
+
+
+@pytest.mark.parametrize(
+    "pp, mutate, match",
+    [
+        (1, lambda d: d["stages"][0].update(ranks=[0, 1]), r"dp=2, cp=2, tp=1 but 2 ranks"),
+        (1, lambda d: d["stages"][0].update(cp=0), "cp=0"),
+        (1, lambda d: d["stages"][0].update(cp=3, ranks=list(range(6))), "does not divide training.seq_len=4096"),
+        (1, lambda d: d["stages"][0].update(cp="two"), r"stages\[0\].cp"),
+        (2, lambda d: d["stages"][1].update(cp=1, ranks=[4, 5]), "other stages have cp=.1."),
+    ],
+)
+def test_malformed_cp_is_refused_on_reading(g, pp: int, mutate, match: str) -> None:  # noqa: ANN001
+    d = json.loads(_plan(g, pp=pp).to_json())
+    mutate(d)
+    with pytest.raises(PlanError, match=match):
+        Plan.from_dict(d)
+
+
+@pytest.mark.parametrize("dp, cp, tp, recompute", [(2, 2, 1, "none"), (1, 4, 2, "none"), (2, 2, 1, "full")])
+def test_records_gather_kv_over_cp_and_sync_over_dp_cp(g, dp: int, cp: int, tp: int, recompute: str) -> None:  # noqa: ANN001
+    mb, m = 2, 4
+    plan = cpr.complete(_plan(g, dp=dp, cp=cp, tp=tp, mb=mb, recompute=recompute), g)
+    got = records.summary(plan.stages[0].collectives)
+    kv = mb * SEQ * HIDDEN // tp * 2  # the whole sequence's K (or V) of this tp rank's heads, bf16
+    gathers = 2 * LAYERS * m * (2 if recompute == "full" else 1)  # K and V per block and micro-batch
+    assert got["all_gather@cp"] == {"count": gathers, "bytes": gathers * kv}
+    assert got["reduce_scatter@cp"] == {"count": 2 * LAYERS * m, "bytes": 2 * LAYERS * m * kv}
+    # every parameter replicated over dp x cp: one f32 all-reduce of all of them (tp = 1 shards none here)
+    assert got["all_reduce@dp_cp"]["count"] == 1
+    if tp == 1:
+        assert got["all_reduce@dp_cp"]["bytes"] == 4 * _params_numel(g)
+    assert not any(k.endswith("@dp") for k in got)
+
+
+def test_pipeline_transfers_carry_each_ranks_slice(g) -> None:  # noqa: ANN001
+    mb, cp = 2, 4
+    plan = cpr.complete(_plan(g, dp=1, cp=cp, pp=2, mb=mb), g)
+    got = records.summary(plan.stages[0].collectives)
+    per_message = mb * (SEQ // cp) * HIDDEN * 2  # the residual stream of S / cp tokens, bf16
+    assert got["p2p@pp"] == {"count": 2 * 4, "bytes": 2 * 4 * per_message}
+
+
+def test_selective_recompute_with_cp_is_refused(g) -> None:  # noqa: ANN001
+    with pytest.raises(ConfigError, match="selective recompute"):
+        cpr.complete(_plan(g, recompute="selective"), g)
+
+
+def test_without_cp_the_records_are_records_complete(g) -> None:  # noqa: ANN001
+    plan = _plan(g, cp=1)
+    assert cpr.complete(plan, g) == records.complete(plan, g)
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_emitters_refuse_a_cp_plan(g, backend: str) -> None:  # noqa: ANN001
+    if backend == "torch":
+        from partita.backends.torch.emit import emit_torch as emit
+    else:
+        from partita.backends.jax.emit import emit_jax as emit
+    with pytest.raises(PlanError, match="cp=2 ranks .context parallelism."):
+        emit(_plan(g), "gpt2-tiny")
+
+
+def test_compile_cp_is_refused_before_anything_is_written(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "out"
+    rc = main(["compile", "gpt2-tiny", "--cluster", "4xCPU", "--dp", "2", "--cp", "2", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--cp 2: context parallelism is priced" in err and "Traceback" not in err
+    assert not out.exists() or not any(out.iterdir())
