@@ -26,6 +26,8 @@ import torch
 # autocast), so they are judged at a few units of their rounding.
 TOLERANCE: dict[str, tuple[float, float]] = {"f32": (1e-2, 1e-5), "bf16": (5e-2, 1e-3), "f16": (2e-2, 1e-4)}
 
+SHOW_NAMES = 40  # the verdict names this many differing parameters beside the table
+
 
 @dataclass(frozen=True)
 class Row:
@@ -74,8 +76,10 @@ def load_dumps(directory: str, pattern: str) -> dict[str, torch.Tensor]:
 
 
 def worst(rows: Sequence[Row], n: int = 10) -> list[Row]:
-    """The failing rows first, then by relative difference, at most ``n``."""
-    return sorted(rows, key=lambda r: (r.ok, -r.rel, -r.max_abs))[:n]
+    """The failing rows first, the step-1 gradients before the parameters after N steps (a wrong gradient
+    is the evidence; every parameter drifts once any gradient differed, the more so under Adam), then by
+    relative difference, at most ``n``."""
+    return sorted(rows, key=lambda r: (r.ok, not r.what.startswith("grad"), -r.rel, -r.max_abs))[:n]
 
 
 def table(rows: Sequence[Row], n: int = 10) -> str:
@@ -156,6 +160,8 @@ def verdict(par: Mapping[str, object]) -> str:
             f"{par['dtype']} tolerance (rtol {par['rtol']}, atol {par['atol']}; docs/parity.md). Worst:"
         )
         lines.append(str(par["table"]))
+        more = f", and {len(failing) - SHOW_NAMES} more" if len(failing) > SHOW_NAMES else ""
+        lines.append("all that differ: " + ", ".join(failing[:SHOW_NAMES]) + more)  # the table: the worst 10 rows
     mism = dict(par.get("collective_mismatches") or {})  # type: ignore[call-overload]
     if mism:
         lines.append("partita run --reference: the collectives issued differ from the plan's records:")
