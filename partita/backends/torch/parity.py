@@ -21,10 +21,22 @@ from dataclasses import dataclass
 
 import torch
 
-# (rtol, atol) per plan dtype: f32 runs differ from one device only by the order of float sums (dp/tp
-# reductions, micro-batch accumulation); bf16/f16 compute in low precision (FSDP2 MixedPrecisionPolicy or
-# autocast), so they are judged at a few units of their rounding.
+# (rtol, atol) per plan dtype, for the parameters after N steps: f32 runs differ from one device only by
+# the order of float sums (dp/tp reductions, micro-batch accumulation), but under Adam an element whose
+# gradient is that noise around a true zero moves by up to lr per step whatever its sign (docs/parity.md:
+# 1e-3 of a tensor's largest entry measured); bf16/f16 compute in low precision (FSDP2 MixedPrecisionPolicy
+# or autocast), so they are judged at a few units of their rounding.
 TOLERANCE: dict[str, tuple[float, float]] = {"f32": (1e-2, 1e-5), "bf16": (5e-2, 1e-3), "f16": (2e-2, 1e-4)}
+# the step-1 gradients, where no optimizer amplifies the noise: f32 is judged at 1e-4 of the largest entry
+# (the matrices measure <= 1e-6; a missing tp reduction of DeepSeek-V3's rope key moved them by 1e-3..8e-3)
+GRAD_TOLERANCE: dict[str, tuple[float, float]] = {**TOLERANCE, "f32": (1e-4, 1e-7)}
+
+
+def tolerance(what: str, dtype: str) -> tuple[float, float]:
+    """(rtol, atol) of a tensor kind (``"grad@1"`` or ``"param@N"``) under the plan's dtype."""
+    table = GRAD_TOLERANCE if what.startswith("grad") else TOLERANCE
+    return table.get(dtype, table["f32"])
+
 
 SHOW_NAMES = 40  # the verdict names this many differing parameters beside the table
 
@@ -46,7 +58,7 @@ def compare(
     got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor], what: str, dtype: str = "f32"
 ) -> list[Row]:
     """One :class:`Row` per parameter of ``want`` (and per name only ``got`` has)."""
-    rtol, atol = TOLERANCE.get(dtype, TOLERANCE["f32"])
+    rtol, atol = tolerance(what, dtype)
     rows = []
     for name in sorted(set(want) | set(got)):
         w, g = want.get(name), got.get(name)
@@ -134,13 +146,16 @@ def check_run(
     got = load_dumps(os.path.join(tmp, "params"), "params_rank*.pt")
     rows += compare(got, ref["params"], f"param@{steps}", dtype)
     mism = {k: v for k, v in dict(result.get("collective_mismatches") or {}).items() if v}  # type: ignore[call-overload]
-    rtol, atol = TOLERANCE.get(dtype, TOLERANCE["f32"])
+    rtol, atol = tolerance("param", dtype)
+    grad_rtol, grad_atol = tolerance("grad", dtype)
     failing = [r for r in rows if not r.ok]
     out = {
         "ok": not failing and not mism,
         "dtype": dtype,
         "rtol": rtol,
         "atol": atol,
+        "grad_rtol": grad_rtol,
+        "grad_atol": grad_atol,
         "num_compared": len(rows),
         "failing": sorted({r.name for r in failing}),
         "worst": as_json(worst(rows)),
@@ -157,7 +172,9 @@ def verdict(par: Mapping[str, object]) -> str:
     if failing:
         lines.append(
             f"partita run --reference: {len(failing)} parameter(s) differ from the single-device run beyond the "
-            f"{par['dtype']} tolerance (rtol {par['rtol']}, atol {par['atol']}; docs/parity.md). Worst:"
+            f"{par['dtype']} tolerance (step-1 gradients rtol {par.get('grad_rtol', par['rtol'])}, atol "
+            f"{par.get('grad_atol', par['atol'])}; parameters rtol {par['rtol']}, atol {par['atol']}; docs/parity.md). "
+            "Worst:"
         )
         lines.append(str(par["table"]))
         more = f", and {len(failing) - SHOW_NAMES} more" if len(failing) > SHOW_NAMES else ""
