@@ -359,33 +359,31 @@ class _Hooks:
         root = getattr(x, "grad_fn", None)
         if not sources or begin is None or root is None:
             return
-        sharded: dict[int, bool] = {}
+        kind: dict[int, str] = {}  # per node: "shard", "whole" (activations) or "param" (parameters only)
         order, todo = [], [root]
         while todo:  # post-order over the nodes of this call
             fn = todo.pop()
-            if id(fn) in sharded:
+            if id(fn) in kind:
                 continue
-            if id(fn) in sources:
-                sharded[id(fn)] = True
+            if id(fn) in sources or type(fn).__name__ == "AccumulateGrad":
+                kind[id(fn)] = "shard" if id(fn) in sources else "param"
                 continue
-            if id(fn) in stops or type(fn).__name__ == "AccumulateGrad" or fn._sequence_nr() < begin:
-                sharded[id(fn)] = False
+            if id(fn) in stops or fn._sequence_nr() < begin:
+                kind[id(fn)] = "whole"
                 continue
-            nxt = [n for n, _ in fn.next_functions if n is not None and id(n) not in sharded]
+            nxt = [n for n, _ in fn.next_functions if n is not None and id(n) not in kind]
             if nxt:
                 todo += [fn, *nxt]
                 continue
-            sharded[id(fn)] = any(sharded[id(n)] for n, _ in fn.next_functions if n is not None)
+            got = {kind[id(n)] for n, _ in fn.next_functions if n is not None}
+            kind[id(fn)] = "shard" if "shard" in got else "whole" if "whole" in got else "param"
             order.append(fn)
         summed = _tp_sum(self.mesh)
         for fn in order:
-            if id(fn) in sources or not sharded[id(fn)]:
+            if kind[id(fn)] != "shard":
                 continue
-            whole = [
-                i
-                for i, (n, _) in enumerate(fn.next_functions)
-                if n is not None and not sharded[id(n)] and type(n).__name__ != "AccumulateGrad"
-            ]
+            # parameters (Gemma 3's ``1 + weight`` of a per-head norm included) are summed by _region_params
+            whole = [i for i, (n, _) in enumerate(fn.next_functions) if n is not None and kind[id(n)] == "whole"]
             if whole:
                 fn.register_hook(_sum_inputs(whole, summed))
                 self.alive.setdefault(parent, []).append(fn)
