@@ -4,8 +4,10 @@ Sits beside ``backends/torch/train.py``: the program dumps every parameter's ful
 (``--dump-grads DIR --dump-steps 1``) and every full parameter after the last step (``--dump-params
 DIR``), one file per pipeline stage (written by the stage's rank at (dp, tp) = (0, 0)), and
 ``train.reference_run(..., dump_steps=[1], params=True)`` gives the same by FQN on one device.
-:func:`compare` checks them name by name under the tolerance of the plan's dtype (:data:`TOLERANCE`,
-the table in ``docs/parity.md``); :func:`table` prints the worst parameters.
+:func:`compare` checks them name by name under the tolerance of the plan's dtype (:data:`GRAD_TOLERANCE`
+for the step-1 gradients, :data:`TOLERANCE` for the parameters, the tables in ``docs/parity.md``; under
+Adam the parameters leave out the elements whose step-1 gradient is float noise, :func:`adam_noise`);
+:func:`table` prints the worst parameters.
 
 A parameter differs when ``max|got - want| > atol + rtol * max|want|`` (its largest error against the
 largest magnitude of the reference tensor, so a tensor of near-zero entries is not judged by
