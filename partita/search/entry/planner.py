@@ -176,6 +176,7 @@ class Search:
         self.num_configs = 0
         self._tables: dict[tuple, UnitTable | None] = {}
         self._same_layout: dict[tuple, bool] = {}
+        self._tp_sharded: dict[tuple, list[bool]] = {}  # mask_tp_shards_nothing's per-unit answers
         self._in_flight: dict[tuple, list[float]] = {}
         self._parts: dict[tuple, tuple[UnitTable, StageParts]] | None = None  # sharing_stage_parts
 
@@ -327,12 +328,16 @@ class Search:
         (``plan.shards_on_tp`` of its solution: every tp rank would hold and compute the whole range);
         False when that is every range. The emitter realizes such a stage, but tp does nothing there, so
         the search does not offer it (a hand layout says it: ``Stage.tp_shards_nothing``)."""
-        sharded = []
-        for a, b1 in self.units:
-            sols = [self.costs.layer(i, dev, tp, b) for i in range(a, b1)]
-            sharded.append(
-                any(got and shards_on_tp(got[1].param_placements, got[1].tp_plan, got[1].op_strategies) for got in sols)
-            )
+        key = (dev.name, tp, b)
+        sharded = self._tp_sharded.get(key)
+        if sharded is None:  # per unit, once per table (options are priced per configuration and schedule)
+            sharded = self._tp_sharded[key] = [
+                any(
+                    got is not None and shards_on_tp(got[1].param_placements, got[1].tp_plan, got[1].op_strategies)
+                    for got in (self.costs.layer(i, dev, tp, b) for i in range(a, b1))
+                )
+                for a, b1 in self.units
+            ]
         count = np.concatenate([[0], np.cumsum(sharded)])
         none = (count[None, :] - count[:, None])[:-1] <= 0  # [U, U + 1]: range [k, j) shards nothing
         stack[:, none] = np.inf
