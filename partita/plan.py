@@ -90,6 +90,19 @@ class Collective:
     reason: str = ""  # e.g. "row-parallel linear mlp.c_proj" or "gradient sync"
 
 
+def shards_on_tp(
+    param_placements: Mapping[str, Sequence[str]], tp_plan: Mapping[str, str], op_strategies: Mapping[str, str]
+) -> bool:
+    """Does a stage (or one layer's solution) place anything on the ``tp`` mesh axis: a parameter not
+    replicated on it, a module with a tp role, or an op whose strategy uses it (``"h@tp"``, JAX's
+    activations)? The search offers no tp degree at which a stage shards nothing
+    (``search/entry/planner.Search.options_for``); a hand layout that does is stated
+    (:attr:`Stage.tp_shards_nothing`)."""
+    if tp_plan or any(len(p) > 1 and p[1] != "R" for p in param_placements.values()):
+        return True
+    return any("@tp" in name for name in op_strategies.values())
+
+
 @dataclasses.dataclass(frozen=True)
 class Stage:
     index: int
@@ -110,6 +123,14 @@ class Stage:
     collectives: tuple[Collective, ...] = ()
     predicted: Mapping[str, float] = dataclasses.field(default_factory=dict)  # compute_s, comm_s, memory...
     cp: int = 1  # context parallelism: the sequence split over a mesh axis between dp and tp (module docstring)
+    # tp > 1 and nothing placed on tp (:func:`shards_on_tp`): every tp rank holds and computes the whole stage on
+    # the same batch. Derived from the fields above when the stage is made, written to plan.json, checked when
+    # read, stated by the report and by the program (issue 31: gpt-oss at tp=2 replicated every weight, unsaid).
+    tp_shards_nothing: bool = dataclasses.field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        nothing = self.tp > 1 and not shards_on_tp(self.param_placements, self.tp_plan, self.op_strategies)
+        object.__setattr__(self, "tp_shards_nothing", nothing)  # frozen: set once, here
 
     @property
     def num_devices(self) -> int:
@@ -118,13 +139,6 @@ class Stage:
     @property
     def mesh_shape(self) -> tuple[int, int]:
         return (self.dp, self.tp)
-
-    @property
-    def tp_shards_nothing(self) -> bool:
-        """tp > 1, yet no parameter is placed sharded over tp and no module has a tp role: every tp rank
-        holds and computes the whole stage (the report says so; issue 31: gpt-oss at tp=2)."""
-        sharded = any(len(p) > 1 and p[1] != "R" for p in self.param_placements.values())
-        return self.tp > 1 and not sharded and not self.tp_plan
 
     def coords(self, rank: int) -> tuple[int, int]:
         """``rank``'s (dp, tp) coordinates; its cp coordinate is :meth:`cp_index`."""
@@ -305,6 +319,10 @@ class _FieldReader:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v):
                 raise ValueError(f"{v!r} is not an integer")
             return int(v)
+        if kind is bool:
+            if not isinstance(v, bool):
+                raise TypeError(f"{v!r} is not true or false")
+            return v
         if kind is str:
             if not isinstance(v, str):
                 raise TypeError(f"{v!r} is not a string")
@@ -342,6 +360,9 @@ def _read_stage(field: _FieldReader, s: Any, k: int) -> Stage:
         predicted=field(s, "predicted", dict, {}),
         cp=field(s, "cp", int, 1),
     )
+    said = field(s, "tp_shards_nothing", bool, stage.tp_shards_nothing)  # plans before issue 31 lack it
+    if said is not stage.tp_shards_nothing:  # derived from the stage's fields: a file that disagrees was edited
+        raise ValueError(f"{said!r} disagrees with the stage's placements and tp_plan ({stage.tp_shards_nothing!r})")
     field.prefix = ""
     return stage
 

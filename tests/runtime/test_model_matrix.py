@@ -15,7 +15,9 @@ that the tracer names the same layers). Layouts on 4 CPU ranks, 3 steps, global 
 
 Each task trains on its own loss (``train.make_loss``): next-token for causal LMs, the masked positions
 for BERT (``hf.mask_tokens``), the decoder targets for T5 (its inputs packed on dim 1, ``hf.pack``),
-class labels for ViT, the ConvNet and the Mixer. Losses equal the seeded single-device run within 1e-4. Seven models (``THROUGH_API``) also train through
+class labels for ViT, the ConvNet and the Mixer. Losses equal the seeded single-device run within 1e-4, and
+(issue 31) every job but the ``-api`` ones compares every parameter's step-1 gradient and its value after
+the last step with it, name by name, at ``backends/torch/parity.py``'s f32 tolerances. Seven models (``THROUGH_API``) also train through
 ``partita.parallelize(model, plan=...)`` and ``partita.step`` with the same plans. All jobs run in ONE torchrun launch
 (``model_matrix_worker.py``), so CI pays for 4 torch imports once.
 """
@@ -272,6 +274,9 @@ def jobs(tmp: Path) -> list[dict[str, Any]]:
             out.append({"id": f"{name}-ep2", "spec": aux_spec, "plan": plan.to_json(), "steps": 3, "count": True})
             pp2 = next(j for j in out if j["id"] == f"{name}-pp2")  # its pipeline runs the experts expert-parallel
             pp2["plan"] = expert_pipeline(plan, layers).to_json()
+    for job in out:  # issue 31: every parameter's step-1 gradient and last value, not only the losses
+        if not job.get("api"):
+            job["parity"] = True
     return out
 
 
@@ -302,6 +307,10 @@ def test_every_architecture_trains_like_one_device(tmp_path: Path) -> None:
         torch.testing.assert_close(
             torch.tensor(r["losses"]), torch.tensor(r["reference"]), rtol=1e-4, atol=1e-4, msg=job_id
         )
+    failures = {job_id: _bad(r["parity"])[:5] for job_id, r in got.items() if "parity" in r and _bad(r["parity"])}
+    assert not failures, json.dumps(failures, indent=1)  # per parameter, at parity.py's f32 tolerances
+    for job in (j for j in todo if j.get("parity")):
+        assert {x["tensor"] for x in got[job["id"]]["parity"]} == {"grad@1", "param@3"}, job["id"]
     names = {j.split("-")[0] for j in got}
     assert names == (set(families.FAMILIES) | set(TORCH_MODELS) if not os.environ.get("PARTITA_MATRIX_ONLY") else names)
     assert {j.split("-")[0] for j in got if j.endswith("-api")} == THROUGH_API & names
@@ -323,6 +332,10 @@ def test_every_architecture_trains_like_one_device(tmp_path: Path) -> None:
         name = job["id"].split("-")[0]
         extra = got[job["id"]]["losses"][0] - got[f"{name}-dp4z3"]["losses"][0]
         assert 0.5 * AUX_COEF < extra < 5 * AUX_COEF, extra
+
+
+def _bad(rows: list[dict[str, Any]]) -> list[str]:
+    return [f"{r['tensor']} {r['name']} rel {r['rel']:.2e} abs {r['max_abs']:.2e}" for r in rows if not r["ok"]]
 
 
 def check_expert_parallel(job: dict[str, Any], r: dict[str, Any]) -> None:

@@ -220,10 +220,19 @@ def _tp_lines(s: Stage, facts: StageFacts) -> list[str]:
     pls = tp_placements(s)
     if not pls:
         lines.append("    # The plan gives no per-parameter placements: every parameter is replicated on tp.")
-    lines.append('    tpar.distribute_params(module, rt.mesh["tp"], {')
+    call = "roles = tpar.distribute_params" if s.tp_shards_nothing else "tpar.distribute_params"
+    lines.append(f'    {call}(module, rt.mesh["tp"], {{')
     for fqn, pl in pls.items():
         lines.append(f"        {fqn!r}: {pl!r},  # plan (dp, tp) = ({s.param_placements[fqn][0]}, {pl})")
     roles = facts.roles if facts.roles is not None else (dict(s.tp_plan) or None)
+    if s.tp_shards_nothing:  # plan.json's stage field (issue 31): said here and checked at set-up
+        lines += [
+            "    }, roles={})",
+            f"    # plan.json: tp_shards_nothing. The plan places nothing of this stage on tp: each of the {s.tp} tp ranks",
+            "    # holds and computes the whole stage on the same batch (no tp collectives; the gradients agree over tp).",
+            "    tpar.check_tp_shards_nothing(module, roles)",
+        ]
+        return lines
     if roles is None:
         lines.append("    })  # roles: derived at run time (the model could not be built when this was emitted)")
         return lines

@@ -462,6 +462,21 @@ def refuse_batch_stats(model: nn.Module, split: bool) -> None:
         )
 
 
+def check_tp_shards_nothing(module: nn.Module, roles: Mapping[str, str]) -> None:
+    """The program's side of ``Stage.tp_shards_nothing`` (plan.json): the plan says tp shards nothing in this
+    stage, so :func:`distribute_params` gave no module a role and no parameter a sharded placement; every tp
+    rank then holds and computes the whole stage on the same batch. PlanError if the stage set up otherwise."""
+    sharded = [
+        n for n, p in module.named_parameters() if isinstance(p, DTensor) and not p.placements[-1].is_replicate()
+    ]
+    if roles or sharded:
+        raise PlanError(
+            f"the plan says tp shards nothing in this stage (tp_shards_nothing), yet the program gave "
+            f"{', '.join([*roles][:3] + sharded[:3])} a tp role or placement: plan and program disagree.",
+            "recompile the plan with this Partita version; do not edit plan.json by hand.",
+        )
+
+
 def full_params(module: nn.Module) -> dict[str, torch.Tensor]:
     """Unsharded parameters by FQN (a collective over each DTensor's mesh: call on all stage ranks)."""
     return {

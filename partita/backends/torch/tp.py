@@ -344,6 +344,50 @@ class _Hooks:
             todo += [nxt for nxt, _ in fn.next_functions]
         return False
 
+    def sum_whole_edges(self, parent: str, x: torch.Tensor) -> None:
+        """Where a whole tensor meets this rank's shard inside ``parent``, sum its gradient over tp.
+
+        ``x`` is a row module's sharded input. Walking its autograd graph back through this call of
+        ``parent``, a node is *sharded* when it is a column module's output or reads a sharded node. A
+        sharded node's edge to a *whole* one (computed in this call from replicated values only, or before
+        the call: DeepSeek-V3's rope key ``k_pe``, sliced from the plain ``kv_a_proj_with_mqa``'s output
+        and broadcast over this rank's heads) carries this rank's heads' part of that tensor's gradient:
+        a node hook sums it over tp (Megatron's copy-to-tensor-parallel-region, placed where the layouts
+        meet). Backward is linear in the gradient, so the sum there equals the one device's. Edges to
+        parameters are left to :func:`_region_params`; a column module's input is summed by its DTensor."""
+        sources, stops, begin = self.sources.get(parent, set()), self.stops.get(parent, set()), self.begin.get(parent)
+        root = getattr(x, "grad_fn", None)
+        if not sources or begin is None or root is None:
+            return
+        kind: dict[int, str] = {}  # per node: "shard", "whole" (activations) or "param" (parameters only)
+        order, todo = [], [root]
+        while todo:  # post-order over the nodes of this call
+            fn = todo.pop()
+            if id(fn) in kind:
+                continue
+            if id(fn) in sources or type(fn).__name__ == "AccumulateGrad":
+                kind[id(fn)] = "shard" if id(fn) in sources else "param"
+                continue
+            if id(fn) in stops or fn._sequence_nr() < begin:
+                kind[id(fn)] = "whole"
+                continue
+            nxt = [n for n, _ in fn.next_functions if n is not None and id(n) not in kind]
+            if nxt:
+                todo += [fn, *nxt]
+                continue
+            got = {kind[id(n)] for n, _ in fn.next_functions if n is not None}
+            kind[id(fn)] = "shard" if "shard" in got else "whole" if "whole" in got else "param"
+            order.append(fn)
+        summed = _tp_sum(self.mesh)
+        for fn in order:
+            if kind[id(fn)] != "shard":
+                continue
+            # parameters (Gemma 3's ``1 + weight`` of a per-head norm included) are summed by _region_params
+            whole = [i for i, (n, _) in enumerate(fn.next_functions) if n is not None and kind[id(n)] == "whole"]
+            if whole:
+                fn.register_hook(_sum_inputs(whole, summed))
+                self.alive.setdefault(parent, []).append(fn)
+
     def replicated(self, parent: str, x: torch.Tensor) -> DTensor:
         """One Replicate DTensor per input tensor among a parent's column modules (one grad all-reduce)."""
         cache = self.shared.setdefault(parent, {})
@@ -381,6 +425,8 @@ class _Hooks:
                 dt = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
                 return (dt.redistribute(mesh, [Shard(x.dim() - 1)]), *rest)
             if role in (ROW, ROW_SP):
+                if role == ROW and mesh.size() > 1 and torch.is_grad_enabled():
+                    self.sum_whole_edges(parent, x)
                 if mesh.size() > 1 and x.shape[-1] == in_features:
                     raise PlanError(
                         f"{type(mod).__name__} is row-parallel on a sharded input, but its input arrives whole "
@@ -606,6 +652,15 @@ def _tp_sum(mesh: DeviceMesh) -> Any:
         return DTensor.from_local(g, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
 
     return summed
+
+
+def _sum_inputs(indices: Sequence[int], summed: Any) -> Any:
+    """A node hook: the gradients the node passes to its inputs ``indices`` summed over tp (``summed``)."""
+
+    def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> tuple[Any, ...]:
+        return tuple(summed(g) if i in indices and g is not None else g for i, g in enumerate(grad_inputs))
+
+    return hook
 
 
 def _region_params(module: nn.Module, mesh: DeviceMesh, roles: Mapping[str, str], hooks: _Hooks) -> None:

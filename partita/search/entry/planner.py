@@ -38,7 +38,7 @@ import numpy as np
 from partita.cluster import Cluster, DeviceType
 from partita.errors import ConfigError
 from partita.ir import Graph
-from partita.plan import Plan
+from partita.plan import Plan, shards_on_tp
 from partita.search.entry import prefetch as beside
 from partita.search.entry.infeasible import check_states_fit, infeasible
 from partita.search.entry.prefetch import in_background, prefetch
@@ -176,6 +176,7 @@ class Search:
         self.num_configs = 0
         self._tables: dict[tuple, UnitTable | None] = {}
         self._same_layout: dict[tuple, bool] = {}
+        self._tp_sharded: dict[tuple, list[bool]] = {}  # mask_tp_shards_nothing's per-unit answers
         self._in_flight: dict[tuple, list[float]] = {}
         self._parts: dict[tuple, tuple[UnitTable, StageParts]] | None = None  # sharing_stage_parts
 
@@ -322,6 +323,26 @@ class Search:
             np.copyto(stack[len(per_combo) - 1], worst.time[:, :, None], where=ok)
         return per_combo, combos, stack if stack is not None else np.stack([])  # (no combo: numpy's error)
 
+    def mask_tp_shards_nothing(self, stack: np.ndarray, dev: DeviceType, tp: int, b: int) -> bool:
+        """Set ``stack[:, k, j]`` to inf where no layer of units ``[k, j)`` places anything on tp
+        (``plan.shards_on_tp`` of its solution: every tp rank would hold and compute the whole range);
+        False when that is every range. The emitter realizes such a stage, but tp does nothing there, so
+        the search does not offer it (a hand layout says it: ``Stage.tp_shards_nothing``)."""
+        key = (dev.name, tp, b)
+        sharded = self._tp_sharded.get(key)
+        if sharded is None:  # per unit, once per table (options are priced per configuration and schedule)
+            sharded = self._tp_sharded[key] = [
+                any(
+                    got is not None and shards_on_tp(got[1].param_placements, got[1].tp_plan, got[1].op_strategies)
+                    for got in (self.costs.layer(i, dev, tp, b) for i in range(a, b1))
+                )
+                for a, b1 in self.units
+            ]
+        count = np.concatenate([[0], np.cumsum(sharded)])
+        none = (count[None, :] - count[:, None])[:-1] <= 0  # [U, U + 1]: range [k, j) shards nothing
+        stack[:, none] = np.inf
+        return bool(any(sharded))
+
     def mixes(self, dp: int, b: int) -> list[tuple[tuple[DeviceType, int, int], ...]]:
         """Device classes: each type alone, and the Cephalo mix (replicas proportional to counts)."""
         out: list[tuple[tuple[DeviceType, int, int], ...]] = [((d, dp, b),) for d in self.types]
@@ -424,6 +445,8 @@ class Search:
                 if got is None:
                     continue
                 per_combo, combos, stack = got
+                if tp > 1 and not self.mask_tp_shards_nothing(stack, cls[0][0], tp, cls[0][2]):
+                    continue  # no range shards anything at this tp: not a choice (issue 31, design rule 1)
                 shares = tuple(s for _, a, s in cls for _ in range(a))
                 opts.append(Option(seg, tp, tp, cls, shares, per_combo, combos, stack))
         return opts, segments, [len(c) > 1 for c in self.mixes(dp, b)]
