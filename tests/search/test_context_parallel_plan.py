@@ -19,6 +19,7 @@ from partita.cli import main
 from partita.errors import ConfigError, PlanError
 from partita.ir import Role, dim_size
 from partita.plan import Plan, Stage
+from partita.search.pricing import context_parallel as cpx
 from partita.search.program import context_parallel as cpr
 from partita.search.program import records
 from tests.search.builders import gpt
@@ -153,3 +154,58 @@ def test_compile_cp_is_refused_before_anything_is_written(tmp_path: Path, capsys
     err = capsys.readouterr().err
     assert rc == 2 and "--cp 2: context parallelism is priced" in err and "Traceback" not in err
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_hand_plan_lays_out_cp_as_evaluate_prices_it(g) -> None:  # noqa: ANN001
+    """``hand_plan(cp=)`` (the Plan ``compile --cp`` will write): stages of dp replicas with cp, ranks
+    ``dp * cp * tp`` per stage, the whole sequence in ``training``, the step ``evaluate --cp`` prices, and
+    the records of the closed forms: K/V of the whole sequence gathered over cp per block and micro-batch,
+    the gradient all-reduce over dp x cp, pipeline transfers of S / cp tokens."""
+    from partita.cluster import parse_cluster
+    from partita.search.entry.evaluate import evaluate_config
+    from partita.search.entry.hand_plan import hand_plan
+    from partita.search.pricing.config import TrainingConfig
+
+    cl = parse_cluster("64xH100-80G")
+    tr = TrainingConfig(global_batch=8, seq_len=SEQ, dtype="bf16")
+    dp, cp, tp, mb = 2, 2, 2, 1
+    m = tr.global_batch // (dp * mb)
+    kw = dict(tp=tp, dp=dp, micro_batch=mb, cp=cp)
+    for pp in (1, 2):
+        plan = Plan.from_json(hand_plan(g, cl, tr, pp=pp, **kw).to_json())
+        ev = evaluate_config(g, cl, tr, pp=pp, tp_style="torch", **kw)
+        assert plan.predicted["step_time_s"] == pytest.approx(ev.predicted_step_time_s, rel=1e-9)
+        assert (plan.training["seq_len"], plan.num_micro_batches, plan.world_size) == (SEQ, m, dp * cp * tp * pp)
+        assert [(s.dp, s.cp, s.tp) for s in plan.stages] == [(dp, cp, tp)] * pp
+        assert plan.search["hand_layout"]["cp"] == cp
+        got = records.summary([c for s in plan.stages for c in s.collectives])
+        kv = mb * SEQ * HIDDEN // tp * 2  # the whole sequence's K (or V) of this tp rank's heads, bf16
+        assert (
+            got["all_gather@cp"] == got["reduce_scatter@cp"] == {"count": 2 * LAYERS * m, "bytes": 2 * LAYERS * m * kv}
+        )
+        # the gradient sync of dp x cp replicas: what a cp = 1 plan of dp * cp replicas of S / cp tokens syncs over dp
+        flat = hand_plan(g, cl, cpx.local_training(tr, cp), pp=pp, tp=tp, dp=dp * cp, micro_batch=mb)
+        want = records.summary([c for s in flat.stages for c in s.collectives])
+        assert got["all_reduce@dp_cp"] == want["all_reduce@dp"] and not any(k.endswith("@dp") for k in got)
+        assert got["all_reduce@tp"] == want["all_reduce@tp"]  # tp's all-reduces of S / cp tokens, once each
+        if pp == 2:  # each rank sends its own S / cp tokens' residual stream, forward and backward
+            p2p = records.summary(plan.stages[0].collectives)["p2p@pp"]
+            assert p2p == {"count": 2 * m, "bytes": 2 * m * mb * (SEQ // cp) * HIDDEN * 2}
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"sequence_parallel": True}, "with sequence parallelism has no Plan layout"),
+        ({"pp": 2, "schedule": "zbv"}, "with the zbv schedule has no Plan layout"),
+        ({"cp": 3}, "does not divide the sequence length"),
+    ],
+)
+def test_hand_plan_refuses_cp_layouts_it_cannot_write(g, kw: dict, match: str) -> None:  # noqa: ANN001
+    from partita.cluster import parse_cluster
+    from partita.search.entry.hand_plan import hand_plan
+    from partita.search.pricing.config import TrainingConfig
+
+    args = {"tp": 2, "pp": 1, "dp": 2, "micro_batch": 1, "cp": 2, **kw}
+    with pytest.raises(ConfigError, match=match):
+        hand_plan(g, parse_cluster("64xH100-80G"), TrainingConfig(global_batch=8, seq_len=SEQ, dtype="bf16"), **args)

@@ -7,7 +7,11 @@ stages, the cluster's first device type), with the tensor parallelism the progra
 the winning-candidate path of the planner (``search/plan_build.build_plan``) writes the Plan, so its records (collectives per stage with bytes, memory by category, FLOPs) are the ones a
 searched plan carries. Used by ``bench/rehearse.py`` and the rehearsal tests. ``sequence_parallel``:
 Megatron's sequence parallelism, written into that Plan by ``search/program/sequence_parallel.py`` (roles,
-records, memory); no search builds it.
+records, memory); no search builds it. ``cp``: context parallelism (issue 36): the layers solved at ``S / cp``
+by ``search/pipeline/cp_costs.ContextParallelCosts`` (what ``evaluate --cp`` prices), the plan laid out for
+``dp * cp`` replicas of ``S / cp`` tokens (ranks ``(dp, cp, tp)``, tp fastest), then written back as stages of
+``dp`` replicas with ``Stage.cp`` over the whole sequence and completed by ``search/program/context_parallel.py``
+(K/V all-gathers over ``cp``, dp records over ``dp_cp``). No emitter builds it yet (``compile --cp`` is refused).
 """
 
 from __future__ import annotations
@@ -21,14 +25,16 @@ import numpy as np
 
 from partita.cluster import Cluster
 from partita.ir import Graph
-from partita.plan import Plan
+from partita.plan import Collective, Plan, Stage, validate
 from partita.search.entry.evaluate import check_layout, megatron_split, stage_tps, tp_style_of
 from partita.search.entry.planner import Option, Search
 from partita.search.pipeline import schedule as sched
+from partita.search.pipeline.cp_costs import ContextParallelCosts
 from partita.search.pipeline.stage_cost import SolverCosts
 from partita.search.pipeline.zero_bubble import HeldCounts, in_flight_table
 from partita.search.pricing.config import SearchOptions, TrainingConfig
 from partita.search.program import chunk_layout, v_layout
+from partita.search.program import context_parallel as cp_records
 from partita.search.program.plan_build import Candidate, StagePick, build_plan
 from partita.search.program.sequence_parallel import apply as sequence_parallel_apply
 from partita.search.program.sequence_parallel import check as sequence_parallel_check
@@ -48,6 +54,7 @@ def hand_plan(
     schedule: str = "1f1b",
     sequence_parallel: bool = False,
     num_virtual: int = 1,
+    cp: int = 1,
 ) -> Plan:
     """The Plan of one Megatron layout (module docstring); ConfigError if it cannot be built. ``tp``:
     one degree for every stage, or one per stage (``evaluate.stage_tps``: a heterogeneous pipeline)."""
@@ -64,7 +71,14 @@ def hand_plan(
         micro_batch=micro_batch,
         schedule=schedule,
         num_virtual=num_virtual,
+        cp=cp,
     )
+    if cp > 1 and (sequence_parallel or schedule == "zbv"):
+        raise ConfigError(
+            f"context parallelism (cp={cp}) with {'sequence parallelism' if sequence_parallel else 'the zbv schedule'} "
+            "has no Plan layout yet: the records of the two together are not written.",
+            "drop --sequence-parallel (use --schedule 1f1b, gpipe, zb_h1 or interleaved_1f1b) with --cp.",
+        )
     if sequence_parallel:  # built and recorded by search/program/sequence_parallel.py after the plan without it
         sequence_parallel_check(
             tp=tp, dp=dp, zero_stage=zero_stage, recompute=recompute, schedule=schedule, num_virtual=num_virtual
@@ -75,16 +89,20 @@ def hand_plan(
             f"{schedule} needs several model chunks per rank, and {graph.meta['no_chunks']}.",
             "use --schedule 1f1b or zb_h1 for this model.",
         )
-    if zero_stage and dp == 1:
+    if zero_stage and dp * cp == 1:
         notes.append(f"ZeRO-{zero_stage} with dp=1 shards nothing: priced as ZeRO-0.")
         zero_stage = 0
     tps = stage_tps(tp, pp)
     opts = SearchOptions(zero_stages=(zero_stage,), recompute=(recompute,), max_layer_units=0, max_tp=max(tps))
     # the program's own tp (issue 15 item 1): torch graphs take the roles backends/torch/tp.py builds
-    costs = SolverCosts(graph, cluster, training, tp_style=tp_style_of(graph))  # evaluate_model's too
-    search = Search(graph, cluster, training, opts, costs, None)
+    if cp > 1:  # layers at S / cp, plus the attention's gathers (evaluate_config's costs for cp)
+        costs: SolverCosts = ContextParallelCosts(graph, cluster, training, cp, tp_style=tp_style_of(graph))
+    else:
+        costs = SolverCosts(graph, cluster, training, tp_style=tp_style_of(graph))  # evaluate_model's too
+    full, dp_cp = training, dp * cp  # laid out as dp * cp replicas of S / cp tokens (module docstring)
+    search = Search(graph, cluster, costs.training, opts, costs, None)
     dev = cluster.device_types()[0]
-    m = training.global_batch // (micro_batch * dp)
+    m = full.global_batch // (micro_batch * dp)
     if sched.splits_backward(
         schedule
     ):  # issue 19: each stage weighs its own deferred W (search/pipeline/zero_bubble.py)
@@ -97,14 +115,20 @@ def hand_plan(
     options = {}  # per degree, its stage option (the stage arrays of every layer range)
     for t in sorted(set(tps)):
         got = search.arrays(
-            ((dev, dp, micro_batch),), dp, t, in_flight, sched.p2p_multiplier(schedule, v), mb, split_backward=split
+            ((dev, dp_cp, micro_batch),),
+            dp_cp,
+            t,
+            in_flight,
+            sched.p2p_multiplier(schedule, v),
+            mb,
+            split_backward=split,
         )
         if got is None:
             raise ConfigError(f"the model cannot run with tp={t} on {dev.name}.", "use another tp.")
         per_combo, combos, stack = got
-        options[t] = Option(0, t, t, ((dev, dp, micro_batch),), (), per_combo, combos, stack)
+        options[t] = Option(0, t, t, ((dev, dp_cp, micro_batch),), (), per_combo, combos, stack)
     picks = tuple(StagePick(a, b, options[t], 0) for (a, b), t in zip(megatron_split(graph, pp), tps))
-    cand = Candidate(dp, micro_batch, m, schedule, v, picks, search)
+    cand = Candidate(dp_cp, micro_batch, m, schedule, v, picks, search)
     if schedule == "zbv":  # issue 19: the V layout, each stage's blocks halved into its two chunks
         vc = v_layout.v_candidate(cand, refine=False)
         if vc is None:
@@ -117,6 +141,8 @@ def hand_plan(
         plan = chunk_layout.lay_out(search, build_plan(search, [cand], time.perf_counter() - t0))
     if sequence_parallel:
         plan = sequence_parallel_apply(plan, graph)
+    if cp > 1:
+        plan = _with_cp(plan, search, full, dp, cp)
     layout = {
         "tp": tps[0] if len(set(tps)) == 1 else list(tps),
         "pp": pp,
@@ -126,9 +152,43 @@ def hand_plan(
         "recompute": recompute,
         "schedule": schedule,
         **({"sequence_parallel": True} if sequence_parallel else {}),
+        **({"cp": cp} if cp > 1 else {}),
         **({"num_virtual_stages": v} if v > 1 else {}),
         "dtype": training.dtype,
         "device": dev.name,
         "notes": notes,
     }
     return dataclasses.replace(plan, search={**plan.search, "hand_layout": layout})
+
+
+def _with_cp(plan: Plan, search: Search, full: TrainingConfig, dp: int, cp: int) -> Plan:
+    """``plan`` (laid out for ``dp * cp`` replicas of ``S / cp`` tokens) as the Plan of ``cp``: the whole
+    sequence in ``training``, stages of ``dp`` replicas with ``cp`` (the same ranks: replica ``i * cp + c``
+    of the flat layout is rank block ``(i, c)``), records by ``search/program/context_parallel.complete``
+    from the layers' ILP records (what ``records.complete`` starts from), and the MFU of the whole
+    sequence's FLOPs (every query meets every key)."""
+    from partita.search.entry.evaluate import model_flops
+    from partita.search.pricing.context_parallel import local_training
+
+    graph = search.graph
+    stages = tuple(dataclasses.replace(s, dp=dp, cp=cp, collectives=_ilp_records(search, s, plan)) for s in plan.stages)
+    linear = search.costs.linear_batch  # as plan_build counts the FLOPs
+    local = model_flops(graph, local_training(full, cp), linear)
+    mfu = plan.predicted["mfu"] * model_flops(graph, full, linear) / local if local else plan.predicted["mfu"]
+    out = dataclasses.replace(plan, training=full.to_dict(), stages=stages, predicted={**plan.predicted, "mfu": mfu})
+    out = cp_records.complete(out, graph)
+    validate(out)
+    return out
+
+
+def _ilp_records(search: Search, s: Stage, plan: Plan) -> tuple[Collective, ...]:
+    """Stage ``s``'s tensor-parallel records per micro-batch, from its layers' ILP solutions (``plan_build``'s)."""
+    index = {lay.name: i for i, lay in enumerate(search.graph.layers)}
+    dev = next(d for d in search.types if d.name == s.device_type)
+    mb = plan.micro_batch_size
+    scale = float(mb) if search.costs.linear_batch else 1.0
+    out: list[Collective] = []
+    for name in s.layers:
+        for c in search.costs.solution(index[name], dev, s.tp, mb).collectives:
+            out.append(c if c.phase == "optimizer" else dataclasses.replace(c, bytes=c.bytes * scale))
+    return tuple(out)
