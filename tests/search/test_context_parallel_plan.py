@@ -156,12 +156,14 @@ def test_compile_cp_is_refused_before_anything_is_written(tmp_path: Path, capsys
     assert not out.exists() or not any(out.iterdir())
 
 
-def test_hand_plan_lays_out_cp_as_evaluate_prices_it(g) -> None:  # noqa: ANN001
+def test_hand_plan_lays_out_cp_as_evaluate_prices_it() -> None:
     """``hand_plan(cp=)`` (the Plan ``compile --cp`` will write): stages of dp replicas with cp, ranks
     ``dp * cp * tp`` per stage, the whole sequence in ``training``, the step ``evaluate --cp`` prices, and
     the records of the closed forms: K/V of the whole sequence gathered over cp per block and micro-batch,
-    the gradient all-reduce over dp x cp, pipeline transfers of S / cp tokens."""
+    the gradient all-reduce over dp x cp, pipeline transfers of S / cp tokens. The MFU counts the whole
+    sequence's FLOPs (every query meets every key): MFU x step x devices is the cp = 1 plan's."""
     from partita.cluster import parse_cluster
+    from partita.passes.annotate import annotate
     from partita.search.entry.evaluate import evaluate_config
     from partita.search.entry.hand_plan import hand_plan
     from partita.search.pricing.config import TrainingConfig
@@ -171,10 +173,16 @@ def test_hand_plan_lays_out_cp_as_evaluate_prices_it(g) -> None:  # noqa: ANN001
     dp, cp, tp, mb = 2, 2, 2, 1
     m = tr.global_batch // (dp * mb)
     kw = dict(tp=tp, dp=dp, micro_batch=mb, cp=cp)
+    g = annotate(gpt(LAYERS, HIDDEN, HEADS))  # with FLOPs (the module's fixture has none)
     for pp in (1, 2):
         plan = Plan.from_json(hand_plan(g, cl, tr, pp=pp, **kw).to_json())
         ev = evaluate_config(g, cl, tr, pp=pp, tp_style="torch", **kw)
         assert plan.predicted["step_time_s"] == pytest.approx(ev.predicted_step_time_s, rel=1e-9)
+        one = hand_plan(g, cl, tr, pp=pp, tp=tp, dp=dp, micro_batch=mb).predicted
+        assert plan.predicted["mfu"] > 0
+        assert plan.predicted["mfu"] * plan.predicted["step_time_s"] * cp == pytest.approx(
+            one["mfu"] * one["step_time_s"], rel=1e-6
+        )
         assert (plan.training["seq_len"], plan.num_micro_batches, plan.world_size) == (SEQ, m, dp * cp * tp * pp)
         assert [(s.dp, s.cp, s.tp) for s in plan.stages] == [(dp, cp, tp)] * pp
         assert plan.search["hand_layout"]["cp"] == cp
