@@ -217,3 +217,21 @@ def test_hand_plan_refuses_cp_layouts_it_cannot_write(g, kw: dict, match: str) -
     args = {"tp": 2, "pp": 1, "dp": 2, "micro_batch": 1, "cp": 2, **kw}
     with pytest.raises(ConfigError, match=match):
         hand_plan(g, parse_cluster("64xH100-80G"), TrainingConfig(global_batch=8, seq_len=SEQ, dtype="bf16"), **args)
+
+
+def test_hand_plan_lays_out_cp_in_interleaved_chunks() -> None:
+    """An interleaved 1F1B layout with cp: the chunks of each rank group repeat its dp x cp x tp ranks,
+    every chunk carries cp, and each hand-off carries the rank's S / cp tokens (the step evaluate prices)."""
+    from partita.cluster import parse_cluster
+    from partita.search.entry.evaluate import evaluate_config
+    from partita.search.entry.hand_plan import hand_plan
+    from partita.search.pricing.config import TrainingConfig
+
+    cl, tr = parse_cluster("64xH100-80G"), TrainingConfig(global_batch=8, seq_len=SEQ, dtype="bf16")
+    kw = dict(tp=1, pp=2, dp=1, micro_batch=1, cp=2, schedule="interleaved_1f1b", num_virtual=2)
+    plan = hand_plan(gpt(4, HIDDEN, HEADS), cl, tr, **kw)
+    assert plan.chunked and [(s.ranks, s.cp) for s in plan.stages] == [((0, 1), 2), ((2, 3), 2)] * 2
+    ev = evaluate_config(gpt(4, HIDDEN, HEADS), cl, tr, tp_style="torch", **kw)
+    assert plan.predicted["step_time_s"] == pytest.approx(ev.predicted_step_time_s, rel=1e-9)
+    p2p = records.summary(plan.stages[0].collectives)["p2p@pp"]
+    assert p2p["bytes"] == p2p["count"] * (SEQ // 2) * HIDDEN * 2  # one sample of S / cp tokens, bf16
