@@ -58,9 +58,14 @@ def _fmt_num(x: float) -> str:
 
 # ---- commands ------------------------------------------------------------------------------
 def cmd_models(args: argparse.Namespace) -> int:
-    from partita.models import list_models
+    from partita.models.catalog import FIELDS, load_catalog
 
-    infos = list_models()
+    shipped = load_catalog()  # names and sizes without building a model (models/catalog.py)
+    if shipped is None:
+        from partita.models import list_models
+
+        shipped = [{f: getattr(m, f) for f in FIELDS} for m in list_models()]
+    infos = [argparse.Namespace(**m) for m in shipped]
     if args.json:
         _print_json(
             [
