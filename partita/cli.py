@@ -178,7 +178,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         args.out,
         force=args.force,
         gpus_per_node=args.gpus_per_node,
-        progress=not args.json and sys.stderr.isatty(),
+        progress=_progress_wanted(args.json),
     )
     if args.json:
         _print_json(result.summary())
@@ -188,6 +188,12 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
         print(f"compile cache: {cache_dir()} (set PARTITA_CACHE_DIR to move it; --force recompiles)")
     return 0
+
+
+def _progress_wanted(json_out: bool) -> bool:
+    from partita.progress import wanted
+
+    return wanted(json_out)
 
 
 _LAYOUT_FLAGS = ("tp", "pp", "dp", "micro_batch")

@@ -21,7 +21,7 @@ import io
 import json
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -116,7 +116,12 @@ class Traced:
         return "\n".join(lines)
 
     def plan(
-        self, cluster: str | Cluster, training: Any, *, gpus_per_node: int | None = None, progress: bool = False
+        self,
+        cluster: str | Cluster,
+        training: Any,
+        *,
+        gpus_per_node: int | None = None,
+        progress: Callable[[str], None] | bool = False,
     ) -> Planned:
         from partita.search.entry.planner import plan_graph
 
@@ -369,14 +374,24 @@ def plan_handle(
         if plan is not None:
             return CachedPlan(plan, True, key, cached, time.perf_counter() - t0)
     c0 = _cpu_s()  # CPU seconds too: on a shared machine wall seconds measure the neighbours
+    from partita.progress import say
+
     if graph is None:
+        if progress:
+            say(f"tracing {getattr(handle, 'name', '') or 'the model'} on the meta device (no weights)")
         with user_code(getattr(handle, "name", "") or ""):
             graph = trace_handle(handle, batch=TRACE_BATCH, seq=training.seq_len)
     _refuse_batch_stats(graph)
     traced = Traced(handle, graph, 0.0)
     traced.trace_time_s = time.perf_counter() - t0
     c1 = _cpu_s()
-    planned = traced.plan(cl, training, progress=progress)
+    if progress:
+        blocks = graph.meta.get("traced_blocks")
+        how = f" ({blocks[0]} of {blocks[1]} blocks traced, the rest copied)" if blocks else ""
+        say(
+            f"traced {len(graph.layers)} layers in {traced.trace_time_s:.1f} s{how}; searching {cl.num_devices} devices"
+        )
+    planned = traced.plan(cl, training, progress=say if progress else False)
     c2 = _cpu_s()  # the workers' too: they are waited for before the plan is returned
     if store:
         store_cache_entry(cached.parent, {PLAN_FILE: planned.plan.to_json()})

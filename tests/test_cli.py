@@ -223,3 +223,20 @@ def test_no_calibration_does_not_outlive_its_command(tmp_path, monkeypatch) -> N
     import os
 
     assert "PARTITA_CALIBRATION" not in os.environ
+
+
+def test_compile_progress_lines_go_to_stderr_and_json_stays_whole(tmp_path, capsys, monkeypatch) -> None:
+    """Issue 35 item 10: a compile says what it is doing, one line per phase, on stderr (here asked for
+    with PARTITA_PROGRESS=1: captured output is no terminal); stdout stays one JSON document."""
+    monkeypatch.setenv("PARTITA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PARTITA_PROGRESS", "1")
+    args = ["--cluster", "2xCPU", "--global-batch", "8", "--seq", "1", "--dtype", "f32", "--json"]
+    assert main(["compile", "mlp", *args, "--out", str(tmp_path / "a")]) == 0
+    got = capsys.readouterr()
+    json.loads(got.out)
+    lines = got.err.splitlines()
+    assert any(x.startswith("partita: tracing mlp") for x in lines), got.err
+    assert any(x.startswith("partita: traced ") and "searching 2 devices" in x for x in lines), got.err
+    monkeypatch.setenv("PARTITA_PROGRESS", "0")
+    assert main(["compile", "mlp", *args, "--out", str(tmp_path / "b"), "--force"]) == 0
+    assert "partita: trac" not in capsys.readouterr().err
