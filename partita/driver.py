@@ -424,6 +424,17 @@ def _refuse_batch_stats(graph: Graph) -> None:
         )
 
 
+def stored_graph(model: str, seq: int, ident: str | None = None) -> Graph | None:
+    """A zoo model's stored trace at ``seq`` (``frontends/stored.py``: no torch import, no export), or
+    None (not a zoo name, none shipped, or not current)."""
+    ident = ident if ident is not None else spec_identity(model)
+    if ident is None or not json.loads(ident).get("spec", "").startswith("zoo:"):
+        return None
+    from partita.frontends.stored import load_stored
+
+    return load_stored(model, seq, TRACE_BATCH)
+
+
 def compile_to_dir(
     model: str,
     cluster: str,
@@ -447,11 +458,7 @@ def compile_to_dir(
             return hit
     t1, c1 = time.perf_counter(), time.process_time()
     # a built-in model's stored trace (frontends/stored.py): no torch import, no export; None if not current
-    graph = None
-    if ident is not None and json.loads(ident).get("spec", "").startswith("zoo:"):
-        from partita.frontends.stored import load_stored
-
-        graph = load_stored(model, training.seq_len, TRACE_BATCH)
+    graph = stored_graph(model, training.seq_len, ident)
     load_s, load_cpu_s = time.perf_counter() - t1, time.process_time() - c1
     handle = None
     if graph is None:
@@ -625,9 +632,11 @@ def evaluate_model(
 
     check_sequence_parallel(sequence_parallel)
 
-    traced = trace_model(model, batch=TRACE_BATCH, seq=training.seq_len)
+    graph = stored_graph(model, training.seq_len)  # as compile reads it: a zoo model imports no torch
+    if graph is None:
+        graph = trace_model(model, batch=TRACE_BATCH, seq=training.seq_len).graph
     return evaluate_config(
-        traced.graph,
+        graph,
         cl,
         training,
         tp=tp,
@@ -638,7 +647,7 @@ def evaluate_model(
         recompute=recompute,
         schedule=schedule,
         num_virtual=num_virtual,
-        tp_style=tp_style_of(traced.graph),  # the program's tp, as compile_layout prices it (issue 32)
+        tp_style=tp_style_of(graph),  # the program's tp, as compile_layout prices it (issue 32)
     )
 
 

@@ -240,3 +240,24 @@ def test_compile_progress_lines_go_to_stderr_and_json_stays_whole(tmp_path, caps
     monkeypatch.setenv("PARTITA_PROGRESS", "0")
     assert main(["compile", "mlp", *args, "--out", str(tmp_path / "b"), "--force"]) == 0
     assert "partita: trac" not in capsys.readouterr().err
+
+
+def test_evaluate_of_a_zoo_model_reads_its_stored_trace(tmp_path) -> None:
+    """Issue 35 item 10: ``evaluate`` of a shipped model reads the stored graph as ``compile`` does (it
+    traced afresh before: torch and transformers imported, over a minute on a loaded machine)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, io, contextlib, json\n"
+        "from partita.cli import main\n"
+        "out = io.StringIO()\n"
+        "argv = ['evaluate', 'llama-7b', '--cluster', '64xH100-80G', '--global-batch', '8', '--seq', '2048',\n"
+        "        '--tp', '8', '--pp', '4', '--dp', '2', '--micro-batch', '1', '--json']\n"
+        "with contextlib.redirect_stdout(out): rc = main(argv)\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'jax') if m in sys.modules)\n"
+        "print(rc, heavy, json.loads(out.getvalue())['predicted_step_time_s'] > 0)\n"
+    )
+    env = {**__import__("os").environ, "PARTITA_CACHE_DIR": str(tmp_path / "cache")}
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert got.stdout.splitlines()[-1:] == ["0 [] True"], got.stderr[-2000:]
