@@ -61,7 +61,7 @@ min-width:140px;flex:1 1 140px} .card b{display:block;font-size:1.2em} .muted{co
 table{border-collapse:collapse;width:100%} td,th{border:1px solid #ccc;padding:3px 6px;font-size:13px;
 text-align:left;overflow-wrap:anywhere;vertical-align:top} figure.chart{margin:0}
 .row{display:flex;align-items:center;gap:8px;margin:3px 0} .lab{flex:0 0 90px;font-size:12px;overflow-wrap:anywhere}
-.track{position:relative;flex:1 1 auto;height:22px;background:#f1f1f1} .box{position:absolute;top:2px;bottom:2px}
+.track{position:relative;flex:1 1 auto;height:22px;background:#f1f1f1} .box{position:absolute;top:2px;bottom:2px;font-size:10px;line-height:18px;color:#fff;text-align:center;white-space:nowrap}
 .axis{position:relative;height:18px;margin-left:98px;font-size:11px;color:#444}
 .tick{position:absolute;top:0;border-left:1px solid #888;padding-left:2px;height:18px;white-space:nowrap}
 .tick.end{border-left:0;border-right:1px solid #888;padding-right:2px;transform:translateX(-100%)}
@@ -128,6 +128,18 @@ def _ticks(end: float, num: int = 5) -> list[float]:
     return [k * step for k in range(int(end / step) + 1)]
 
 
+MIN_TRACK_PX = 500  # the chart's track at a 700 px window (page padding, row label): labels sized for it
+_CHAR_PX, _PAD_PX = 6.5, 4.0  # a 10 px digit or letter, and the box's margins
+
+
+def box_label(micro: int, stage: int | None, frac: float) -> str:
+    """The text inside a pipeline-chart box: its micro-batch (``3``), and its stage where a rank group
+    runs several (``3 s2``); empty when it would not fit a box ``frac`` of the track wide at
+    :data:`MIN_TRACK_PX` (the tooltip says it all the same)."""
+    text = f"{micro}" if stage is None else f"{micro} s{stage}"
+    return text if frac * MIN_TRACK_PX >= _CHAR_PX * len(text) + _PAD_PX else ""
+
+
 def timeline_html(plan: Plan, axis_end: float | None = None) -> str:
     """The pipeline chart; ``axis_end`` (seconds): draw on that axis instead of the plan's own end, so
     two plans on one page share a time axis (``compare_html``)."""
@@ -150,11 +162,12 @@ def timeline_html(plan: Plan, axis_end: float | None = None) -> str:
             chunk = (act.stage // n if plan.schedule != "zbv" else int(act.stage >= n)) if chunks > 1 else 0
             stage = act.stage if chunks > 1 else i  # the plan's stage index: one vocabulary with the tables
             faded = ";opacity:0.55" if chunk % 2 else ""  # a rank group's stages told apart (chunk 1, 3 lighter)
+            text = box_label(act.micro, stage if chunks > 1 else None, dur / end)
             parts.append(
                 f'<div class="box" data-stage="{stage}" style="left:{100 * start / end:.3f}%;'
                 f"width:{100 * dur / end:.3f}%;background:{_KINDS[act.kind][0]};border-right:1px solid #fff"
                 f'{faded}" title="stage {stage} (rank group {i}), micro-batch {act.micro}: {what} {time_s(dur)}">'
-                "</div>"
+                f"{text}</div>"
             )
         group = plan.positions()[i]
         dev = ", ".join(dict.fromkeys(s.device_type for s in group))
@@ -203,7 +216,9 @@ def timeline_html(plan: Plan, axis_end: float | None = None) -> str:
         + (", weight gradients deferred into the bubble" if split else "")
         + "; the action list the cost model simulated); the step adds the exposed gradient sync at its end"
         + (f" ({time_s(plan.predicted['tail_s'])})" if plan.predicted.get("tail_s") is not None else "")
-        + ". Hover a box for its micro-batch.</figcaption></figure>"
+        + ". A box wide enough says its micro-batch"
+        + (" and stage (3 s2: micro-batch 3 of stage 2)" if chunks > 1 else "")
+        + "; hover any box for its micro-batch, stage and time.</figcaption></figure>"
     )
 
 
