@@ -76,3 +76,17 @@ def test_chart_boxes_say_their_micro_batch_where_they_fit(plans: dict[str, Plan]
             assert text == micro.group(1)
     assert box_label(3, 2, 0.5) == "3 s2" and box_label(3, None, 0.5) == "3"
     assert box_label(12, 2, 0.005) == ""  # too narrow: the tooltip alone
+
+
+def test_utilization_by_flops_per_device_type_adds_up_to_the_plans_mfu(plans: dict[str, Plan]) -> None:
+    """Issue 35: per device type, the model FLOPs its stages run (the stage records) over the type's
+    peak; weighted by the types' peaks they give the plan's MFU, which the search computes from the
+    graph's FLOPs (an independent sum): here one type, so the two agree."""
+    from partita.report.html import flops_utilization, utilization_html
+
+    plan = plans["1f1b"]
+    got = flops_utilization(plan)
+    assert set(got) == {"A100-80G"}
+    assert got["A100-80G"] == pytest.approx(plan.predicted["mfu"], rel=0.05)
+    page = utilization_html(plan)
+    assert "MFU of the type" in page and f"{100 * got['A100-80G']:.1f}%" in page

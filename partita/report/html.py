@@ -331,6 +331,39 @@ def _cards(plan: Plan) -> str:
     )
 
 
+def flops_utilization(plan: Plan) -> dict[str, float]:
+    """Per device type: the model FLOPs its devices run per step (each stage's ``predicted["flops"]``,
+    per device, times its devices; a rank group's model chunks summed) over their peak in the plan's
+    dtype for the step (the peak rule of ``cluster.DeviceType.flops``). Types in a stage whose dp
+    replicas span several types, and plans without FLOP records, are left out (per-replica FLOPs are
+    not recorded)."""
+    from partita.cluster import DeviceType
+
+    peaks: dict[str, float] = {}
+    for g in plan.cluster.get("spec", {}).get("groups", []):
+        try:
+            peaks[str(g["device"]["name"])] = DeviceType(**g["device"]).flops(str(plan.training.get("dtype", "bf16")))
+        except (TypeError, KeyError):
+            continue
+    step = float(plan.predicted.get("step_time_s") or 0.0)
+    done: dict[str, float] = {}
+    mixed: set[str] = set()
+    for st in plan.stages:
+        if st.replica_device_types:
+            mixed.update(st.replica_device_types)
+            continue
+        f = st.predicted.get("flops")
+        if f is None:
+            return {}
+        done[st.device_type] = done.get(st.device_type, 0.0) + float(f) * len(st.ranks)
+    used = used_devices(plan)
+    return {
+        t: v / (used[t] * peaks[t] * step)
+        for t, v in done.items()
+        if t not in mixed and used.get(t) and peaks.get(t) and step > 0
+    }
+
+
 def utilization_html(plan: Plan) -> str:
     """Per device type: devices used of the cluster's, and the share of the step its rank groups work."""
     total, used = cluster_devices(plan), used_devices(plan)
@@ -340,6 +373,7 @@ def utilization_html(plan: Plan) -> str:
             if share is not None:
                 busy.setdefault(t, []).append(share)
     rows = []
+    by_flops = flops_utilization(plan)
     for dev in dict.fromkeys([*used, *total]):
         n, have = used.get(dev, 0), total.get(dev, used.get(dev, 0))
         shares = busy.get(dev)
@@ -350,12 +384,12 @@ def utilization_html(plan: Plan) -> str:
             if shares
             else "-"
         )
-        rows.append(f"<tr><td>{_e(dev)}</td><td>{n} of {have}</td><td>{_e(work)}</td></tr>")
+        mfu = pct(by_flops[dev]) if dev in by_flops else "-"
+        rows.append(f"<tr><td>{_e(dev)}</td><td>{n} of {have}</td><td>{_e(work)}</td><td>{_e(mfu)}</td></tr>")
     return (
         '<table id="utilization"><tr><th>device type</th><th>devices used</th>'
-        "<th>share of the step its rank groups work (the rest: waiting, gradient sync)</th></tr>"
-        + "".join(rows)
-        + "</table>"
+        "<th>share of the step its rank groups work (the rest: waiting, gradient sync)</th>"
+        "<th>model FLOPs per step of these devices' peak (MFU of the type)</th></tr>" + "".join(rows) + "</table>"
     )
 
 
