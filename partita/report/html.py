@@ -389,7 +389,11 @@ def utilization_html(plan: Plan) -> str:
     return (
         '<table id="utilization"><tr><th>device type</th><th>devices used</th>'
         "<th>share of the step its rank groups work (the rest: waiting, gradient sync)</th>"
-        "<th>model FLOPs per step of these devices' peak (MFU of the type)</th></tr>" + "".join(rows) + "</table>"
+        "<th>MFU of the type</th></tr>"
+        + "".join(rows)
+        + "</table>"
+        + '<p class="muted">MFU of the type: the model FLOPs its devices run per step over their peak in the '
+        + "plan's dtype (-: not recorded, for a stage whose data-parallel replicas span types or a plan with no FLOP records).</p>"
     )
 
 
