@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from partita.frontends import block_list, repeat
@@ -35,6 +36,7 @@ def _exact(g: Graph) -> dict[str, Any]:
     return d
 
 
+@pytest.mark.slow  # two traces of a 6-block model: ~8 CPU s
 def test_config_json_model_traces_three_blocks_into_the_full_graph(tmp_path: Path) -> None:
     """The Qwen2 shape of the issue (a config.json, no stored trace), small: 3 of 6 blocks traced,
     and the expanded graph equals the full trace byte for byte (node names and hash included)."""
@@ -83,6 +85,7 @@ def _user(net: Net) -> Any:
     return module_handle(net, {"x": torch.zeros(4, 8), "labels": torch.zeros(4, dtype=torch.long)})
 
 
+@pytest.mark.slow
 def test_user_module_traces_three_blocks_into_the_full_graph() -> None:
     h = _user(Net())
     full = trace_handle(h, repeat=False)
