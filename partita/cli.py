@@ -59,9 +59,14 @@ def _fmt_num(x: float) -> str:
 
 # ---- commands ------------------------------------------------------------------------------
 def cmd_models(args: argparse.Namespace) -> int:
-    from partita.models import list_models
+    from partita.models.catalog import FIELDS, load_catalog
 
-    infos = list_models()
+    shipped = load_catalog()  # names and sizes without building a model (models/catalog.py)
+    if shipped is None:
+        from partita.models import list_models
+
+        shipped = [{f: getattr(m, f) for f in FIELDS} for m in list_models()]
+    infos = [argparse.Namespace(**m) for m in shipped]
     if args.json:
         _print_json(
             [
@@ -175,7 +180,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         args.out,
         force=args.force,
         gpus_per_node=args.gpus_per_node,
-        progress=not args.json and sys.stderr.isatty(),
+        progress=_progress_wanted(args.json),
     )
     if args.json:
         _print_json(result.summary())
@@ -199,6 +204,12 @@ def _refuse_cp(cp: int | None) -> None:
             f"price the layout with `partita evaluate MODEL --cluster ... --cp {cp}`, and compile without --cp "
             "(or --cp 1).",
         )
+
+
+def _progress_wanted(json_out: bool) -> bool:
+    from partita.progress import wanted
+
+    return wanted(json_out)
 
 
 _LAYOUT_FLAGS = ("tp", "pp", "dp", "micro_batch")

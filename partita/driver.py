@@ -21,7 +21,7 @@ import io
 import json
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -116,7 +116,12 @@ class Traced:
         return "\n".join(lines)
 
     def plan(
-        self, cluster: str | Cluster, training: Any, *, gpus_per_node: int | None = None, progress: bool = False
+        self,
+        cluster: str | Cluster,
+        training: Any,
+        *,
+        gpus_per_node: int | None = None,
+        progress: Callable[[str], None] | bool = False,
     ) -> Planned:
         from partita.search.entry.planner import plan_graph
 
@@ -369,14 +374,24 @@ def plan_handle(
         if plan is not None:
             return CachedPlan(plan, True, key, cached, time.perf_counter() - t0)
     c0 = _cpu_s()  # CPU seconds too: on a shared machine wall seconds measure the neighbours
+    from partita.progress import say
+
     if graph is None:
+        if progress:
+            say(f"tracing {getattr(handle, 'name', '') or 'the model'} on the meta device (no weights)")
         with user_code(getattr(handle, "name", "") or ""):
             graph = trace_handle(handle, batch=TRACE_BATCH, seq=training.seq_len)
     _refuse_batch_stats(graph)
     traced = Traced(handle, graph, 0.0)
     traced.trace_time_s = time.perf_counter() - t0
     c1 = _cpu_s()
-    planned = traced.plan(cl, training, progress=progress)
+    if progress:
+        blocks = graph.meta.get("traced_blocks")
+        how = f" ({blocks[0]} of {blocks[1]} blocks traced, the rest copied)" if blocks else ""
+        say(
+            f"traced {len(graph.layers)} layers in {traced.trace_time_s:.1f} s{how}; searching {cl.num_devices} devices"
+        )
+    planned = traced.plan(cl, training, progress=say if progress else False)
     c2 = _cpu_s()  # the workers' too: they are waited for before the plan is returned
     if store:
         store_cache_entry(cached.parent, {PLAN_FILE: planned.plan.to_json()})
@@ -409,6 +424,17 @@ def _refuse_batch_stats(graph: Graph) -> None:
         )
 
 
+def stored_graph(model: str, seq: int, ident: str | None = None) -> Graph | None:
+    """A zoo model's stored trace at ``seq`` (``frontends/stored.py``: no torch import, no export), or
+    None (not a zoo name, none shipped, or not current)."""
+    ident = ident if ident is not None else spec_identity(model)
+    if ident is None or not json.loads(ident).get("spec", "").startswith("zoo:"):
+        return None
+    from partita.frontends.stored import load_stored
+
+    return load_stored(model, seq, TRACE_BATCH)
+
+
 def compile_to_dir(
     model: str,
     cluster: str,
@@ -432,11 +458,7 @@ def compile_to_dir(
             return hit
     t1, c1 = time.perf_counter(), time.process_time()
     # a built-in model's stored trace (frontends/stored.py): no torch import, no export; None if not current
-    graph = None
-    if ident is not None and json.loads(ident).get("spec", "").startswith("zoo:"):
-        from partita.frontends.stored import load_stored
-
-        graph = load_stored(model, training.seq_len, TRACE_BATCH)
+    graph = stored_graph(model, training.seq_len, ident)
     load_s, load_cpu_s = time.perf_counter() - t1, time.process_time() - c1
     handle = None
     if graph is None:
@@ -616,9 +638,11 @@ def evaluate_model(
 
     check_degree(training.seq_len, cp)  # the rest of context_parallel.check needs the graph
 
-    traced = trace_model(model, batch=TRACE_BATCH, seq=training.seq_len)
+    graph = stored_graph(model, training.seq_len)  # as compile reads it: a zoo model imports no torch
+    if graph is None:
+        graph = trace_model(model, batch=TRACE_BATCH, seq=training.seq_len).graph
     return evaluate_config(
-        traced.graph,
+        graph,
         cl,
         training,
         tp=tp,
@@ -630,7 +654,7 @@ def evaluate_model(
         schedule=schedule,
         num_virtual=num_virtual,
         sequence_parallel=sequence_parallel,
-        tp_style=tp_style_of(traced.graph),  # the program's tp, as compile_layout prices it (issue 32)
+        tp_style=tp_style_of(graph),  # the program's tp, as compile_layout prices it (issue 32)
         cp=cp,
     )
 

@@ -252,8 +252,15 @@ class Graph:
         return graph_from_dict(json.loads(text))
 
     def hash(self) -> str:
-        """Content hash of the graph (structure, shapes, params), stable across processes."""
-        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+        """Content hash of the graph (structure, shapes, params), stable across processes. The
+        provenance keys of :data:`PROVENANCE_META` (how the graph was obtained, not what it is) are
+        left out: a graph expanded from a few traced blocks hashes as the full trace it equals."""
+        d = graph_to_dict(self)
+        d["meta"] = {k: v for k, v in d["meta"].items() if k not in PROVENANCE_META}
+        return hashlib.sha256(json.dumps(d, sort_keys=True, indent=1).encode()).hexdigest()[:16]
+
+
+PROVENANCE_META = ("traced_blocks",)  # meta keys that say how a graph was captured (frontends/repeat.py)
 
 
 def dim_size(expr: sympy.Expr | int, env: Mapping[str, int] | None = None) -> int:

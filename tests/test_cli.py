@@ -223,3 +223,41 @@ def test_no_calibration_does_not_outlive_its_command(tmp_path, monkeypatch) -> N
     import os
 
     assert "PARTITA_CALIBRATION" not in os.environ
+
+
+def test_compile_progress_lines_go_to_stderr_and_json_stays_whole(tmp_path, capsys, monkeypatch) -> None:
+    """Issue 35 item 10: a compile says what it is doing, one line per phase, on stderr (here asked for
+    with PARTITA_PROGRESS=1: captured output is no terminal); stdout stays one JSON document."""
+    monkeypatch.setenv("PARTITA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PARTITA_PROGRESS", "1")
+    args = ["--cluster", "2xCPU", "--global-batch", "8", "--seq", "1", "--dtype", "f32", "--json"]
+    assert main(["compile", "mlp", *args, "--out", str(tmp_path / "a")]) == 0
+    got = capsys.readouterr()
+    json.loads(got.out)
+    lines = got.err.splitlines()
+    assert any(x.startswith("partita: tracing mlp") for x in lines), got.err
+    assert any(x.startswith("partita: traced ") and "searching 2 devices" in x for x in lines), got.err
+    monkeypatch.setenv("PARTITA_PROGRESS", "0")
+    assert main(["compile", "mlp", *args, "--out", str(tmp_path / "b"), "--force"]) == 0
+    assert "partita: trac" not in capsys.readouterr().err
+
+
+def test_evaluate_of_a_zoo_model_reads_its_stored_trace(tmp_path) -> None:
+    """Issue 35 item 10: ``evaluate`` of a shipped model reads the stored graph as ``compile`` does (it
+    traced afresh before: torch and transformers imported, over a minute on a loaded machine)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, io, contextlib, json\n"
+        "from partita.cli import main\n"
+        "out = io.StringIO()\n"
+        "argv = ['evaluate', 'llama-7b', '--cluster', '64xH100-80G', '--global-batch', '8', '--seq', '2048',\n"
+        "        '--tp', '8', '--pp', '4', '--dp', '2', '--micro-batch', '1', '--json']\n"
+        "with contextlib.redirect_stdout(out): rc = main(argv)\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'jax') if m in sys.modules)\n"
+        "print(rc, heavy, json.loads(out.getvalue())['predicted_step_time_s'] > 0)\n"
+    )
+    env = {**__import__("os").environ, "PARTITA_CACHE_DIR": str(tmp_path / "cache")}
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert got.stdout.splitlines()[-1:] == ["0 [] True"], got.stderr[-2000:]

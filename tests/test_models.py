@@ -102,6 +102,44 @@ def test_register_model_hook() -> None:
     assert set(ZOO) <= names
 
 
+# ---- the catalogue `partita models` lists (issue 35 item 10) ------------------------------------------
+def test_partita_models_builds_no_model() -> None:
+    """Listing the zoo reads the shipped catalogue: no torch, transformers or jax imported (it built
+    all 19 models before, ~20 s on a loaded machine)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, io, contextlib\n"
+        "from partita.cli import main\n"
+        "out = io.StringIO()\n"
+        "with contextlib.redirect_stdout(out): rc = main(['models', '--json'])\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'jax') if m in sys.modules)\n"
+        "print(rc, heavy, len(__import__('json').loads(out.getvalue())))\n"
+    )
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert got.stdout.split("\n")[0] == f"0 [] {len(ZOO) + 2}", got.stderr[-2000:]
+
+
+def test_shipped_catalogue_is_current_and_counts_as_the_builds() -> None:
+    """The file is current (else: ``python -m partita.models.catalog``) and its counts are the built
+    models' (the cheap ones built here; the generator builds every one)."""
+    from partita.models import catalog
+
+    shipped = catalog.load_catalog()
+    assert shipped is not None, "stale: run python -m partita.models.catalog"
+    by_name = {m["name"]: m for m in shipped}
+    assert set(ZOO) | {"jax-gpt-tiny", "jax-mlp"} == set(by_name)
+    for name in ("mlp", "gpt2-tiny", "llama-tiny", "gpt2"):
+        h = resolve_model(name)
+        assert by_name[name] == {
+            "name": name,
+            "framework": "torch",
+            "num_params": h.num_params(),
+            "description": h.description,
+        }
+
+
 # ---- any Hugging Face config.json (issue 16) ---------------------------------------------------------
 from partita.models import families, hf  # noqa: E402
 

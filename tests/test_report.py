@@ -434,3 +434,25 @@ def test_timeline_axis_and_missing_predictions_read_plainly() -> None:
         assert len(ticks) >= 3 and all(re.fullmatch(rf"[\d,.]+ {unit}", t) for t in ticks), ticks
     assert "no memory prediction in the plan (capacity" not in memory_html(make_plan())  # no spec: no capacity
     assert "stage 1 (V100-32G): no memory prediction in the plan" in memory_html(make_plan())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("width", [700, 1400])
+def test_chart_box_labels_in_headless_chromium(tmp_path: Path, width: int) -> None:
+    """Issue 35: micro-batch labels inside the chart's boxes (8 micro-batches on 2 stages: wide enough)
+    fit their boxes at 700 and 1400 px: no text clipped, leaving its chart or the window."""
+    import re
+
+    from partita.cluster import parse_cluster
+    from partita.frontends.trace import trace_handle
+    from partita.models import resolve_model
+    from partita.search.entry.hand_plan import hand_plan
+    from partita.search.pricing.config import TrainingConfig
+
+    _need_chromium()
+    graph = trace_handle(resolve_model("gpt2-tiny"), batch=1, seq=32)
+    cl, tr = parse_cluster("2xA100-80G"), TrainingConfig(global_batch=8, seq_len=32)
+    plan = hand_plan(graph, cl, tr, tp=1, pp=2, dp=1, micro_batch=1, schedule="1f1b")
+    got = _measure(tmp_path, plan_html(plan), width, "labels")
+    assert got["problems"] == [], got["problems"]
+    assert re.search(r'title="stage 1 \(rank group 1\), micro-batch 7: forward [^"]*">7</div>', got["dom"])

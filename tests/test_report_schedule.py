@@ -52,3 +52,41 @@ def test_terminal_summary_names_the_deferred_weight_gradients(plans: dict[str, P
 
     assert "weight gradients (W) deferred into the bubble" in plan_text(plans["zb_h1"], width=200)
     assert "deferred" not in plan_text(plans["1f1b"], width=200)
+
+
+def test_chart_boxes_say_their_micro_batch_where_they_fit(plans: dict[str, Plan]) -> None:
+    """Issue 35: the chart's boxes carry their micro-batch (and stage, on a rank group running several)
+    as text, where it fits the track at a 700 px window; the tooltip of every box says the same."""
+    import re
+
+    from partita.report.html import MIN_TRACK_PX, box_label
+
+    page = timeline_html(plans["1f1b"])
+    boxes = re.findall(
+        r'<div class="box" data-stage="(\d+)" style="[^"]*width:([\d.]+)%[^"]*" title="([^"]*)">([^<]*)</div>', page
+    )
+    assert len(boxes) == 2 * 2 * 8
+    labelled = [(title, text) for _stage, _w, title, text in boxes if text]
+    assert len(labelled) >= len(boxes) // 2  # 8 micro-batches on 2 stages: most boxes are wide enough
+    for _stage, width, title, text in boxes:
+        micro = re.search(r"micro-batch (\d+)", title)
+        assert micro is not None
+        assert text in ("", micro.group(1))
+        if float(width) / 100 * MIN_TRACK_PX >= 6.5 + 4:
+            assert text == micro.group(1)
+    assert box_label(3, 2, 0.5) == "3 s2" and box_label(3, None, 0.5) == "3"
+    assert box_label(12, 2, 0.005) == ""  # too narrow: the tooltip alone
+
+
+def test_utilization_by_flops_per_device_type_adds_up_to_the_plans_mfu(plans: dict[str, Plan]) -> None:
+    """Issue 35: per device type, the model FLOPs its stages run (the stage records) over the type's
+    peak; weighted by the types' peaks they give the plan's MFU, which the search computes from the
+    graph's FLOPs (an independent sum): here one type, so the two agree."""
+    from partita.report.html import flops_utilization, utilization_html
+
+    plan = plans["1f1b"]
+    got = flops_utilization(plan)
+    assert set(got) == {"A100-80G"}
+    assert got["A100-80G"] == pytest.approx(plan.predicted["mfu"], rel=0.05)
+    page = utilization_html(plan)
+    assert "MFU of the type" in page and f"{100 * got['A100-80G']:.1f}%" in page

@@ -76,9 +76,9 @@ class _Blocks:
     stride: dict[str, int]  # per fx name base: names one block consumes
 
 
-def _blocks(graph: Graph, traced: int) -> _Blocks | None:
+def _blocks(graph: Graph, traced: int, want: str | None = None) -> _Blocks | None:
     prefix = _find_prefix(graph, traced)
-    if prefix is None:
+    if prefix is None or (want is not None and prefix != want):
         return None
     where: dict[int, list[int]] = {}
     for k, n in enumerate(graph.nodes):
@@ -154,12 +154,13 @@ def _same_block(graph: Graph, blk: _Blocks) -> bool:
     return True
 
 
-def expand_blocks(graph: Graph, traced: int, total: int) -> Graph | None:
+def expand_blocks(graph: Graph, traced: int, total: int, prefix: str | None = None) -> Graph | None:
     """``graph`` traced with ``traced`` repeated blocks, expanded to ``total`` blocks; ``None``
-    when the blocks cannot be shown identical (module docstring)."""
+    when the blocks cannot be shown identical (module docstring). ``prefix``: the block list's
+    module path where the caller knows it (any other list found is refused)."""
     if total <= traced:
         return graph if total == traced else None
-    blk = _blocks(graph, traced)
+    blk = _blocks(graph, traced, prefix)
     if blk is None or not _same_block(graph, blk):
         return None
     last = traced - 1
@@ -283,13 +284,20 @@ def _template_outputs(src: list[Node], blk: _Blocks, traced: int, total: int) ->
 
 
 def trace_by_blocks(handle: Any, trace: Callable[[Any], Graph]) -> Graph | None:
-    """Trace a shallow copy of ``handle``'s model with :data:`TRACED_BLOCKS` blocks (``trace`` maps a
-    module to its raw graph) and expand it to the full depth; ``None`` when the handle has no
-    shallow builder, the model is shallow, or the blocks cannot be shown identical."""
+    """Trace ``handle``'s model with :data:`TRACED_BLOCKS` blocks (``trace`` maps a module to its raw
+    graph) and expand it to the full depth; ``None`` when the model is shallow or the blocks cannot
+    be shown identical. A handle with a shallow builder (the zoo's Hugging Face models) builds the
+    shallow copy from its config; any other torch model is built whole on meta and its block list
+    cut (``block_list.py``)."""
     builder = getattr(handle, "depth_builder", None)
     cfg = getattr(handle, "config", None) or {}
     total = int(cfg.get("num_layers") or 0) if isinstance(cfg, dict) else 0
-    if builder is None or total < MIN_BLOCKS:
+    if builder is None:
+        from partita.frontends.block_list import trace_cut
+
+        got = trace_cut(handle.build(device="meta"), TRACED_BLOCKS, MIN_BLOCKS, trace)
+        return None if got is None else expand_blocks(got[0], TRACED_BLOCKS, got[2], prefix=got[1])
+    if total < MIN_BLOCKS:
         return None
     import torch
 

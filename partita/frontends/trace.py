@@ -8,6 +8,7 @@ profiler's step probes.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -36,10 +37,12 @@ def trace_handle(
 ) -> Graph:
     """Trace a zoo/user model handle on abstract values and run the standard passes (``passes``:
     which to skip, for ablations). ``repeat``: trace a few of a deep model's repeated blocks and
-    expand them (``frontends/repeat.py``, the same graph as a full trace); False traces every block."""
+    expand them (``frontends/repeat.py``, the same graph as a full trace); False (or the environment's
+    ``PARTITA_TRACE_BLOCKS=off``) traces every block."""
     from partita.passes.pipeline import run_passes
 
     seq = seq or seq_default(handle)
+    repeat = repeat and os.environ.get("PARTITA_TRACE_BLOCKS", "").lower() not in ("off", "0", "false")
     if handle.framework == "jax":
         from partita.frontends.trace_jax import trace_jax
 

@@ -247,6 +247,9 @@ def _strip(fqn: str) -> str:
     return fqn[len(_ROOT) + 1 :] if fqn.startswith(_ROOT + ".") else fqn
 
 
+_FX_SUFFIX = re.compile(r"(.*)_(\d+)$")  # torch.fx's name-suffix rule (Graph._Namespace.create_name)
+
+
 class _Lowering:
     """Walks an ExportedProgram once and emits IR through a :class:`GraphBuilder`."""
 
@@ -262,6 +265,23 @@ class _Lowering:
         self.multi: dict[str, list[str | None]] = {}  # fx node name -> IR names of its tuple outputs
         self.subs: dict[sympy.Symbol, sympy.Symbol] = {}
         self.num_opaque = 0
+        self.num_named: dict[str, int] = {}  # name base -> nodes kept with it so far
+
+    def _node_name(self, fx_name: str) -> str:
+        """``base_k`` for the k-th kept node of fx name base ``base`` (``mul``, ``mul_1``, ...).
+
+        torch.fx numbers every node it creates, the symbolic-int arithmetic the IR drops included,
+        and how many of those a block spends shrinks as export's shape cache warms, so fx's numbers
+        depend on how many blocks came before. Counting only the nodes kept gives every block the
+        same count per base: a full trace and ``repeat.expand_blocks``'s copies name alike."""
+        m = _FX_SUFFIX.match(fx_name)
+        base = m.group(1) if m else fx_name
+        while True:
+            k = self.num_named.get(base, 0)
+            self.num_named[base] = k + 1
+            name = f"{base}_{k}" if k else base
+            if name not in self.b.tensors:
+                return name
 
     # ---- shapes ------------------------------------------------------------------------
     def expr(self, value: Any) -> sympy.Expr:
@@ -359,7 +379,8 @@ class _Lowering:
             )
         else:
             prim, sig, inputs = result[0], result[1], (call.inputs if len(result) < 3 else result[2])
-        out_names = [f"{n.name}.{i}" for i in range(len(call.out_shapes))] if call.is_tuple else [n.name]
+        ir_name = self._node_name(n.name)
+        out_names = [f"{ir_name}.{i}" for i in range(len(call.out_shapes))] if call.is_tuple else [ir_name]
         self.b.add(
             prim,
             inputs,
@@ -369,13 +390,13 @@ class _Lowering:
             attrs=call.attrs,
             module=module,
             source=_source(n),
-            name=n.name,
+            name=ir_name,
         )
         if call.is_tuple:
             it = iter(out_names)
             self.multi[n.name] = [next(it) if isinstance(v, torch.Tensor) else None for v in outs_val]
         else:
-            self.env[n.name] = n.name
+            self.env[n.name] = ir_name
 
     def _check_bounded(self, n: torch.fx.Node, op: str, module: str, shapes: Sequence[Sequence[Any]]) -> None:
         """Refuse output sizes that depend on tensor values (torch's unbacked ``u0``): no bound to plan for."""

@@ -61,7 +61,7 @@ min-width:140px;flex:1 1 140px} .card b{display:block;font-size:1.2em} .muted{co
 table{border-collapse:collapse;width:100%} td,th{border:1px solid #ccc;padding:3px 6px;font-size:13px;
 text-align:left;overflow-wrap:anywhere;vertical-align:top} figure.chart{margin:0}
 .row{display:flex;align-items:center;gap:8px;margin:3px 0} .lab{flex:0 0 90px;font-size:12px;overflow-wrap:anywhere}
-.track{position:relative;flex:1 1 auto;height:22px;background:#f1f1f1} .box{position:absolute;top:2px;bottom:2px}
+.track{position:relative;flex:1 1 auto;height:22px;background:#f1f1f1} .box{position:absolute;top:2px;bottom:2px;font-size:10px;line-height:18px;color:#fff;text-align:center;white-space:nowrap}
 .axis{position:relative;height:18px;margin-left:98px;font-size:11px;color:#444}
 .tick{position:absolute;top:0;border-left:1px solid #888;padding-left:2px;height:18px;white-space:nowrap}
 .tick.end{border-left:0;border-right:1px solid #888;padding-right:2px;transform:translateX(-100%)}
@@ -128,6 +128,18 @@ def _ticks(end: float, num: int = 5) -> list[float]:
     return [k * step for k in range(int(end / step) + 1)]
 
 
+MIN_TRACK_PX = 500  # the chart's track at a 700 px window (page padding, row label): labels sized for it
+_CHAR_PX, _PAD_PX = 6.5, 4.0  # a 10 px digit or letter, and the box's margins
+
+
+def box_label(micro: int, stage: int | None, frac: float) -> str:
+    """The text inside a pipeline-chart box: its micro-batch (``3``), and its stage where a rank group
+    runs several (``3 s2``); empty when it would not fit a box ``frac`` of the track wide at
+    :data:`MIN_TRACK_PX` (the tooltip says it all the same)."""
+    text = f"{micro}" if stage is None else f"{micro} s{stage}"
+    return text if frac * MIN_TRACK_PX >= _CHAR_PX * len(text) + _PAD_PX else ""
+
+
 def timeline_html(plan: Plan, axis_end: float | None = None) -> str:
     """The pipeline chart; ``axis_end`` (seconds): draw on that axis instead of the plan's own end, so
     two plans on one page share a time axis (``compare_html``)."""
@@ -150,11 +162,12 @@ def timeline_html(plan: Plan, axis_end: float | None = None) -> str:
             chunk = (act.stage // n if plan.schedule != "zbv" else int(act.stage >= n)) if chunks > 1 else 0
             stage = act.stage if chunks > 1 else i  # the plan's stage index: one vocabulary with the tables
             faded = ";opacity:0.55" if chunk % 2 else ""  # a rank group's stages told apart (chunk 1, 3 lighter)
+            text = box_label(act.micro, stage if chunks > 1 else None, dur / end)
             parts.append(
                 f'<div class="box" data-stage="{stage}" style="left:{100 * start / end:.3f}%;'
                 f"width:{100 * dur / end:.3f}%;background:{_KINDS[act.kind][0]};border-right:1px solid #fff"
                 f'{faded}" title="stage {stage} (rank group {i}), micro-batch {act.micro}: {what} {time_s(dur)}">'
-                "</div>"
+                f"{text}</div>"
             )
         group = plan.positions()[i]
         dev = ", ".join(dict.fromkeys(s.device_type for s in group))
@@ -203,7 +216,9 @@ def timeline_html(plan: Plan, axis_end: float | None = None) -> str:
         + (", weight gradients deferred into the bubble" if split else "")
         + "; the action list the cost model simulated); the step adds the exposed gradient sync at its end"
         + (f" ({time_s(plan.predicted['tail_s'])})" if plan.predicted.get("tail_s") is not None else "")
-        + ". Hover a box for its micro-batch.</figcaption></figure>"
+        + ". A box wide enough says its micro-batch"
+        + (" and stage (3 s2: micro-batch 3 of stage 2)" if chunks > 1 else "")
+        + "; hover any box for its micro-batch, stage and time.</figcaption></figure>"
     )
 
 
@@ -316,6 +331,39 @@ def _cards(plan: Plan) -> str:
     )
 
 
+def flops_utilization(plan: Plan) -> dict[str, float]:
+    """Per device type: the model FLOPs its devices run per step (each stage's ``predicted["flops"]``,
+    per device, times its devices; a rank group's model chunks summed) over their peak in the plan's
+    dtype for the step (the peak rule of ``cluster.DeviceType.flops``). Types in a stage whose dp
+    replicas span several types, and plans without FLOP records, are left out (per-replica FLOPs are
+    not recorded)."""
+    from partita.cluster import DeviceType
+
+    peaks: dict[str, float] = {}
+    for g in plan.cluster.get("spec", {}).get("groups", []):
+        try:
+            peaks[str(g["device"]["name"])] = DeviceType(**g["device"]).flops(str(plan.training.get("dtype", "bf16")))
+        except (TypeError, KeyError):
+            continue
+    step = float(plan.predicted.get("step_time_s") or 0.0)
+    done: dict[str, float] = {}
+    mixed: set[str] = set()
+    for st in plan.stages:
+        if st.replica_device_types:
+            mixed.update(st.replica_device_types)
+            continue
+        f = st.predicted.get("flops")
+        if f is None:
+            return {}
+        done[st.device_type] = done.get(st.device_type, 0.0) + float(f) * len(st.ranks)
+    used = used_devices(plan)
+    return {
+        t: v / (used[t] * peaks[t] * step)
+        for t, v in done.items()
+        if t not in mixed and used.get(t) and peaks.get(t) and step > 0
+    }
+
+
 def utilization_html(plan: Plan) -> str:
     """Per device type: devices used of the cluster's, and the share of the step its rank groups work."""
     total, used = cluster_devices(plan), used_devices(plan)
@@ -325,6 +373,7 @@ def utilization_html(plan: Plan) -> str:
             if share is not None:
                 busy.setdefault(t, []).append(share)
     rows = []
+    by_flops = flops_utilization(plan)
     for dev in dict.fromkeys([*used, *total]):
         n, have = used.get(dev, 0), total.get(dev, used.get(dev, 0))
         shares = busy.get(dev)
@@ -335,12 +384,16 @@ def utilization_html(plan: Plan) -> str:
             if shares
             else "-"
         )
-        rows.append(f"<tr><td>{_e(dev)}</td><td>{n} of {have}</td><td>{_e(work)}</td></tr>")
+        mfu = pct(by_flops[dev]) if dev in by_flops else "-"
+        rows.append(f"<tr><td>{_e(dev)}</td><td>{n} of {have}</td><td>{_e(work)}</td><td>{_e(mfu)}</td></tr>")
     return (
         '<table id="utilization"><tr><th>device type</th><th>devices used</th>'
-        "<th>share of the step its rank groups work (the rest: waiting, gradient sync)</th></tr>"
+        "<th>share of the step its rank groups work (the rest: waiting, gradient sync)</th>"
+        "<th>MFU of the type</th></tr>"
         + "".join(rows)
         + "</table>"
+        + '<p class="muted">MFU of the type: the model FLOPs its devices run per step over their peak in the '
+        + "plan's dtype (-: not recorded, for a stage whose data-parallel replicas span types or a plan with no FLOP records).</p>"
     )
 
 
