@@ -8,17 +8,34 @@ output is a stable object on stdout (documented in the README). Framework import
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
+import signal
 import sys
-import textwrap
-import warnings
-from collections.abc import Sequence
-from typing import Any
 
-from partita.errors import ConfigError, PartitaError
-from partita.outputs import _check_cache_dir, _check_out_dir, _check_writable_target, os_error_text
+_INTERRUPTED = "partita: interrupted (Ctrl-C); files already written are complete, nothing was half-written."
+_TERMINATED = "partita: terminated (SIGTERM); files already written are complete, nothing was half-written."
+
+
+def _interrupted_early(signum: int, frame: object) -> None:
+    """Ctrl-C / SIGTERM while the command is still importing, before :func:`main` takes over: nothing is
+    written yet, so the command ends at once with its one line (not an import's traceback)."""
+    os.write(2, ((_TERMINATED if signum == signal.SIGTERM else _INTERRUPTED) + "\n").encode())
+    os._exit(143 if signum == signal.SIGTERM else 130)
+
+
+if __name__ == "__main__" or os.path.basename(sys.argv[0] if sys.argv else "") == "partita":  # the command
+    signal.signal(signal.SIGINT, _interrupted_early)
+    signal.signal(signal.SIGTERM, _interrupted_early)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import textwrap  # noqa: E402
+import warnings  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from typing import Any  # noqa: E402
+
+from partita.errors import ConfigError, InternalError, PartitaError  # noqa: E402
+from partita.outputs import _check_cache_dir, _check_out_dir, _check_writable_target, os_error_text  # noqa: E402
 
 DEFAULT_MODEL = "gpt3-6.7b"
 DEFAULT_CLUSTER = "mixed-lab"
@@ -110,7 +127,17 @@ def cmd_clusters(args: argparse.Namespace) -> int:
 
 def _with_task(model: str, task: str | None) -> str:
     """``--task`` rides on the spec (``DIR#masked-lm``) so the generated program resolves the same model."""
-    return f"{model}#{task}" if task else model
+    if not task:
+        return model
+    from partita.hf_config_check import config_file
+
+    if config_file(model) is None:
+        raise ConfigError(
+            f"--task {task} picks the head of a Hugging Face config.json, but {model!r} is not one (a zoo model or "
+            "a factory has its own head).",
+            "drop --task, or pass the config.json (or its directory) as the model.",
+        )
+    return f"{model}#{task}"
 
 
 def _add_task(p: argparse.ArgumentParser) -> None:
@@ -365,6 +392,11 @@ def _fmt_bytes(n: float) -> str:
 def cmd_report(args: argparse.Namespace) -> int:
     from partita.driver import report
 
+    if len(args.dirs) > 2:
+        raise ConfigError(
+            f"report got {len(args.dirs)} plan directories; it explains one plan or compares two.",
+            "pass one DIR, or two to compare (run it again for the others).",
+        )
     if args.html:
         _check_writable_target(args.html, "--html", want_dir=False)
     print(report(args.dirs, html=args.html, verbose=args.verbose).rstrip("\n"))
@@ -533,10 +565,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-_INTERRUPTED = "partita: interrupted (Ctrl-C); files already written are complete, nothing was half-written."
-_TERMINATED = "partita: terminated (SIGTERM); files already written are complete, nothing was half-written."
-
-
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised where Ctrl-C's KeyboardInterrupt would be: the same unwinding, exit 143."""
 
@@ -646,6 +674,11 @@ def _check_arguments(args: argparse.Namespace) -> PartitaError | None:
                     f"{flag} is {x}; it must be {kind} integer of at most {most:,}.",
                     f"pass {flag} N with N >= {least} and N <= {most}.",
                 )
+    from partita.env_check import check_environment
+
+    bad_env = check_environment()
+    if bad_env is not None:
+        return bad_env
     budget = getattr(args, "time_budget", None)
     if isinstance(budget, float) and not TIME_BUDGET_S[0] <= budget <= TIME_BUDGET_S[1]:  # nan fails too
         return ConfigError(
@@ -694,6 +727,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
     except PartitaError as err:
         if verbose and err.detail:  # the user's own traceback (a factory, a data function)
             print(err.detail.rstrip("\n"), file=sys.stderr)
+        if isinstance(err, InternalError):
+            return _internal_error(err, verbose)
         text = str(err)
         if "\n" not in err.problem:  # one paragraph; a multi-line problem (a rank's log) stays as it is
             text = _paragraph(text)
@@ -708,12 +743,45 @@ def _main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         print("partita: error: " + _paragraph(os_error_text(err)), file=sys.stderr)
         return 2
+    except Exception as err:  # noqa: BLE001 - a bug: one paragraph that says so, never a traceback (--verbose: it)
+        return _internal_error(err, verbose)
     finally:
         noise.summarize()
         if saved_calibration is None:  # one command's --no-calibration must not outlive it (in-process callers)
             os.environ.pop("PARTITA_CALIBRATION", None)
         else:
             os.environ["PARTITA_CALIBRATION"] = saved_calibration
+
+
+def _internal_error(err: Exception, verbose: bool) -> int:
+    """A bug in Partita (an :class:`InternalError`, or an exception no check foresaw): one paragraph that
+    says it is not the input's fault and how to report it, exit 70 (EX_SOFTWARE); ``--verbose`` prints the
+    traceback first. Never "no plan fits" or a bad-input paragraph, and never a bare traceback."""
+    import traceback
+
+    if verbose:
+        traceback.print_exception(type(err), err, err.__traceback__)
+    if isinstance(err, InternalError):
+        what = err.problem
+    else:
+        frames = traceback.extract_tb(err.__traceback__)
+        ours = [f for f in frames if "partita" in f.filename.replace("\\", "/").split("/")]
+        at = ours[-1] if ours else (frames[-1] if frames else None)
+        where = f" (at {_short_path(at.filename)}:{at.lineno})" if at is not None else ""
+        what = f"{type(err).__name__}: {str(err).rstrip('.')}{where}."
+    text = (
+        f"{what} This is a bug in Partita, not a problem with your input. Please report it with the command "
+        "line and the output of the same command with --verbose (which prints the traceback)."
+    )
+    print("partita: internal error: " + _paragraph(text), file=sys.stderr)
+    return InternalError.exit_code
+
+
+def _short_path(filename: str) -> str:
+    parts = filename.replace("\\", "/").split("/")
+    if "partita" not in parts:
+        return parts[-1]
+    return "/".join(parts[len(parts) - 1 - parts[::-1].index("partita") :])
 
 
 class _ThirdPartyNoise:

@@ -33,7 +33,10 @@ def build_fixtures(root: Path) -> Fixtures:
         argv = ["compile", "mlp", "--cluster", cluster, "--global-batch", "64", "--seq", "32", "--dtype", "f32"]
         with contextlib.redirect_stdout(io.StringIO()):
             assert main([*argv, "--out", str(root / name)]) == 0
-    return Fixtures(root / "plan4", root / "plan2", root / "gpu")
+    argv = ["compile", "gpt2-tiny", "--cluster", "4xCPU", "--global-batch", "8", "--seq", "16", "--dtype", "f32"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main([*argv, "--pp", "2", "--dp", "2", "--out", str(root / "pp2")]) == 0
+    return Fixtures(root / "plan4", root / "plan2", root / "gpu", root / "pp2")
 
 
 def _snapshot(root: Path) -> dict[str, int]:
