@@ -643,9 +643,8 @@ def parse_cluster(spec: str, gpus_per_node: int | None = None, calibrated: bool 
 
         if not path.exists() and not path.is_symlink():
             raise ClusterSpecError(f"cluster file {spec!r} does not exist.", "check the path.")
-        text = read_user_text(
-            path, "cluster file", "pass a readable YAML or JSON text file (see the README's format).", ClusterSpecError
-        )
+        fix = "pass a readable YAML or JSON text file (see the README's format)."
+        text = read_user_text(path, "cluster file", fix, ClusterSpecError, max_bytes=16 << 20)
         try:
             if path.suffix.lower() == ".json":
                 data = loads_json(text)

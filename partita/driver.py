@@ -51,7 +51,8 @@ CACHE_FILE = "cache_key.json"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("PARTITA_CACHE_DIR") or Path.home() / ".cache" / "partita")  # "" is unset
+    # "" is unset; a quoted "~/..." (no shell to expand it) means the home directory, not a "~" folder here
+    return Path(os.environ.get("PARTITA_CACHE_DIR") or Path.home() / ".cache" / "partita").expanduser()
 
 
 # ---- tracing -----------------------------------------------------------------------------

@@ -90,6 +90,12 @@ def check_config(raw: Any, file: Path | str) -> None:
             f"model config {file}: model_type is {mt!r}, not the name of an architecture.",
             'write one name, e.g. "model_type": "llama".',
         )
+    archs = raw.get("architectures")
+    if archs is not None and (not isinstance(archs, list) or not all(isinstance(a, str) and a for a in archs)):
+        raise ModelError(
+            f"model config {file}: architectures is {archs!r}, not a list of class names.",
+            'write it as a list, e.g. "architectures": ["LlamaForCausalLM"], or remove it.',
+        )
     for key, most in SIZE_FIELDS.items():
         if key not in raw or raw[key] is None:
             continue
@@ -113,6 +119,14 @@ def check_config(raw: Any, file: Path | str) -> None:
             f"model config {file}: {heads[0]} is {heads[1]}, which does not divide {hidden[0]} {hidden[1]} "
             "(every attention head gets hidden/heads channels).",
             f"use a {heads[0]} that divides {hidden[1]} (e.g. {near[0]}), or give head_dim.",
+        )
+    experts = _first(raw, ("num_local_experts", "num_experts"))
+    top_k = _first(raw, ("num_experts_per_tok",))
+    if experts and top_k and top_k[1] > experts[1]:
+        raise ModelError(
+            f"model config {file}: num_experts_per_tok is {top_k[1]}, more than the {experts[1]} experts "
+            f"({experts[0]}).",
+            f"route each token to at most {experts[1]} experts.",
         )
     if heads and kv and heads[1] % kv[1]:
         raise ModelError(
