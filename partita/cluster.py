@@ -641,6 +641,12 @@ def parse_cluster(spec: str, gpus_per_node: int | None = None, calibrated: bool 
     if path.suffix.lower() in (".yaml", ".yml", ".json"):
         from partita.user_files import DuplicateKey, NonFinite, loads_json, read_user_text, yaml_loader
 
+        if gpus_per_node is not None:  # it would be ignored: a file sets each node group's own
+            raise ClusterSpecError(
+                f"--gpus-per-node {gpus_per_node} applies to shorthand clusters, but {spec!r} is a cluster file.",
+                "set gpus_per_node on each node in the file, and drop --gpus-per-node.",
+            )
+
         if not path.exists() and not path.is_symlink():
             raise ClusterSpecError(f"cluster file {spec!r} does not exist.", "check the path.")
         fix = "pass a readable YAML or JSON text file (see the README's format)."
