@@ -27,6 +27,9 @@ ENVIRONMENT: dict[str, tuple[tuple[int, int] | tuple[str, ...], str]] = {
 }
 
 
+FLAGS = {"PARTITA_MAX_RESTARTS": "--max-restarts"}  # the option that sets the same thing for one command
+
+
 def check_environment(env: Mapping[str, str] | None = None) -> ConfigError | None:
     """The first declared variable whose value is not one it takes, as a refusal; None when all are fine."""
     env = os.environ if env is None else env
@@ -39,9 +42,11 @@ def check_environment(env: Mapping[str, str] | None = None) -> ConfigError | Non
             least, most = allowed  # type: ignore[misc]
             if value.isascii() and value.isdigit() and least <= int(value) <= most:
                 continue
+            flag = FLAGS.get(name)
             return ConfigError(
                 f"{name}={raw!r} ({what}) is not an integer from {least} to {most}.",
-                f"set {name} to an integer from {least} to {most}, or unset it for the default.",
+                f"set {name} to an integer from {least} to {most}, or unset it for the default"
+                + (f" (or pass {flag} N instead)." if flag else "."),
             )
         if value.lower() not in allowed:
             return ConfigError(

@@ -736,7 +736,7 @@ CASES: list[Case] = [
         "launch",
         "PARTITA_MAX_RESTARTS=abc",
         ("run", "{t}/plan", "--dry-run"),
-        ("max restarts 'abc'", "--max-restarts N"),
+        ("PARTITA_MAX_RESTARTS='abc'", "--max-restarts N"),
         _plan(),
         before="new option",
         env=(("PARTITA_MAX_RESTARTS", "abc"),),
