@@ -281,6 +281,11 @@ TRAINING_DTYPES = ("bf16", "f16", "f32")
 TRAINING_OPTIMIZERS = ("adam", "adamw", "sgd")
 
 
+# the predictions the report and the run log print as numbers
+PREDICTED_NUMBERS = ("step_time_s", "compute_s", "communication_s", "bubble_s", "tail_s", "mfu", "mfu_cluster")
+PREDICTED_NUMBERS += ("tokens_per_s", "memory_usable", "devices_total", "devices_used")
+
+
 class _NonFinite(ValueError):
     pass
 
@@ -430,8 +435,21 @@ def validate(plan: Plan, source: str = "plan") -> None:
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise PlanError(f"{source}: training.global_batch is {batch!r}, not a positive integer.", "recompile the plan.")
     seq = plan.training.get("seq_len", 1)
-    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
-        raise PlanError(f"{source}: training.seq_len is {seq!r}, not a positive integer.", "recompile the plan.")
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:  # 0: a model without a sequence
+        raise PlanError(f"{source}: training.seq_len is {seq!r}, not a sequence length.", "recompile the plan.")
+    layers_named = plan.model.get("layers")
+    if not isinstance(layers_named, list) or not all(isinstance(x, str) for x in layers_named):
+        raise PlanError(
+            f"{source}: model.layers is {layers_named!r}, not the list of the model's layer names.",
+            "recompile the plan; do not edit plan.json by hand.",
+        )
+    for key in PREDICTED_NUMBERS:
+        v = plan.predicted.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise PlanError(
+                f"{source}: predicted.{key} is {v!r}, not a number.",
+                "recompile the plan; do not edit plan.json by hand.",
+            )
     for key, allowed in (("dtype", TRAINING_DTYPES), ("optimizer", TRAINING_OPTIMIZERS)):
         if key in plan.training and plan.training[key] not in allowed:
             raise PlanError(

@@ -152,3 +152,45 @@ def _check_run_log(plan_dir: str) -> None:
 
     if not isinstance(log, dict) or log.get("format") != FORMAT:
         raise PlanError(f"{path} is not a Partita run log (no format={FORMAT!r}).", fix)
+    bad = _run_log_field(log)
+    if bad is not None:
+        raise PlanError(f"{path} is not a whole run log: {bad}.", fix)
+
+
+def _is_num(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _run_log_field(log: dict) -> str | None:
+    """The first field of a run log that is missing or not what ``report/run_log_view`` reads, or None."""
+    for key in ("version", "steps", "stages", "losses"):
+        if key not in log:
+            return f"{key!r} is missing"
+    if not isinstance(log["steps"], int) or isinstance(log["steps"], bool):
+        return f"'steps' is {log['steps']!r}, not an integer"
+    for key in ("losses", "reference_losses"):
+        v = log.get(key)
+        if v is not None and not (isinstance(v, list) and all(_is_num(x) for x in v)):
+            return f"{key!r} is not a list of numbers"
+    st = log.get("step_time_s")
+    if st is not None:
+        if not isinstance(st, dict):
+            return "'step_time_s' is not a mapping"
+        for k in ("predicted", "measured_median", "error"):
+            if st.get(k) is not None and not _is_num(st[k]):
+                return f"'step_time_s.{k}' is {st[k]!r}, not a number"
+        if st.get("measured") is not None and not (
+            isinstance(st["measured"], list) and all(_is_num(x) for x in st["measured"])
+        ):
+            return "'step_time_s.measured' is not a list of numbers"
+    if not isinstance(log["stages"], list):
+        return "'stages' is not a list"
+    for k, stage in enumerate(log["stages"]):
+        if not isinstance(stage, dict) or not isinstance(stage.get("index"), int):
+            return f"stages[{k}] is not a stage record with an index"
+        for key in ("measured_time_s", "predicted_time_s"):
+            if stage.get(key) is not None and not _is_num(stage[key]):
+                return f"stages[{k}].{key} is {stage[key]!r}, not a number"
+        if not isinstance(stage.get("collectives", {}), dict):
+            return f"stages[{k}].collectives is not a mapping"
+    return None
