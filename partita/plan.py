@@ -282,7 +282,15 @@ TRAINING_OPTIMIZERS = ("adam", "adamw", "sgd")
 
 
 # the predictions the report and the run log print as numbers
-PREDICTED_NUMBERS = ("step_time_s", "compute_s", "communication_s", "bubble_s", "tail_s", "mfu", "mfu_cluster")
+PREDICTED_NUMBERS: tuple[str, ...] = (
+    "step_time_s",
+    "compute_s",
+    "communication_s",
+    "bubble_s",
+    "tail_s",
+    "mfu",
+    "mfu_cluster",
+)
 PREDICTED_NUMBERS += ("tokens_per_s", "memory_usable", "devices_total", "devices_used")
 
 

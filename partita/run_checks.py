@@ -185,12 +185,12 @@ def _run_log_field(log: dict) -> str | None:
             return "'step_time_s.measured' is not a list of numbers"
     if not isinstance(log["stages"], list):
         return "'stages' is not a list"
-    for k, stage in enumerate(log["stages"]):
+    for n, stage in enumerate(log["stages"]):
         if not isinstance(stage, dict) or not isinstance(stage.get("index"), int):
-            return f"stages[{k}] is not a stage record with an index"
+            return f"stages[{n}] is not a stage record with an index"
         for key in ("measured_time_s", "predicted_time_s"):
             if stage.get(key) is not None and not _is_num(stage[key]):
-                return f"stages[{k}].{key} is {stage[key]!r}, not a number"
+                return f"stages[{n}].{key} is {stage[key]!r}, not a number"
         if not isinstance(stage.get("collectives", {}), dict):
-            return f"stages[{k}].collectives is not a mapping"
+            return f"stages[{n}].collectives is not a mapping"
     return None
