@@ -8,42 +8,38 @@ output is a stable object on stdout (documented in the README). Framework import
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
+import signal
 import sys
-import textwrap
-import warnings
-from collections.abc import Sequence
-from typing import Any
 
-from partita.errors import ConfigError, PartitaError
-from partita.outputs import _check_cache_dir, _check_out_dir, _check_writable_target, os_error_text
+_INTERRUPTED = "partita: interrupted (Ctrl-C); files already written are complete, nothing was half-written."
+_TERMINATED = "partita: terminated (SIGTERM); files already written are complete, nothing was half-written."
+
+
+def _interrupted_early(signum: int, frame: object) -> None:
+    """Ctrl-C / SIGTERM while the command is still importing, before :func:`main` takes over: nothing is
+    written yet, so the command ends at once with its one line (not an import's traceback)."""
+    os.write(2, ((_TERMINATED if signum == signal.SIGTERM else _INTERRUPTED) + "\n").encode())
+    os._exit(143 if signum == signal.SIGTERM else 130)
+
+
+if __name__ == "__main__" or os.path.basename(sys.argv[0] if sys.argv else "") == "partita":  # the command
+    signal.signal(signal.SIGINT, _interrupted_early)
+    signal.signal(signal.SIGTERM, _interrupted_early)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import textwrap  # noqa: E402
+import warnings  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from typing import Any  # noqa: E402
+
+from partita.cli_checks import LIMITS, TIME_BUDGET_S, _check_arguments, _internal_error, _paragraph  # noqa: E402, F401
+from partita.errors import ConfigError, InternalError, PartitaError  # noqa: E402
+from partita.outputs import _check_cache_dir, _check_out_dir, _check_writable_target, os_error_text  # noqa: E402
 
 DEFAULT_MODEL = "gpt3-6.7b"
 DEFAULT_CLUSTER = "mixed-lab"
-
-# The bounds of every numeric option, checked before any work starts (issue 34): (least, most).
-# The upper bounds are far above any real job (a million devices, a 4M-token sequence) and far below
-# what would make the search or the runtime allocate without end.
-LIMITS: dict[str, tuple[int, int]] = {
-    "global_batch": (1, 1 << 24),
-    "seq": (1, 1 << 22),
-    "batch": (1, 1 << 16),
-    "steps": (1, 10_000_000),
-    "tp": (1, 1024),
-    "cp": (1, 1024),
-    "pp": (1, 4096),
-    "dp": (1, 1 << 20),
-    "micro_batch": (1, 1 << 24),
-    "gpus_per_node": (1, 1024),
-    "nproc": (1, 1024),
-    "virtual_stages": (1, 64),
-    "nnodes": (1, 1 << 16),
-    "checkpoint_every": (0, 10_000_000),
-    "max_restarts": (0, 1000),
-}
-TIME_BUDGET_S = (1.0, 7 * 24 * 3600.0)  # `partita profile --time-budget`, seconds
 
 
 def _print_json(obj: Any) -> None:
@@ -116,7 +112,17 @@ def cmd_clusters(args: argparse.Namespace) -> int:
 
 def _with_task(model: str, task: str | None) -> str:
     """``--task`` rides on the spec (``DIR#masked-lm``) so the generated program resolves the same model."""
-    return f"{model}#{task}" if task else model
+    if not task:
+        return model
+    from partita.hf_config_check import config_file
+
+    if config_file(model) is None:
+        raise ConfigError(
+            f"--task {task} picks the head of a Hugging Face config.json, but {model!r} is not one (a zoo model or "
+            "a factory has its own head).",
+            "drop --task, or pass the config.json (or its directory) as the model.",
+        )
+    return f"{model}#{task}"
 
 
 def _add_task(p: argparse.ArgumentParser) -> None:
@@ -393,6 +399,11 @@ def _fmt_bytes(n: float) -> str:
 def cmd_report(args: argparse.Namespace) -> int:
     from partita.driver import report
 
+    if len(args.dirs) > 2:
+        raise ConfigError(
+            f"report got {len(args.dirs)} plan directories; it explains one plan or compares two.",
+            "pass one DIR, or two to compare (run it again for the others).",
+        )
     if args.html:
         _check_writable_target(args.html, "--html", want_dir=False)
     print(report(args.dirs, html=args.html, verbose=args.verbose).rstrip("\n"))
@@ -567,10 +578,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-_INTERRUPTED = "partita: interrupted (Ctrl-C); files already written are complete, nothing was half-written."
-_TERMINATED = "partita: terminated (SIGTERM); files already written are complete, nothing was half-written."
-
-
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised where Ctrl-C's KeyboardInterrupt would be: the same unwinding, exit 143."""
 
@@ -659,44 +666,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _stdout_gone() if argv is None else 141
 
 
-def _paragraph(text: str) -> str:
-    """One paragraph of 100 columns with no breaks inside names such as A100-80G or a path, so the
-    message can be copied back."""
-    return textwrap.fill(text, 100, break_on_hyphens=False, break_long_words=False)
-
-
-_POSITIONAL = {"model": "MODEL", "dir": "DIR", "dirs": "DIR"}
-
-
-def _check_arguments(args: argparse.Namespace) -> PartitaError | None:
-    """The numeric options against :data:`LIMITS`, and no empty strings: refused before any work."""
-    for name, (least, most) in LIMITS.items():
-        v = getattr(args, name, None)
-        flag = f"--{name.replace('_', '-')}"
-        for x in v if isinstance(v, tuple) else (v,):
-            if isinstance(x, int) and not least <= x <= most:
-                kind = "a positive" if least else "a non-negative"
-                return ConfigError(
-                    f"{flag} is {x}; it must be {kind} integer of at most {most:,}.",
-                    f"pass {flag} N with N >= {least} and N <= {most}.",
-                )
-    budget = getattr(args, "time_budget", None)
-    if isinstance(budget, float) and not TIME_BUDGET_S[0] <= budget <= TIME_BUDGET_S[1]:  # nan fails too
-        return ConfigError(
-            f"--time-budget is {budget}; it must be a number of seconds from {TIME_BUDGET_S[0]:g} to "
-            f"{TIME_BUDGET_S[1]:g}.",
-            "pass --time-budget S with a finite, positive S (e.g. 240).",
-        )
-    for name, v in vars(args).items():
-        if name == "extra":
-            continue
-        values = v if isinstance(v, list) else [v]
-        if any(isinstance(x, str) and not x.strip() for x in values):
-            flag = _POSITIONAL.get(name, f"--{name.replace('_', '-')}")
-            return ConfigError(f"{flag} is an empty string.", f"give {flag} a value, or leave it out for its default.")
-    return None
-
-
 def _main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -728,6 +697,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
     except PartitaError as err:
         if verbose and err.detail:  # the user's own traceback (a factory, a data function)
             print(err.detail.rstrip("\n"), file=sys.stderr)
+        if isinstance(err, InternalError):
+            return _internal_error(err, verbose)
         text = str(err)
         if "\n" not in err.problem:  # one paragraph; a multi-line problem (a rank's log) stays as it is
             text = _paragraph(text)
@@ -742,6 +713,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         print("partita: error: " + _paragraph(os_error_text(err)), file=sys.stderr)
         return 2
+    except Exception as err:  # noqa: BLE001 - a bug: one paragraph that says so, never a traceback (--verbose: it)
+        return _internal_error(err, verbose)
     finally:
         noise.summarize()
         if saved_calibration is None:  # one command's --no-calibration must not outlive it (in-process callers)

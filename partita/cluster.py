@@ -404,7 +404,7 @@ def device_type(
     )
 
 
-_SHORT = re.compile(r"^\s*(\d+)\s*[xX*]\s*([A-Za-z0-9_.\-]+)\s*$")
+_SHORT = re.compile(r"^\s*([0-9]+)\s*[xX*]\s*([A-Za-z0-9_.\-]+)\s*$")
 
 
 def parse_shorthand(spec: str, gpus_per_node: int | None = None, calibrated: bool | None = None) -> Cluster:
@@ -448,6 +448,7 @@ TOP_FIELDS = ("name", "network", "nodes", "device_types", "links")
 NODE_FIELDS = ("device", "num_nodes", "gpus_per_node", "intra_node_GBps", "profile", "network")
 TYPE_FIELDS: tuple[str, ...] = ("name", "peak_tflops", "memory_GB", "hbm_GBps", "intra_node_GBps")
 TYPE_FIELDS += ("intra_node_latency_us", "kind", "profile")
+PEAK_DTYPES = ("bf16", "f16", "f32")  # the keys of a device type's peak_tflops: the dtypes a plan trains in
 
 
 def _check_fields(d: Mapping[str, Any], allowed: Sequence[str], where: str, example: str = "") -> None:
@@ -564,6 +565,7 @@ def cluster_from_dict(d: Any, source: str = "cluster spec", calibrated: bool | N
         peaks = t.get("peak_tflops")
         if not isinstance(peaks, Mapping) or not peaks:
             raise ClusterSpecError(f"{where}: 'peak_tflops' must map dtypes to TFLOP/s.", "e.g. {bf16: 312}.")
+        _check_fields(peaks, PEAK_DTYPES, where + ".peak_tflops", "e.g. peak_tflops: {bf16: 312, f32: 19.5}.")
         pk = {str(k): _num(peaks, k, where + ".peak_tflops") * 1e12 for k in peaks}
         kind = str(t.get("kind", "gpu"))
         if kind not in DEVICE_KINDS:
@@ -637,22 +639,32 @@ def parse_cluster(spec: str, gpus_per_node: int | None = None, calibrated: bool 
         return dataclasses.replace(parse_shorthand(CLUSTER_PRESETS[spec], gpus_per_node, calibrated), name=spec)
     path = Path(spec)
     if path.suffix.lower() in (".yaml", ".yml", ".json"):
-        if not path.exists():
-            raise ClusterSpecError(f"cluster file {spec!r} does not exist.", "check the path.")
-        try:
-            text = path.read_bytes().decode("utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            why = "is not UTF-8 text" if isinstance(e, UnicodeDecodeError) else f"cannot be read ({e.strerror})"
+        from partita.user_files import DuplicateKey, NonFinite, loads_json, read_user_text, yaml_loader
+
+        if gpus_per_node is not None:  # it would be ignored: a file sets each node group's own
             raise ClusterSpecError(
-                f"cluster file {spec!r} {why}.", "pass a readable YAML or JSON text file (see the README's format)."
-            ) from None
+                f"--gpus-per-node {gpus_per_node} applies to shorthand clusters, but {spec!r} is a cluster file.",
+                "set gpus_per_node on each node in the file, and drop --gpus-per-node.",
+            )
+
+        if not path.exists() and not path.is_symlink():
+            raise ClusterSpecError(f"cluster file {spec!r} does not exist.", "check the path.")
+        fix = "pass a readable YAML or JSON text file (see the README's format)."
+        text = read_user_text(path, "cluster file", fix, ClusterSpecError, max_bytes=16 << 20)
         try:
             if path.suffix.lower() == ".json":
-                data = json.loads(text)
+                data = loads_json(text)
             else:
                 import yaml
 
-                data = yaml.safe_load(text)
+                data = yaml.load(text, Loader=yaml_loader())  # noqa: S506 - a SafeLoader subclass
+        except DuplicateKey as e:
+            raise ClusterSpecError(
+                f"cluster file {spec!r} names the key {e.args[0]!r} twice in one mapping; only one would count.",
+                f"keep one {e.args[0]!r} (merge the two).",
+            ) from None
+        except NonFinite as e:
+            raise ClusterSpecError(f"cluster file {spec!r} holds {e.args[0]}.", "write a finite number.") from None
         except Exception as e:  # noqa: BLE001 - any parser error becomes one clear message
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             mark = getattr(e, "problem_mark", None)
@@ -663,6 +675,12 @@ def parse_cluster(spec: str, gpus_per_node: int | None = None, calibrated: bool 
                 "fix the syntax at the position given.",
             ) from None
         return cluster_from_dict(data, spec, calibrated)
+    if "/" in spec or os.sep in spec:
+        where = "is a directory" if path.is_dir() else ("exists" if path.exists() else "does not exist")
+        raise ClusterSpecError(
+            f"cluster {spec!r} looks like a path, but it {where} and a cluster file ends in .yaml, .yml or .json.",
+            "pass the cluster file's path (e.g. lab.yaml), a preset name, or a shorthand such as 8xA100-80G.",
+        )
     return parse_shorthand(spec, gpus_per_node, calibrated)
 
 
@@ -674,8 +692,10 @@ def read_profile(profile: str | Path | Mapping[str, Any]) -> dict[str, Any]:
         src = str(profile)
         try:
             profile = json.loads(profile_path(profile).read_text())
-        except (FileNotFoundError, IsADirectoryError):
+        except FileNotFoundError:
             raise ProfileError(f"profile {src!r} does not exist.", "run `partita profile` or fix the path.") from None
+        except IsADirectoryError:
+            raise ProfileError(f"profile {src!r} is a directory.", "pass the profile's JSON file.") from None
         except (OSError, ValueError) as e:  # a name too long, a NUL byte in the name, not a directory...
             if not isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)):
                 why = getattr(e, "strerror", None) or str(e)

@@ -51,7 +51,8 @@ CACHE_FILE = "cache_key.json"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("PARTITA_CACHE_DIR") or Path.home() / ".cache" / "partita")  # "" is unset
+    # "" is unset; a quoted "~/..." (no shell to expand it) means the home directory, not a "~" folder here
+    return Path(os.environ.get("PARTITA_CACHE_DIR") or Path.home() / ".cache" / "partita").expanduser()
 
 
 # ---- tracing -----------------------------------------------------------------------------
@@ -138,7 +139,10 @@ class Traced:
 
 
 def trace_model(spec: str, *, batch: int = TRACE_BATCH, seq: int | None = None) -> Traced:
+    from partita.hf_config_check import check_model_spec
     from partita.models import resolve_model
+
+    check_model_spec(spec)  # a config.json's sizes, before transformers reads it
 
     with user_code(spec):
         handle = resolve_model(spec)
@@ -447,6 +451,9 @@ def compile_to_dir(
 ) -> Compiled:
     t0 = time.perf_counter()
     model = resolve_spec(model)  # a model path: absolute in the program (it runs in the plan directory)
+    from partita.hf_config_check import check_model_spec
+
+    check_model_spec(model)  # a config.json's sizes, before transformers reads it
     cl = parse_cluster(cluster, gpus_per_node)
     _check_training(training)
     ident = spec_identity(model)
@@ -719,6 +726,14 @@ def run_plan(
     data_fn = _flag_value(extra_args, "--data-fn")
     if data_fn:
         check_data_fn(data_fn)
+    if plan.model.get("framework") != "jax":
+        from partita.run_checks import check_program_args
+
+        check_program_args(extra_args)
+    if hostfile:
+        from partita.user_files import check_regular
+
+        check_regular(hostfile, "hostfile", "pass --hostfile with a file of `HOST device=TYPE` lines.", ConfigError)
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None  # run log: a loaded machine?
     if plan.model.get("framework") == "jax":
         from partita.backends.jax.run import run as jax_run

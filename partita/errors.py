@@ -1,8 +1,9 @@
 """Error types. Every error a user can cause says what is wrong and how to fix it.
 
 The CLI catches :class:`PartitaError`, prints ``str(err)`` as one paragraph and exits with
-``err.exit_code`` (2 for bad input and infeasible requests). Nothing else is caught, so a bug
-still shows its traceback.
+``err.exit_code`` (2 for bad input and infeasible requests). Any other exception is a bug: the
+CLI prints it as an :class:`InternalError` paragraph (exit 70) with a bug-report hint, and the
+traceback with ``--verbose``.
 """
 
 from __future__ import annotations
@@ -51,3 +52,11 @@ class RunError(PartitaError, RuntimeError):
     lines. Exit code 1: the input was fine, the run was not."""
 
     exit_code = 1
+
+
+class InternalError(PartitaError):
+    """A bug in Partita, not a problem with the input (a solver that ends in an abnormal state, a cost
+    that is not a number, an exception no check foresaw). Never disguised as bad input or as "no plan
+    fits": the CLI prints it as an internal error with a bug-report hint, exit code 70 (EX_SOFTWARE)."""
+
+    exit_code = 70

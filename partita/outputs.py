@@ -216,6 +216,16 @@ def _check_writable_target(path: str, flag: str, want_dir: bool) -> None:
     from pathlib import Path
 
     p = Path(path)
+    if path.strip() == "-":
+        what = "a directory" if want_dir else "a file"
+        raise ConfigError(
+            f"{flag} is '-': Partita writes {flag} to {what}, not to standard output.", f"pass {what} name to {flag}."
+        )
+    if p.is_symlink() and not p.exists():
+        raise ConfigError(
+            f"{flag} {path} is a symbolic link to {os.readlink(p)}, which does not exist.",
+            f"create the directory it points to, remove the link, or pass another path to {flag}.",
+        )
     if want_dir:
         existing = next(q for q in (p, *p.parents) if q.exists() or q == Path("."))
         if existing.exists() and not existing.is_dir():
@@ -224,9 +234,39 @@ def _check_writable_target(path: str, flag: str, want_dir: bool) -> None:
         return
     if p.is_dir():
         raise ConfigError(f"{flag} {path} is a directory.", f"pass a file name, e.g. {flag} {p / 'plan.html'}.")
+    _check_not_users_file(p, flag)
     if not p.parent.is_dir():
         raise ConfigError(f"{flag} {path}: directory {p.parent} does not exist.", "create it or pick another path.")
     _probe_dir(p.parent, f"{flag}: directory")
+
+
+# what a file this command writes begins with: another existing file at that path is the user's own
+_OWN_FILE_STARTS = {"--html": (b"<!doctype html",), "--out": (b"{",)}
+
+
+def _check_not_users_file(p: Any, flag: str) -> None:
+    """An output file path that already holds a file of another kind (``--html`` naming the plan's own
+    plan.json, a user's notes) is refused: writing would overwrite it."""
+    from pathlib import Path
+
+    p = Path(p)
+    if not p.exists():
+        return
+    try:
+        import stat
+
+        if not stat.S_ISREG(p.stat().st_mode):
+            raise ConfigError(f"{flag} {p} exists and is not a regular file.", f"pass a new file name to {flag}.")
+        with open(p, "rb") as f:
+            head = f.read(64).lstrip().lower()
+    except OSError:
+        return  # _probe_dir names what is wrong with the place
+    starts = _OWN_FILE_STARTS.get(flag, ())
+    if head and not any(head.startswith(s) for s in starts):
+        raise ConfigError(
+            f"{flag} {p} already exists and is not a file Partita wrote there (it would be overwritten).",
+            f"pass a new file name to {flag}, or move that file away first.",
+        )
 
 
 PLAN_DIR_MARKS = ("plan.json", "cache_key.json")  # what makes a directory a Partita plan directory
@@ -279,6 +319,8 @@ def os_error_text(err: OSError) -> str:
         fix = "pass a file path, not a directory."
     elif code == errno.ENOTDIR:
         fix = "a part of the path is a file, not a directory: pick another path."
+    elif code == errno.ENAMETOOLONG:
+        fix = "use a shorter path (at most 255 bytes per name, 4096 in all)."
     elif code in (errno.ENOSPC, errno.EDQUOT):
         fix = "free some space, or pick a path on another file system."
     else:

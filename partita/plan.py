@@ -257,6 +257,10 @@ class Plan:
                 f"{source} has plan version {d.get('version')!r}; this Partita reads version {PLAN_VERSION}.",
                 "recompile the plan with this Partita version.",
             )
+        _unknown_keys(d, {f.name for f in dataclasses.fields(Plan)} | {"format"}, source, "")
+        for k, st in enumerate(d.get("stages") or []):
+            if isinstance(st, Mapping):
+                _unknown_keys(st, {f.name for f in dataclasses.fields(Stage)}, source, f"stages[{k}].")
         field = _FieldReader()
         try:
             stages = tuple(_read_stage(field, s, k) for k, s in enumerate(field(d, "stages", list)))
@@ -282,6 +286,39 @@ class Plan:
             ) from None
         validate(plan, source)
         return plan
+
+
+def _unknown_keys(d: Mapping[str, Any], allowed: set[str], source: str, prefix: str) -> None:
+    """A key no plan writes (a typo made by hand, a field of another version) is named, with the nearest
+    one: read as it is, it would be ignored and the plan run as if it were not there."""
+    import difflib
+
+    for key in d:
+        if key not in allowed:
+            near = difflib.get_close_matches(str(key), sorted(allowed), n=1, cutoff=0.6)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise PlanError(
+                f"{source} has the unknown field {prefix}{key!r}{hint}",
+                "recompile the plan; do not edit plan.json by hand.",
+            )
+
+
+# training.* a plan's consumers read, with the values they take (search/pricing/config.TrainingConfig's)
+TRAINING_DTYPES = ("bf16", "f16", "f32")
+TRAINING_OPTIMIZERS = ("adam", "adamw", "sgd")
+
+
+# the predictions the report and the run log print as numbers
+PREDICTED_NUMBERS: tuple[str, ...] = (
+    "step_time_s",
+    "compute_s",
+    "communication_s",
+    "bubble_s",
+    "tail_s",
+    "mfu",
+    "mfu_cluster",
+)
+PREDICTED_NUMBERS += ("tokens_per_s", "memory_usable", "devices_total", "devices_used")
 
 
 class _NonFinite(ValueError):
@@ -410,12 +447,10 @@ def _cluster_from_json(cluster: Any) -> dict[str, Any]:
 
 def read_plan(path: str | Path) -> Plan:
     """Read and validate a plan file; unreadable, binary or truncated files raise PlanError naming it."""
+    from partita.user_files import read_user_text
+
     path = Path(path)
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        why = "is not UTF-8 text (corrupt?)" if isinstance(e, UnicodeDecodeError) else f"cannot be read ({e.strerror})"
-        raise PlanError(f"{path} {why}.", "recompile with `partita compile ... --out DIR`.") from None
+    text = read_user_text(path, "plan", "recompile with `partita compile ... --out DIR`.", PlanError)
     return Plan.from_json(text, str(path))
 
 
@@ -442,6 +477,28 @@ def validate(plan: Plan, source: str = "plan") -> None:
     batch = plan.training.get("global_batch")
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise PlanError(f"{source}: training.global_batch is {batch!r}, not a positive integer.", "recompile the plan.")
+    seq = plan.training.get("seq_len", 1)
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:  # 0: a model without a sequence
+        raise PlanError(f"{source}: training.seq_len is {seq!r}, not a sequence length.", "recompile the plan.")
+    layers_named = plan.model.get("layers")
+    if not isinstance(layers_named, list) or not all(isinstance(x, str) for x in layers_named):
+        raise PlanError(
+            f"{source}: model.layers is {layers_named!r}, not the list of the model's layer names.",
+            "recompile the plan; do not edit plan.json by hand.",
+        )
+    for key in PREDICTED_NUMBERS:
+        v = plan.predicted.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise PlanError(
+                f"{source}: predicted.{key} is {v!r}, not a number.",
+                "recompile the plan; do not edit plan.json by hand.",
+            )
+    for key, allowed in (("dtype", TRAINING_DTYPES), ("optimizer", TRAINING_OPTIMIZERS)):
+        if key in plan.training and plan.training[key] not in allowed:
+            raise PlanError(
+                f"{source}: training.{key} is {plan.training[key]!r}, not one of {', '.join(allowed)}.",
+                "recompile the plan; do not edit plan.json by hand.",
+            )
     known = _device_names(plan.cluster)
     for s in plan.stages:
         for name in (s.device_type, *s.replica_device_types):

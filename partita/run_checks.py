@@ -35,6 +35,11 @@ def _check_program(plan_dir: str | Path, plan: Plan) -> None:
     d = Path(plan_dir) if Path(plan_dir).is_dir() else Path(plan_dir).parent
     name = "program_jax.py" if plan.model.get("framework") == "jax" else "program_torch.py"
     path = d / name
+    if path.exists() and not path.is_file():
+        raise PlanError(
+            f"{path} is not a file.",
+            f"remove it and recompile: `partita compile ... --out {d} --force` writes it again.",
+        )
     if not path.is_file():
         return  # the launcher names a missing program
     try:
@@ -95,6 +100,39 @@ def check_data_fn(spec: str) -> None:
         pass  # no signature to read (a builtin): called as it is
 
 
+def check_program_args(extra_args: Sequence[str]) -> None:
+    """The arguments `partita run` hands the training program (``--data-file``, ``--data-fn`` and what the
+    user wrote after ``--``): parsed here with the program's own parser, and the files and directories
+    they name checked, before any rank starts (each rank would otherwise fail with its own traceback,
+    or a rank would block on a named pipe)."""
+    import contextlib
+    import io
+
+    from partita.backends.torch.train import parse_args
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            args = parse_args(list(extra_args))
+    except SystemExit:
+        said = (err.getvalue().strip().splitlines() or ["its parser refused them"])[-1]
+        said = said.split("error: ", 1)[-1]
+        raise ConfigError(
+            f"the training program does not take the arguments given after `--` ({said}).",
+            "see `python DIR/program_torch.py --help` for the options it takes, or drop them.",
+        ) from None
+    from partita.user_files import check_regular
+
+    if args.data_file:
+        check_regular(args.data_file, "token file", "pass --data-file with the path of a flat .bin file.", ConfigError)
+    from partita.outputs import _check_writable_target
+
+    for flag in ("--checkpoint-dir", "--dump-grads", "--dump-params"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value:
+            _check_writable_target(value, flag, want_dir=True)
+
+
 def _check_run_log(plan_dir: str) -> None:
     """A run log beside the plan that is not whole JSON is named, not silently left out of the report."""
     from partita.report.run_log import RUN_LOG_FILE
@@ -103,10 +141,56 @@ def _check_run_log(plan_dir: str) -> None:
     path = d / RUN_LOG_FILE
     if not path.exists():
         return
+    fix = f"remove it, or run `partita run {d}` again to write it anew."
     try:
-        json.loads(path.read_bytes().decode("utf-8"))
+        log = json.loads(path.read_bytes().decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
-        raise PlanError(
-            f"{path} is not a whole run log ({type(e).__name__}); it may be truncated.",
-            f"remove it, or run `partita run {d}` again to write it anew.",
-        ) from None
+        raise PlanError(f"{path} is not a whole run log ({type(e).__name__}); it may be truncated.", fix) from None
+    except OSError as e:
+        raise PlanError(f"{path} cannot be read ({e.strerror or e}).", fix) from None
+    from partita.report.run_log import FORMAT
+
+    if not isinstance(log, dict) or log.get("format") != FORMAT:
+        raise PlanError(f"{path} is not a Partita run log (no format={FORMAT!r}).", fix)
+    bad = _run_log_field(log)
+    if bad is not None:
+        raise PlanError(f"{path} is not a whole run log: {bad}.", fix)
+
+
+def _is_num(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _run_log_field(log: dict) -> str | None:
+    """The first field of a run log that is missing or not what ``report/run_log_view`` reads, or None."""
+    for key in ("version", "steps", "stages", "losses"):
+        if key not in log:
+            return f"{key!r} is missing"
+    if not isinstance(log["steps"], int) or isinstance(log["steps"], bool):
+        return f"'steps' is {log['steps']!r}, not an integer"
+    for key in ("losses", "reference_losses"):
+        v = log.get(key)
+        if v is not None and not (isinstance(v, list) and all(_is_num(x) for x in v)):
+            return f"{key!r} is not a list of numbers"
+    st = log.get("step_time_s")
+    if st is not None:
+        if not isinstance(st, dict):
+            return "'step_time_s' is not a mapping"
+        for k in ("predicted", "measured_median", "error"):
+            if st.get(k) is not None and not _is_num(st[k]):
+                return f"'step_time_s.{k}' is {st[k]!r}, not a number"
+        if st.get("measured") is not None and not (
+            isinstance(st["measured"], list) and all(_is_num(x) for x in st["measured"])
+        ):
+            return "'step_time_s.measured' is not a list of numbers"
+    if not isinstance(log["stages"], list):
+        return "'stages' is not a list"
+    for n, stage in enumerate(log["stages"]):
+        if not isinstance(stage, dict) or not isinstance(stage.get("index"), int):
+            return f"stages[{n}] is not a stage record with an index"
+        for key in ("measured_time_s", "predicted_time_s"):
+            if stage.get(key) is not None and not _is_num(stage[key]):
+                return f"stages[{n}].{key} is {stage[key]!r}, not a number"
+        if not isinstance(stage.get("collectives", {}), dict):
+            return f"stages[{n}].collectives is not a mapping"
+    return None

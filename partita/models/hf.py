@@ -118,8 +118,10 @@ def load_config(path: Path) -> tuple[Path, Any]:
         )
     try:
         cfg = AutoConfig.for_model(mt, **{k: v for k, v in raw.items() if k not in _META_KEYS})
-    except (TypeError, ValueError, KeyError) as err:
-        raise ModelError(f"transformers rejects {file}: {err}", "fix the config values it names") from None
+    except Exception as err:  # noqa: BLE001 - transformers' validators raise their own types: the config's fault
+        raise ModelError(
+            f"transformers rejects {file}: {type(err).__name__}: {err}", "fix the config values it names"
+        ) from None
     for key, value in cfg.to_dict().items():
         if isinstance(value, float) and _DROPOUT_KEY.search(key):
             setattr(cfg, key, 0.0)  # seeded runs of every layout must equal the reference
@@ -338,7 +340,7 @@ def build_model(cls: Any, cfg: Any) -> torch.nn.Module:
         cfg._attn_implementation = impl
         try:
             return cls(cfg)
-        except (ValueError, ImportError, AssertionError, TypeError, RuntimeError) as e:
+        except (ValueError, ImportError, AssertionError, TypeError, RuntimeError, ArithmeticError, KeyError) as e:
             err = e
             if "attn" not in str(e).lower() and "attention" not in str(e).lower():
                 break

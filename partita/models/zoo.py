@@ -418,17 +418,20 @@ def _from_factory(spec: str) -> ModelHandle:
             "fix the factory so that calling it with no arguments returns an nn.Module "
             "(or (module, example_inputs_fn))",
         ) from None
+    shape = "return (module, example_inputs_fn) where example_inputs_fn(batch, seq, device) -> dict"
     if isinstance(probe, tuple):
+        if len(probe) != 2 or not isinstance(probe[0], torch.nn.Module):
+            got = ", ".join(type(x).__name__ for x in probe)
+            raise ModelError(f"factory {spec!r} returned a tuple of ({got}), not (nn.Module, example_inputs_fn)", shape)
         inputs_fn = probe[1]
         builder: Callable[[], torch.nn.Module] = lambda: factory()[0]  # noqa: E731
     else:
         inputs_fn = getattr(probe, "example_inputs", None)
         builder = factory
+        if not isinstance(probe, torch.nn.Module):
+            raise ModelError(f"factory {spec!r} returned a {type(probe).__name__}, not an nn.Module", shape)
         if inputs_fn is None:
-            raise ModelError(
-                f"factory {spec!r} returned a module without example inputs",
-                "return (module, example_inputs_fn) where example_inputs_fn(batch, seq, device) -> dict",
-            )
+            raise ModelError(f"factory {spec!r} returned a module without example inputs", shape)
     summary = {"kind": "custom", "hidden": 0, "num_layers": 0, "heads": 0, "vocab": 0, "seq_len": 0}
     return ModelHandle(spec, "torch", summary, builder, _adapt_inputs(inputs_fn), f"user factory {spec}")
 

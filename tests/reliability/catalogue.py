@@ -26,6 +26,7 @@ class Fixtures:
     plan4: Path  # mlp, 4xCPU, global batch 64 (as the search lays it out)
     plan2: Path  # mlp, 2xCPU, global batch 64 (dp=2)
     gpu_plan: Path  # mlp, 1xA100-80G
+    plan_pp2: Path  # gpt2-tiny, 4xCPU, a hand layout of two pipeline stages (pp=2, dp=2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -735,7 +736,7 @@ CASES: list[Case] = [
         "launch",
         "PARTITA_MAX_RESTARTS=abc",
         ("run", "{t}/plan", "--dry-run"),
-        ("max restarts 'abc'", "--max-restarts N"),
+        ("PARTITA_MAX_RESTARTS='abc'", "--max-restarts N"),
         _plan(),
         before="new option",
         env=(("PARTITA_MAX_RESTARTS", "abc"),),
@@ -1007,6 +1008,9 @@ NEW_CASES: list[Case] = [
                lambda d: d["stages"][0].update(cp=3), ("cp=3, which does not divide training.seq_len",), "new option"),
 ]  # fmt: skip
 CASES += NEW_CASES
+from tests.reliability.catalogue_review import REVIEW_CASES  # noqa: E402 - its cases use the helpers above
+
+CASES += REVIEW_CASES
 
 # Checked by the slow tests (they need a torchrun launch): listed here for the table.
 SLOW_CASES = [

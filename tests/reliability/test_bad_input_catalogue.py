@@ -33,7 +33,10 @@ def build_fixtures(root: Path) -> Fixtures:
         argv = ["compile", "mlp", "--cluster", cluster, "--global-batch", "64", "--seq", "32", "--dtype", "f32"]
         with contextlib.redirect_stdout(io.StringIO()):
             assert main([*argv, "--out", str(root / name)]) == 0
-    return Fixtures(root / "plan4", root / "plan2", root / "gpu")
+    argv = ["compile", "gpt2-tiny", "--cluster", "4xCPU", "--global-batch", "8", "--seq", "16", "--dtype", "f32"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main([*argv, "--pp", "2", "--dp", "2", "--out", str(root / "pp2")]) == 0
+    return Fixtures(root / "plan4", root / "plan2", root / "gpu", root / "pp2")
 
 
 def _snapshot(root: Path) -> dict[str, int]:
@@ -162,3 +165,15 @@ def test_issue34_cases_cover_every_class() -> None:
 
     assert len(NEW_CASES) >= 60
     assert {c.area for c in NEW_CASES} == {"bounds", "model", "writes", "cli", "cluster", "plan", "launch"}
+
+
+def test_review_sweep_covers_every_command() -> None:
+    """The second sweep (issue 34's review): at least 80 new cases, every subcommand and every kind of input."""
+    from tests.reliability.catalogue_review import REVIEW_CASES
+
+    assert len(REVIEW_CASES) >= 80
+    assert {c.area for c in REVIEW_CASES} >= {"model", "cluster", "plan", "launch", "training", "writes", "env", "cli"}
+    commands = {c.argv[0] for c in REVIEW_CASES}
+    assert commands >= {"trace", "compile", "evaluate", "run", "rehearse", "report", "profile", "models", "clusters"}
+    first = {c.id for c in CASES[: len(CASES) - len(REVIEW_CASES)]}
+    assert not first & {c.id for c in REVIEW_CASES}, "a review case repeats a case of the first catalogue"

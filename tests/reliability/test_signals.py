@@ -5,6 +5,7 @@ nothing is written to ``--out`` or the cache."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -78,3 +79,34 @@ def test_stdout_closed_by_its_reader_ends_quietly(tmp_path: Path, cmd: str) -> N
     assert "Traceback" not in err and "Exception ignored" not in err, err
     assert all(ln.startswith("partita: ") for ln in err.splitlines()), err
     assert p.returncode in (0, 141), p.returncode  # 0 when the write won the race against the reader's exit
+
+
+@pytest.mark.parametrize("sig, code, word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
+def test_signal_while_the_command_is_still_importing(tmp_path: Path, sig: int, code: int, word: str) -> None:
+    """A signal before ``main`` takes over (the command still importing: under load, seconds) ends the command
+    with its one line, not an import's traceback, and never goes unnoticed. Before: a KeyboardInterrupt
+    traceback from whatever module was importing (exit 1, or -2), and once in a sweep of early SIGINTs the
+    compile went on to exit 0 (the flaky `test_ctrl_c_is_one_line_and_exit_130`). Here the signal is sent
+    by the process itself right after ``partita.cli`` is imported as the command, before ``main`` runs."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    script = (
+        "import os, signal, sys, time; sys.argv = ['partita', 'models']; import partita.cli; "
+        f"os.kill(os.getpid(), {int(sig)}); time.sleep(10); print('went on')"
+    )
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == code, (p.returncode, p.stderr[-2000:])
+    assert "went on" not in p.stdout and p.stderr.splitlines() == [
+        f"partita: {word} "
+        + ("(Ctrl-C)" if sig == signal.SIGINT else "(SIGTERM)")
+        + "; files already written are complete, nothing was half-written."
+    ], p.stderr
+
+
+def test_the_package_root_imports_nothing_heavy() -> None:
+    """``import partita`` (which the command runs before ``main``) loads neither the API nor the cluster model:
+    the window before ``main`` handles Ctrl-C stays the interpreter's own start."""
+    code = "import sys, partita.cli; print(sorted(m for m in sys.modules if m.startswith('partita')))"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    loaded = json.loads(p.stdout.replace("'", '"'))
+    assert "partita.api" not in loaded and "partita.cluster" not in loaded, loaded

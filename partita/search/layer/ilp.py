@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from partita.errors import InfeasibleError
+from partita.errors import InfeasibleError, InternalError
 
 BACKENDS = ("auto", "dp", "highs", "scip", "cbc", "cpsat")
 _SCALE = 1e6  # seconds -> microseconds inside the solvers (their tolerances are absolute-ish)
@@ -169,6 +169,7 @@ def solve(p: Problem, backend: str = "auto", time_limit_s: float = 60.0) -> Solu
     """Minimum-cost feasible choice. Raises InfeasibleError when no choice fits the memory budget."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; use one of {BACKENDS}")
+    _check_finite(p)
     if p.mem_budget is not None and p.node_mems is not None:
         least = sum(float(np.min(m)) for m in p.node_mems)
         if least > p.mem_budget * (1 + 1e-9):
@@ -188,6 +189,38 @@ def solve(p: Problem, backend: str = "auto", time_limit_s: float = 60.0) -> Solu
     if backend == "cpsat":
         return _solve_cpsat(q, time_limit_s)
     return _solve_mip(q, backend, time_limit_s)
+
+
+def _check_finite(p: Problem) -> None:
+    """Every cost and memory a finite number: a NaN would make the exact DP's argmin (and a MIP's
+    coefficients) meaningless, and no input can cause one; it is a bug in the cost model."""
+    parts = [("cost", v, c) for v, c in enumerate(p.node_costs)]
+    parts += [("edge cost", e.v, e.costs) for e in p.edges]
+    parts += [("memory", v, m) for v, m in enumerate(p.node_mems or ())]
+    for what, v, arr in parts:
+        if not np.all(np.isfinite(arr)):
+            raise InternalError(
+                f"the layer ILP holds a {what} that is not a finite number (vertex {v}: {np.asarray(arr).tolist()[:6]}).",
+                "this is a bug in Partita's cost model, not in the input: please report it with the command line.",
+            )
+    if p.mem_budget is not None and not np.isfinite(p.mem_budget):
+        raise InternalError(f"the layer ILP's memory budget is {p.mem_budget}.", "please report it as a bug.")
+
+
+def _no_solution(solver: str, status: str, infeasible: bool) -> Exception:
+    """A solve without a solution: proven infeasible is the input's limit (:class:`InfeasibleError`,
+    the search drops the option); any other status (abnormal, invalid model, unbounded, stopped by
+    the time limit before a first solution) is not a statement about the input and must not read as
+    "no plan fits" (:class:`InternalError`)."""
+    if infeasible:
+        return InfeasibleError(
+            f"the {solver} solver found no feasible strategy choice (status {status}).",
+            "raise the memory budget or use a larger mesh.",
+        )
+    return InternalError(
+        f"the {solver} solver ended without a solution and without proving there is none (status {status}).",
+        "this is a bug in Partita (or in the solver), not in the input: please report it with the command line.",
+    )
 
 
 @contextlib.contextmanager
@@ -247,10 +280,9 @@ def _solve_mip(p: Problem, backend: str, time_limit_s: float) -> Solution:
         status = solver.Solve(params)
     dt = time.perf_counter() - t0
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-        raise InfeasibleError(
-            f"the {backend} solver found no feasible strategy choice (status {status}).",
-            "raise the memory budget or use a larger mesh.",
-        )
+        names = {getattr(pywraplp.Solver, n): n for n in ("INFEASIBLE", "UNBOUNDED", "ABNORMAL", "NOT_SOLVED")}
+        names.update({getattr(pywraplp.Solver, "MODEL_INVALID", -99): "MODEL_INVALID"})
+        raise _no_solution(backend, names.get(status, str(status)), status == pywraplp.Solver.INFEASIBLE)
     choice = tuple(int(np.argmax([x.solution_value() for x in sv])) for sv in s)
     objective = p.objective(choice)
     bound = min(objective, obj.BestBound() / _SCALE)
@@ -294,10 +326,7 @@ def _solve_cpsat(p: Problem, time_limit_s: float) -> Solution:
     status = solver.solve(m)
     dt = time.perf_counter() - t0
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        raise InfeasibleError(
-            f"CP-SAT found no feasible strategy choice (status {solver.status_name(status)}).",
-            "raise the memory budget or use a larger mesh.",
-        )
+        raise _no_solution("CP-SAT", solver.status_name(status), status == cp_model.INFEASIBLE)
     choice = tuple(int(np.argmax([solver.value(x) for x in sv])) for sv in s)
     objective = p.objective(choice)
     bound = min(objective, solver.best_objective_bound / ns)

@@ -535,7 +535,7 @@ class SolverCosts:
                     )
                     break
                 except InfeasibleError:  # over the memory budget: retry unbounded; other errors surface
-                    continue
+                    continue  # (an abnormal solver end or a NaN cost is ilp's InternalError, exit 70: never "no plan fits")
             self.solve_time_s += time.perf_counter() - t0
             self.num_solves += 1
             self._solved_for[key] = index
