@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("backends",),
     ("profile",),
     ("report",),
-    ("outputs", "run_checks", "progress"),
+    ("outputs", "run_checks", "progress", "fingerprint"),
     ("driver", "api", "cli", ""),  # "" = the package root (partita/__init__.py)
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
