@@ -17,6 +17,11 @@ PKG = Path(__file__).resolve().parents[1] / "partita"
 # Bottom to top. A module may import modules of its own layer or of a lower one.
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "version"),
+    (
+        "user_files",
+        "env_check",
+        "hf_config_check",
+    ),  # reading the user's files and environment: below everything that does
     ("ir", "prims", "plan", "cluster"),
     ("passes",),
     ("search",),
@@ -24,7 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("backends",),
     ("profile",),
     ("report",),
-    ("outputs", "run_checks", "progress", "fingerprint"),
+    ("outputs", "run_checks", "progress", "fingerprint", "cli_checks"),
     ("driver", "api", "cli", ""),  # "" = the package root (partita/__init__.py)
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
