@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from partita.cluster import Cluster
+from partita.device_reserve import tensor_cap
 from partita.errors import ConfigError
 from partita.ir import Graph, Prim, dim_size
 from partita.search.entry.planner import Option, Search
@@ -470,7 +471,7 @@ def evaluate_config(
     picks = tuple(StagePick(a, b, opt, 0) for a, b in megatron_split(graph, pp))
     cand = Candidate(dp, micro_batch, m, schedule, v, picks, search)
     mem = tuple(cand.memory(i) for i in range(pp))
-    cap = dev.memory_bytes * search.factors.memory_usable
+    cap = tensor_cap(dev)  # device_reserve.py: less the context, NCCL buffers and allocator margin
     pt = cand.pipeline
     step = cand.step_time
     flops = model_flops(graph, training, costs.linear_batch)

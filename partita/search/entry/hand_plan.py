@@ -28,7 +28,7 @@ from partita.search.pipeline import schedule as sched
 from partita.search.pipeline.stage_cost import SolverCosts
 from partita.search.pipeline.zero_bubble import HeldCounts, in_flight_table
 from partita.search.pricing.config import SearchOptions, TrainingConfig
-from partita.search.program import chunk_layout, v_layout
+from partita.search.program import chunk_layout, records, v_layout
 from partita.search.program.plan_build import Candidate, StagePick, build_plan
 from partita.search.program.sequence_parallel import apply as sequence_parallel_apply
 from partita.search.program.sequence_parallel import check as sequence_parallel_check
@@ -117,6 +117,7 @@ def hand_plan(
         plan = chunk_layout.lay_out(search, build_plan(search, [cand], time.perf_counter() - t0))
     if sequence_parallel:
         plan = sequence_parallel_apply(plan, graph)
+    plan = records.memory_items(plan, graph)  # memory beyond tensors, host peak (issue 33)
     layout = {
         "tp": tps[0] if len(set(tps)) == 1 else list(tps),
         "pp": pp,
