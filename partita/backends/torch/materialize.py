@@ -332,12 +332,15 @@ def setup_stage(
     *,
     fill: bool = True,
     allocate: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    host_fill: HostFill | None = None,
 ) -> nn.Module:
     """Steps 2-4 of the module docstring: ``setup(model, rt)`` (the program's ``setup_stage_<i>``)
     on meta, ``to_empty(device)`` inside ``allocate()`` (the rehearsal: its fake tensor mode), the
     tied parameters tied again, buffers and (``fill``) every parameter's local shard filled. The one
     function both the torchrun program and the rehearsal set a stage up with. A ``"full"`` build
-    (already on the CPU, initialized) is set up on ``device`` directly."""
+    (already on the CPU, initialized) is set up on ``device`` directly. ``host_fill`` (the
+    rehearsal): the parameters are streamed through the host as :class:`HostFill` says, buffers left
+    as allocated."""
     if built.how == "full":
         rt.device = device
         module = setup(built.model, rt)
@@ -348,9 +351,12 @@ def setup_stage(
     with allocate():
         module.to_empty(device=device)
         retie(module, built.tied)
-        if fill:
+        if fill and host_fill is None:
             _put_buffers(built.buffers, device)
             fill_stage(module, built.rules, built.seed)
+    if host_fill is not None:
+        with host_fill.context():
+            fill_stage(module, built.rules, built.seed, value=host_fill.value)
     rt.device = device
     _place(module, device)
     return module
@@ -375,17 +381,37 @@ def local_shard(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def fill_stage(module: nn.Module, rules: Mapping[str, InitRule], seed: int) -> None:
+@dataclasses.dataclass(frozen=True)
+class HostFill:
+    """The rehearsal's fill (``backends/torch/rehearse``): every parameter streamed through the host as
+    the run streams it (its full f32 value allocated and written on the host, cut to this rank's
+    shard, copied into the local tensor, freed), with ``value`` making the full value (zeros: the same
+    bytes without the random numbers; values never matter there) and ``context`` around the whole fill
+    (the fake mode's permission to copy a host tensor into a fake one). Host memory then peaks as the
+    run's does, and ``VmHWM`` measures it."""
+
+    value: Callable[[InitRule], torch.Tensor]
+    context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+
+
+def fill_stage(
+    module: nn.Module,
+    rules: Mapping[str, InitRule],
+    seed: int,
+    value: Callable[[InitRule], torch.Tensor] | None = None,
+) -> None:
     """Fill every parameter's local shard of the set-up stage, one parameter at a time (the full value on
-    the host, then this rank's slice copied to the device)."""
+    the host, then this rank's slice copied to the device). ``value``: the rehearsal's stand-in for
+    ``InitRule.value`` (:class:`HostFill`)."""
     from torch.distributed.tensor import DTensor
 
+    make = value or (lambda rule: rule.value(seed))
     with torch.no_grad():
         for name, p in module.named_parameters():
             rule = rules[name.replace("_checkpoint_wrapped_module.", "")]
             if tuple(p.shape) != rule.shape:
                 raise ValueError(f"{name}: set up as {tuple(p.shape)}, the model's parameter is {rule.shape}")
-            local = local_shard(p, rule.value(seed))
+            local = local_shard(p, make(rule))
             target = p._local_tensor if isinstance(p, DTensor) else p
             target.copy_(local.to(target.dtype))
 

@@ -76,6 +76,30 @@ class RankResult:
     flops: int
     seconds: float = 0.0
     p2p: list[list[Any]] = dataclasses.field(default_factory=list)  # [op ("send"/"recv"), peer rank, bytes] in order
+    host_peak_bytes: int = 0  # the role's VmHWM: the host peak of its set-up (streamed fill) and step
+
+
+# ---- host memory (issue 33 item 4) -------------------------------------------------------------------
+def reset_host_peak() -> None:
+    """Start the process's peak resident set (``VmHWM``) again from its current size (Linux: writing 5 to
+    ``/proc/self/clear_refs``); a forked role then measures its own peak, not its parent's."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def host_peak() -> int:
+    """The process's peak resident set in bytes (``VmHWM``), 0 where ``/proc`` does not say."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 # ---- recording -------------------------------------------------------------------------------------
@@ -198,6 +222,7 @@ def _rehearse_rank(program: Any, rank: int) -> RankResult:
     from partita.models.zoo import resolve_model
 
     t0 = time.perf_counter()
+    reset_host_peak()
     prog = program.PROGRAM
     stages, training = prog["stages"], prog["training"]
     torch_shim.reset_dtensor_caches()  # they hold the group names of a previous rehearsal
@@ -241,8 +266,19 @@ def _rehearse_rank(program: Any, rank: int) -> RankResult:
                 finally:
                     fake.allow_non_fake_inputs = False
 
+        @contextlib.contextmanager
+        def copy_in() -> Iterator[None]:  # the host's full values are real, the shards they are copied into fake
+            fake.allow_non_fake_inputs = True
+            try:
+                yield
+            finally:
+                fake.allow_non_fake_inputs = False
+
         setup = program.SETUP_STAGE[me["index"]]
-        rt.module = materialize.setup_stage(built, setup, rt, cpu, fill=False, allocate=allocate)
+        # the run's fill, streamed through the host parameter by parameter (zeros: the same bytes, no random
+        # numbers), so that the role's VmHWM is the host peak of the program's set-up (materialize.HostFill)
+        fill = materialize.HostFill(lambda rule: torch.zeros(rule.shape), copy_in)
+        rt.module = materialize.setup_stage(built, setup, rt, cpu, fill=False, allocate=allocate, host_fill=fill)
         with fake:
             runner: Any = program.make_runner(rt)
             if isinstance(runner, _torch_pipeline()):
@@ -268,6 +304,7 @@ def _rehearse_rank(program: Any, rank: int) -> RankResult:
             flops=rec.flops,
             seconds=time.perf_counter() - t0,
             p2p=rec.p2p,
+            host_peak_bytes=host_peak(),
         )
     finally:
         dist.destroy_process_group()
@@ -422,6 +459,13 @@ def compare_stage(stage: Stage, results: Sequence[RankResult]) -> dict[str, Any]
         problems.append(
             f"flops: {flops:.4g} rehearsed, {float(planned_flops):.4g} planned ({_pct(flops, planned_flops)})"
         )
+    host = max(r.host_peak_bytes for r in results)
+    planned_host = (stage.predicted.get("host_memory") or {}).get("bytes")
+    if planned_host is not None and host > float(planned_host):
+        problems.append(
+            f"host memory: peak {_fmt(host)} rehearsed (VmHWM), above the plan's bound {_fmt(planned_host)} "
+            f"({_pct(host, planned_host)})"
+        )
     planned_cats = stage.predicted.get("memory_by_category")
     return {
         "index": stage.index,
@@ -432,6 +476,9 @@ def compare_stage(stage: Stage, results: Sequence[RankResult]) -> dict[str, Any]
         "planned_memory_bytes": planned_mem,
         "memory_by_category": mem_rank.memory_by_category,
         "planned_memory_by_category": planned_cats,
+        "host_peak_bytes": host,
+        "planned_host_memory": stage.predicted.get("host_memory"),
+        "planned_memory_beyond_tensors": stage.predicted.get("memory_beyond_tensors"),
         "flops": flops,
         "planned_flops": planned_flops,
         "seconds": round(sum(r.seconds for r in results), 1),

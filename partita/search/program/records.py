@@ -398,8 +398,8 @@ def host_memory(facts: GraphFacts, plan: Plan, i: int) -> dict[str, float]:
     one parameter's full f32 value at a time, cut to this rank's shard; the largest parameter and its
     shard bound it, above :data:`HOST_BASE_BYTES`. A CPU rank's shards live on the host too (``to_empty``
     on the CPU): all of them are added there."""
-    s = plan.stages[i]
-    held = {t for name in s.layers for t in facts.params.get(name, [])}
+    s = _group_stage(plan, i)  # a rank group holds every chunk of its position
+    held = {t for c in _chunks(plan, i) for name in c.layers for t in facts.params.get(name, [])}
     fsdp = s.dp if s.dp > 1 and s.zero_stage >= 1 else 1
     full, shard, total = 0.0, 0.0, 0.0
     for t in held:
