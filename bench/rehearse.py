@@ -5,7 +5,9 @@ same model, ``search/entry/hand_plan.py``) into a directory under ``bench/.cache
 ``partita rehearse`` on it (``backends/torch/rehearse.py``): the emitted program at the plan's full
 world size and model size, on fake tensors and a fake process group, compared with the plan's
 records. Writes ``bench/results/rehearse.json`` with wall and CPU seconds per rehearsal (the CPU time
-of the role processes does not depend on how loaded the machine is).
+of the role processes does not depend on how loaded the machine is), and ``bench/results/rehearse.md``:
+per stage, the device peak against the plan and the host peak (each role's ``VmHWM``, the set-up's
+streamed fill included) against the plan's host bound (issue 33).
 
     python bench/rehearse.py                     # every row (compiles take minutes each)
     python bench/rehearse.py llama-7b-search     # rows whose name contains the argument
@@ -149,7 +151,8 @@ def main(argv: list[str]) -> int:
               f"rehearse {res['rehearse_s']} s wall, {res['rehearse_cpu_s']} s CPU)", flush=True)  # fmt: skip
         for s in res["stages"]:
             print(f"  stage {s['index']} ranks {s['ranks_rehearsed']}: peak {s['peak_memory_bytes']} B "
-                  f"(plan {s['planned_memory_bytes']}), FLOPs {s['flops']} (plan {s['planned_flops']})")  # fmt: skip
+                  f"(plan {s['planned_memory_bytes']}), FLOPs {s['flops']} (plan {s['planned_flops']}), "
+                  f"host peak {s.get('host_peak_bytes')} B (bound {(s.get('planned_host_memory') or {}).get('bytes')})")  # fmt: skip
             for key in sorted(set(s["collectives"]) | set(s["planned_collectives"])):
                 print(
                     f"    {key:<20} rehearsed {s['collectives'].get(key)}  planned {s['planned_collectives'].get(key)}"
@@ -161,7 +164,28 @@ def main(argv: list[str]) -> int:
     old = json.loads(path.read_text()) if path.exists() else {}
     old = {k: v for k, v in old.items() if k in ROWS}  # rows no longer in the table are dropped
     path.write_text(json.dumps({**old, **results}, indent=1, sort_keys=True) + "\n")
+    (path.parent / "rehearse.md").write_text(table({**old, **results}))
     return 0
+
+
+def table(results: dict[str, Any]) -> str:
+    """Per row and stage: the device peak against the plan's tensors, and the host peak (the roles'
+    ``VmHWM``, the streamed fill of the set-up included) against the plan's bound (issue 33)."""
+    gib = 2**30
+    lines = [
+        "| row | stage | device peak / plan | host peak (VmHWM) | host bound (base + largest + shard) | match |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, res in sorted(results.items()):
+        for s in res.get("stages", []):
+            want, got = s.get("planned_memory_bytes"), s.get("peak_memory_bytes")
+            dev = f"{got / gib:.2f} / {want / gib:.2f} GiB ({got / want - 1:+.1%})" if want and got else "-"
+            host, bound = s.get("host_peak_bytes"), (s.get("planned_host_memory") or {}).get("bytes")
+            hb = f"{bound / gib:.2f} GiB" if bound else "-"
+            lines.append(
+                f"| {name} | {s['index']} | {dev} | {f'{host / gib:.2f} GiB' if host else '-'} | {hb} | {s['match']} |"
+            )
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
