@@ -76,10 +76,17 @@ class RankResult:
     flops: int
     seconds: float = 0.0
     p2p: list[list[Any]] = dataclasses.field(default_factory=list)  # [op ("send"/"recv"), peer rank, bytes] in order
-    host_peak_bytes: int = 0  # the role's VmHWM: the host peak of its set-up (streamed fill) and step
+    host_peak_bytes: int = 0  # the role's host peak: its set-up's streamed fill (HostMeter) and its step (VmHWM)
 
 
 # ---- host memory (issue 33 item 4) -------------------------------------------------------------------
+# A role's host peak is measured, not computed: the process's resident peak (``VmHWM``, reset when the role
+# starts) over its whole set-up and step, and for the fill the resident size before it plus how far the
+# fill's live allocations grew the address space (``VmPeak`` over ``VmSize`` before it). The fill's full
+# values are allocated but not written (``torch.empty``: values never matter here); writing them costs the
+# page faults of every byte of the stage (a gpt3-175b stage: 140 GB, minutes per role on this machine),
+# and an allocation the fill keeps alive past its parameter grows the address space as surely as the
+# resident set. Linux ``/proc`` only; elsewhere 0 (no verdict).
 def reset_host_peak() -> None:
     """Start the process's peak resident set (``VmHWM``) again from its current size (Linux: writing 5 to
     ``/proc/self/clear_refs``); a forked role then measures its own peak, not its parent's."""
@@ -90,16 +97,55 @@ def reset_host_peak() -> None:
         pass
 
 
-def host_peak() -> int:
-    """The process's peak resident set in bytes (``VmHWM``), 0 where ``/proc`` does not say."""
+def status_bytes(field: str) -> int:
+    """A ``/proc/self/status`` size (``VmHWM``, ``VmRSS``, ``VmSize``, ``VmPeak``) in bytes, 0 where it is
+    not there."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 0
+
+
+def host_peak() -> int:
+    """The process's peak resident set in bytes (``VmHWM``)."""
+    return status_bytes("VmHWM")
+
+
+class HostMeter:
+    """The host peak of a streamed fill (the section comment): entered around it, ``peak`` is the resident
+    size before it plus the growth of the address space's peak during it."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[None]:
+        rss, size = status_bytes("VmRSS"), status_bytes("VmSize")
+        try:
+            yield
+        finally:
+            self.peak = rss + max(0, status_bytes("VmPeak") - size)
+
+
+def host_fill(fake: Any) -> tuple[materialize.HostFill, HostMeter]:
+    """The rehearsal's fill (``materialize.HostFill``): full values allocated on the host as the run
+    allocates them, unwritten, copied into the fake shards under ``fake``'s permission, measured."""
+    meter = HostMeter()
+
+    @contextlib.contextmanager
+    def copy_in() -> Iterator[None]:  # the host's full values are real, the shards they are copied into fake
+        fake.allow_non_fake_inputs = True
+        try:
+            with meter.measure():
+                yield
+        finally:
+            fake.allow_non_fake_inputs = False
+
+    return materialize.HostFill(lambda rule: torch.empty(rule.shape), copy_in), meter
 
 
 # ---- recording -------------------------------------------------------------------------------------
@@ -266,18 +312,9 @@ def _rehearse_rank(program: Any, rank: int) -> RankResult:
                 finally:
                     fake.allow_non_fake_inputs = False
 
-        @contextlib.contextmanager
-        def copy_in() -> Iterator[None]:  # the host's full values are real, the shards they are copied into fake
-            fake.allow_non_fake_inputs = True
-            try:
-                yield
-            finally:
-                fake.allow_non_fake_inputs = False
-
         setup = program.SETUP_STAGE[me["index"]]
-        # the run's fill, streamed through the host parameter by parameter (zeros: the same bytes, no random
-        # numbers), so that the role's VmHWM is the host peak of the program's set-up (materialize.HostFill)
-        fill = materialize.HostFill(lambda rule: torch.zeros(rule.shape), copy_in)
+        # the run's fill, streamed through the host parameter by parameter, measured (host_fill)
+        fill, meter = host_fill(fake)
         rt.module = materialize.setup_stage(built, setup, rt, cpu, fill=False, allocate=allocate, host_fill=fill)
         with fake:
             runner: Any = program.make_runner(rt)
@@ -304,7 +341,7 @@ def _rehearse_rank(program: Any, rank: int) -> RankResult:
             flops=rec.flops,
             seconds=time.perf_counter() - t0,
             p2p=rec.p2p,
-            host_peak_bytes=host_peak(),
+            host_peak_bytes=max(host_peak(), meter.peak),
         )
     finally:
         dist.destroy_process_group()
