@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from partita import device_reserve
 from partita.backends.torch import materialize
 from partita.cluster import parse_cluster
@@ -63,6 +65,7 @@ def test_streamed_fill_holds_one_parameter_on_the_host() -> None:
     assert leaked["grew"] >= 8 * 64 * MIB, leaked["grew"] / MIB  # every full value kept: all of them
 
 
+@pytest.mark.slow  # traces gpt2-tiny (~25 s alone; shared with tests/runtime/test_setup_path.py in one session)
 def test_plan_bounds_the_host_by_the_largest_parameter_and_its_shard() -> None:
     layers = ["embed", "transformer.h.0", "transformer.h.1", "head"]
     plan = make_plan("gpt2-tiny", [{"layers": layers, "ranks": [0, 1], "dp": 1, "tp": 2}])
