@@ -92,3 +92,10 @@ def test_searched_stages_fit_their_device_with_the_items_beyond_tensors() -> Non
         assert items["nccl_buffers"] == n * device_reserve.reserve_for("L4").nccl_per_communicator
         assert items["cuda_context"] > 0 and items["total"] <= l4.memory_bytes
         assert s.predicted["memory_bytes"] <= device_reserve.tensor_cap(l4)
+    # the report says the same capacity and shows the items
+    from partita.report.fmt import mem_cap
+    from partita.report.terminal import plan_text
+
+    assert mem_cap(plan, "L4") == device_reserve.tensor_cap(l4)
+    text = plan_text(plan, width=160)
+    assert "Memory per device beyond tensors" in text and "CUDA context" in text
