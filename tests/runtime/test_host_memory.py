@@ -78,6 +78,7 @@ def test_plan_bounds_the_host_by_the_largest_parameter_and_its_shard() -> None:
     assert got["bytes"] == records.HOST_BASE_BYTES + got["largest_parameter"] + got["its_shard"] + got["shards_on_host"]
 
 
+@pytest.mark.slow  # the same gpt2-tiny trace (cached within a session)
 def test_searched_stages_fit_their_device_with_the_items_beyond_tensors() -> None:
     from partita.search.entry.planner import plan_graph
     from partita.search.pricing.config import TrainingConfig
