@@ -205,7 +205,7 @@ def table(results: dict[str, Any]) -> str:
     ``VmHWM``, the streamed fill of the set-up included) against the plan's bound (issue 33)."""
     gib = 2**30
     lines = [
-        "| row | stage | device peak / plan | host peak (VmHWM) | host bound (base + largest + shard) | match |",
+        "| row | stage | device peak / plan | host peak (VmHWM; fill: RSS + VmPeak growth) | host bound (base + largest + shard) | match |",
         "|---|---|---|---|---|---|",
     ]
     for name, res in sorted(results.items()):
