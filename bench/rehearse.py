@@ -5,7 +5,9 @@ same model, ``search/entry/hand_plan.py``) into a directory under ``bench/.cache
 ``partita rehearse`` on it (``backends/torch/rehearse.py``): the emitted program at the plan's full
 world size and model size, on fake tensors and a fake process group, compared with the plan's
 records. Writes ``bench/results/rehearse.json`` with wall and CPU seconds per rehearsal (the CPU time
-of the role processes does not depend on how loaded the machine is).
+of the role processes does not depend on how loaded the machine is), and ``bench/results/rehearse.md``:
+per stage, the device peak against the plan and the host peak (each role's ``VmHWM``, the set-up's
+streamed fill included) against the plan's host bound (issue 33).
 
     python bench/rehearse.py                     # every row (compiles take minutes each)
     python bench/rehearse.py llama-7b-search     # rows whose name contains the argument
@@ -34,7 +36,38 @@ ROWS: dict[str, tuple[str, str, int, int, dict[str, Any] | None]] = {
     "llama-70b-search": ("llama-70b", "128xH100-80G", 128, 2048, None),
     "gpt3-175b-search": ("gpt3-175b", "512xH100-80G+256xA100-80G+256xV100-32G", 1536, 2048, None),
     "mixtral-8x7b-search": ("mixtral-8x7b", "64xH100-80G", 64, 2048, None),
+    # issue 33 item 3: config.json models (CONFIGS), not tuned on before
+    "gpt3-13b-config-tp8-pp2-dp2": (
+        "config:gpt3-13b", "32xA100-80G", 64, 2048, {"tp": 8, "pp": 2, "dp": 2, "micro_batch": 1},
+    ),
+    "qwen2-1.5b-config-search-a100-l4": ("config:qwen2-1.5b", "8xA100-80G+8xL4", 64, 2048, None),
+    "qwen2-7b-config-search-a100-l4": ("config:qwen2-7b", "16xA100-80G+16xL4", 128, 2048, None),
+    "llama-8b-config-tp8-pp2": (
+        "config:llama-8b", "16xH100-80G", 16, 2048, {"tp": 8, "pp": 2, "dp": 1, "micro_batch": 1},
+    ),
 }  # fmt: skip
+
+# config.json models of public shapes, written by models.families.config (family, hidden, layers, heads,
+# kv heads, ffn, vocab, positions): GPT-3 13B (Brown et al. 2020, table 2.1) as a GPT-2 model, Qwen2-1.5B
+# and Qwen2-7B and Llama-3-8B as their Hugging Face config.json give them
+CONFIGS: dict[str, tuple[str, dict[str, int]]] = {
+    "gpt3-13b": ("gpt2", {"h": 5120, "l": 40, "a": 40, "k": 40, "f": 20480, "v": 50257, "p": 2048}),
+    "qwen2-1.5b": ("qwen2", {"h": 1536, "l": 28, "a": 12, "k": 2, "f": 8960, "v": 151936, "p": 32768}),
+    "qwen2-7b": ("qwen2", {"h": 3584, "l": 28, "a": 28, "k": 4, "f": 18944, "v": 152064, "p": 32768}),
+    "llama-8b": ("llama", {"h": 4096, "l": 32, "a": 32, "k": 8, "f": 14336, "v": 128256, "p": 8192}),
+}
+
+
+def model_spec(model: str) -> str:
+    """A zoo name as it is; ``config:NAME`` written as ``bench/.cache/configs/NAME/config.json`` (its directory)."""
+    if not model.startswith("config:"):
+        return model
+    from partita.models.families import config, write_config
+
+    name = model.removeprefix("config:")
+    family, dims = CONFIGS[name]
+    cfg = {**config(family, **dims), "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+    return str(write_config(ROOT / ".cache" / "configs" / name, cfg).resolve())
 
 
 def make_dir(name: str, model: str, cluster: str, batch: int, seq: int, layout: dict[str, Any] | None) -> Path:
@@ -42,6 +75,7 @@ def make_dir(name: str, model: str, cluster: str, batch: int, seq: int, layout: 
     from partita.search.pricing.config import TrainingConfig
 
     out = OUT / name
+    model = model_spec(model)
     training = TrainingConfig(global_batch=batch, seq_len=seq)
     if layout is not None and layout.get("placements") == "megatron-by-hand":
         kw = {k: v for k, v in layout.items() if k != "placements"}
@@ -149,7 +183,8 @@ def main(argv: list[str]) -> int:
               f"rehearse {res['rehearse_s']} s wall, {res['rehearse_cpu_s']} s CPU)", flush=True)  # fmt: skip
         for s in res["stages"]:
             print(f"  stage {s['index']} ranks {s['ranks_rehearsed']}: peak {s['peak_memory_bytes']} B "
-                  f"(plan {s['planned_memory_bytes']}), FLOPs {s['flops']} (plan {s['planned_flops']})")  # fmt: skip
+                  f"(plan {s['planned_memory_bytes']}), FLOPs {s['flops']} (plan {s['planned_flops']}), "
+                  f"host peak {s.get('host_peak_bytes')} B (bound {(s.get('planned_host_memory') or {}).get('bytes')})")  # fmt: skip
             for key in sorted(set(s["collectives"]) | set(s["planned_collectives"])):
                 print(
                     f"    {key:<20} rehearsed {s['collectives'].get(key)}  planned {s['planned_collectives'].get(key)}"
@@ -161,7 +196,28 @@ def main(argv: list[str]) -> int:
     old = json.loads(path.read_text()) if path.exists() else {}
     old = {k: v for k, v in old.items() if k in ROWS}  # rows no longer in the table are dropped
     path.write_text(json.dumps({**old, **results}, indent=1, sort_keys=True) + "\n")
+    (path.parent / "rehearse.md").write_text(table({**old, **results}))
     return 0
+
+
+def table(results: dict[str, Any]) -> str:
+    """Per row and stage: the device peak against the plan's tensors, and the host peak (the roles'
+    ``VmHWM``, the streamed fill of the set-up included) against the plan's bound (issue 33)."""
+    gib = 2**30
+    lines = [
+        "| row | stage | device peak / plan | host peak (VmHWM; fill: RSS + VmPeak growth) | host bound (base + largest + shard) | match |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, res in sorted(results.items()):
+        for s in res.get("stages", []):
+            want, got = s.get("planned_memory_bytes"), s.get("peak_memory_bytes")
+            dev = f"{got / gib:.2f} / {want / gib:.2f} GiB ({got / want - 1:+.1%})" if want and got else "-"
+            host, bound = s.get("host_peak_bytes"), (s.get("planned_host_memory") or {}).get("bytes")
+            hb = f"{bound / gib:.2f} GiB" if bound else "-"
+            lines.append(
+                f"| {name} | {s['index']} | {dev} | {f'{host / gib:.2f} GiB' if host else '-'} | {hb} | {s['match']} |"
+            )
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -69,10 +69,14 @@ def nbytes(x: Any) -> str:
 
 
 def mem_cap(plan: Plan, device_type: str) -> float | None:
-    """Usable memory in bytes of one device of ``device_type``: the capacity the search held every
-    stage under (device memory x ``predicted["memory_usable"]``, the fraction the plan records), so
-    compile, the HTML page and the search say one capacity (issue 35). A plan that records no
-    fraction gives the device's whole memory; ``None`` when the plan records no cluster spec."""
+    """Usable memory in bytes of one device of ``device_type``: the tensor capacity the search held every
+    stage under (``predicted["memory_reserve"][type]["tensor_cap"]``: the device memory less its CUDA
+    context, NCCL buffers and allocator margin, ``partita/device_reserve.py``), so compile, the HTML page
+    and the search say one capacity (issue 35). An older plan's ``memory_usable`` fraction of the device
+    memory, else the whole of it; ``None`` when the plan records no cluster spec."""
+    reserve = plan.predicted.get("memory_reserve", {}).get(device_type)
+    if reserve:
+        return float(reserve["tensor_cap"])
     for g in plan.cluster.get("spec", {}).get("groups", []):
         if g["device"]["name"] == device_type:
             return float(g["device"]["memory_bytes"]) * usable_fraction(plan)

@@ -234,7 +234,16 @@ def memory_html(plan: Plan) -> str:
             if isinstance(cats, Mapping)
             else ""
         )
+        beyond = s.predicted.get("memory_beyond_tensors") or {}
         for dev, mem, cap in stage_memory(plan, s):
+            it = beyond.get(dev)
+            extra = (
+                f"; beyond tensors: CUDA context {nbytes(it['cuda_context'])}, NCCL buffers "
+                f"{nbytes(it['nccl_buffers'])}, allocator margin {nbytes(it['allocator_margin'])}: "
+                f"{nbytes(it['total'])} of the device"
+                if it
+                else ""
+            )
             used = mem or 0.0
             full = cap or top
             color = "#e15759" if cap and used > cap else _STAGE_COLORS[s.index % len(_STAGE_COLORS)]
@@ -249,7 +258,7 @@ def memory_html(plan: Plan) -> str:
                 f'<div class="memrow"><div class="memtext">stage {s.index} ({_e(dev)}): {text}</div>'
                 f'<div class="track"><div class="box" style="left:0;top:0;bottom:0;'
                 f'width:{min(100.0, 100 * used / full):.2f}%;background:{color}"></div></div>'
-                + (f'<div class="muted">{_e(parts)}</div>' if parts else "")
+                + (f'<div class="muted">{_e(parts + extra)}</div>' if parts or extra else "")
                 + "</div>"
             )
     return (

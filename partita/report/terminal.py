@@ -413,10 +413,45 @@ def search_table(plan: Plan, verbose: bool = False) -> Table:
     )
 
 
+_MEMORY_CAPTION = (
+    "per device: the tensors the search prices (parameters, gradients, optimizer state, activations) and what "
+    "the process holds beside them (partita/device_reserve.py: CUDA context, NCCL buffers of the process "
+    "groups the stage's records name, allocator margin on the tensors); host: a rank's peak while its stage "
+    "is set up (process base + the largest parameter in f32 + its shard, one parameter at a time)."
+)
+
+
+def memory_table(plan: Plan) -> Table | None:
+    """Per stage and device type: the predicted tensors, the items beyond them and the device total
+    (``Stage.predicted["memory_beyond_tensors"]``), and the host peak (``predicted["host_memory"]``)."""
+    rows = []
+    for s in plan.stages:
+        beyond = s.predicted.get("memory_beyond_tensors") or {}
+        host = (s.predicted.get("host_memory") or {}).get("bytes")
+        for dev, it in beyond.items():
+            rows.append(
+                [
+                    str(s.index),
+                    dev,
+                    gib(s.predicted.get("memory_bytes")),
+                    gib(it["cuda_context"]),
+                    f"{gib(it['nccl_buffers'])} ({int(it['nccl_communicators'])})",
+                    gib(it["allocator_margin"]),
+                    gib(it["total"]),
+                    gib(host) if host else "-",
+                ]
+            )
+    if not rows:
+        return None
+    header = ["stage", "device", "tensors", "CUDA context", "NCCL (groups)", "allocator", "device total", "host peak"]
+    return table("Memory per device beyond tensors", header, rows, caption=_MEMORY_CAPTION)
+
+
 def plan_tables(plan: Plan, width: int | None = None, verbose: bool = False) -> list[Table]:
     return [
         summary_table(plan),
         *stages_tables(plan, width),
+        *[t for t in (memory_table(plan),) if t is not None],
         breakdown_table(plan),
         alternatives_table(plan),
         *[t for t in (hand_layout_table(plan), schedules_table(plan)) if t is not None],

@@ -17,6 +17,7 @@ function, ``materialize.setup_stage``, and a tied model's stages are tied again 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from pathlib import Path
@@ -35,7 +36,8 @@ from partita.backends.torch.emit import emit_torch
 from partita.frontends import torch_shim
 from partita.models.families import config, write_config
 from partita.models.zoo import resolve_model
-from tests.runtime.plans import layout, make_plan
+from partita.search.program import records
+from tests.runtime.plans import _graph, layout, make_plan
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -52,7 +54,15 @@ def _recording(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
 
     def wrapper(built: Any, setup: Any, rt: Any, device: Any, **kw: Any) -> nn.Module:
         module = real(built, setup, rt, device, **kw)
-        calls.append({"setup": setup, "module": module, "fill": kw.get("fill", True), "how": built.how})
+        calls.append(
+            {
+                "setup": setup,
+                "module": module,
+                "fill": kw.get("fill", True),
+                "how": built.how,
+                "host": kw.get("host_fill"),
+            }
+        )
         return module
 
     monkeypatch.setattr(materialize, "setup_stage", wrapper)
@@ -85,8 +95,14 @@ def test_program_and_rehearsal_set_a_stage_up_through_one_function(
     got = rehearse.rehearse_rank(program, 0)
     assert len(calls) == 2, "the rehearsal set its stage up without materialize.setup_stage"
     assert calls[1]["setup"] is program.SETUP_STAGE[0] and not calls[1]["fill"]
+    assert isinstance(calls[1]["host"], materialize.HostFill)  # the fill streamed through the host (issue 33 item 4)
     assert all(torch_shim.is_fake(p) for p in calls[1]["module"].parameters())
-    assert got.peak_memory_bytes > 0
+    assert got.peak_memory_bytes > 0 and got.host_peak_bytes > 0
+    # the host peak is compared with the plan's bound: under it here, above a bound set too low
+    bounded = records.memory_items(plan, _graph("gpt2-tiny")).stages[0]
+    assert not [m for m in rehearse.compare_stage(bounded, [got])["mismatches"] if m.startswith("host")]
+    low = dataclasses.replace(bounded, predicted={**bounded.predicted, "host_memory": {"bytes": 1.0}})
+    assert [m for m in rehearse.compare_stage(low, [got])["mismatches"] if m.startswith("host memory: peak")]
 
 
 def test_sharded_fill_equals_the_reference_weights() -> None:

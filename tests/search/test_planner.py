@@ -8,12 +8,12 @@ import re
 import pytest
 
 from partita.cluster import cluster_from_dict, parse_cluster
+from partita.device_reserve import ALLOCATOR_MARGIN
 from partita.errors import InfeasibleError
 from partita.ir import Graph
 from partita.plan import Plan
 from partita.search.entry.baselines import brute_force, megatron_grid, subset
 from partita.search.entry.planner import plan_graph
-from partita.search.pipeline.stage_cost import StageFactors
 from partita.search.pricing.config import SearchOptions, TrainingConfig
 
 TRAIN = TrainingConfig(global_batch=64, seq_len=32)
@@ -114,7 +114,7 @@ def test_infeasible_after_search_is_not_contradictory(graph: Graph) -> None:
         plan_graph(graph, _tiny(0.0012), TRAIN)
     need, has, usable = _sizes(err.value.problem)
     assert "on Tiny alone" in err.value.problem and need > usable and has == 1.2e6
-    plan_graph(graph, _tiny(need / StageFactors().memory_usable * 1.05 / 1e9), TRAIN)  # 5% above the need: fits
+    plan_graph(graph, _tiny(need * (1 + ALLOCATOR_MARGIN) * 1.05 / 1e9), TRAIN)  # 5% above the need: fits
 
 
 def test_every_layer_has_its_own_placements(graph: Graph) -> None:

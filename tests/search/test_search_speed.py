@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from partita.cluster import parse_cluster
+from partita.device_reserve import tensor_cap
 from partita.ir import Graph
 from partita.search.entry.planner import Option, Search, plan_graph
 from partita.search.pipeline.stage_cost import UnitTable, _range_max, _range_sum
@@ -98,7 +99,7 @@ def _every_layout(graph: Graph, cl, tr) -> list[tuple]:  # noqa: ANN001
     dev = cl.device_types()[0]
     costs = SolverCosts(graph, cl, tr, tp_style=tp_style_of(graph))
     search = Search(graph, cl, tr, SearchOptions(max_layer_units=0, max_tp=8), costs, None)
-    cap = dev.memory_bytes * search.factors.memory_usable
+    cap = tensor_cap(dev)
     out = []
     for tp, pp, dp, b in _layouts(graph, cl, tr, 32):
         m = tr.global_batch // (b * dp)

@@ -76,6 +76,76 @@ class RankResult:
     flops: int
     seconds: float = 0.0
     p2p: list[list[Any]] = dataclasses.field(default_factory=list)  # [op ("send"/"recv"), peer rank, bytes] in order
+    host_peak_bytes: int = 0  # the role's host peak: its set-up's streamed fill (HostMeter) and its step (VmHWM)
+
+
+# ---- host memory (issue 33 item 4) -------------------------------------------------------------------
+# A role's host peak is measured, not computed: the process's resident peak (``VmHWM``, reset when the role
+# starts) over its whole set-up and step, and for the fill the resident size before it plus how far the
+# fill's live allocations grew the address space (``VmPeak`` over ``VmSize`` before it). The fill's full
+# values are allocated but not written (``torch.empty``: values never matter here); writing them costs the
+# page faults of every byte of the stage (a gpt3-175b stage: 140 GB, minutes per role on this machine),
+# and an allocation the fill keeps alive past its parameter grows the address space as surely as the
+# resident set. Linux ``/proc`` only; elsewhere 0 (no verdict).
+def reset_host_peak() -> None:
+    """Start the process's peak resident set (``VmHWM``) again from its current size (Linux: writing 5 to
+    ``/proc/self/clear_refs``); a forked role then measures its own peak, not its parent's."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def status_bytes(field: str) -> int:
+    """A ``/proc/self/status`` size (``VmHWM``, ``VmRSS``, ``VmSize``, ``VmPeak``) in bytes, 0 where it is
+    not there."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def host_peak() -> int:
+    """The process's peak resident set in bytes (``VmHWM``)."""
+    return status_bytes("VmHWM")
+
+
+class HostMeter:
+    """The host peak of a streamed fill (the section comment): entered around it, ``peak`` is the resident
+    size before it plus the growth of the address space's peak during it."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[None]:
+        rss, size = status_bytes("VmRSS"), status_bytes("VmSize")
+        try:
+            yield
+        finally:
+            self.peak = rss + max(0, status_bytes("VmPeak") - size)
+
+
+def host_fill(fake: Any) -> tuple[materialize.HostFill, HostMeter]:
+    """The rehearsal's fill (``materialize.HostFill``): full values allocated on the host as the run
+    allocates them, unwritten, copied into the fake shards under ``fake``'s permission, measured."""
+    meter = HostMeter()
+
+    @contextlib.contextmanager
+    def copy_in() -> Iterator[None]:  # the host's full values are real, the shards they are copied into fake
+        fake.allow_non_fake_inputs = True
+        try:
+            with meter.measure():
+                yield
+        finally:
+            fake.allow_non_fake_inputs = False
+
+    return materialize.HostFill(lambda rule: torch.empty(rule.shape), copy_in), meter
 
 
 # ---- recording -------------------------------------------------------------------------------------
@@ -198,6 +268,7 @@ def _rehearse_rank(program: Any, rank: int) -> RankResult:
     from partita.models.zoo import resolve_model
 
     t0 = time.perf_counter()
+    reset_host_peak()
     prog = program.PROGRAM
     stages, training = prog["stages"], prog["training"]
     torch_shim.reset_dtensor_caches()  # they hold the group names of a previous rehearsal
@@ -242,7 +313,9 @@ def _rehearse_rank(program: Any, rank: int) -> RankResult:
                     fake.allow_non_fake_inputs = False
 
         setup = program.SETUP_STAGE[me["index"]]
-        rt.module = materialize.setup_stage(built, setup, rt, cpu, fill=False, allocate=allocate)
+        # the run's fill, streamed through the host parameter by parameter, measured (host_fill)
+        fill, meter = host_fill(fake)
+        rt.module = materialize.setup_stage(built, setup, rt, cpu, fill=False, allocate=allocate, host_fill=fill)
         with fake:
             runner: Any = program.make_runner(rt)
             if isinstance(runner, _torch_pipeline()):
@@ -268,6 +341,7 @@ def _rehearse_rank(program: Any, rank: int) -> RankResult:
             flops=rec.flops,
             seconds=time.perf_counter() - t0,
             p2p=rec.p2p,
+            host_peak_bytes=max(host_peak(), meter.peak),
         )
     finally:
         dist.destroy_process_group()
@@ -422,6 +496,13 @@ def compare_stage(stage: Stage, results: Sequence[RankResult]) -> dict[str, Any]
         problems.append(
             f"flops: {flops:.4g} rehearsed, {float(planned_flops):.4g} planned ({_pct(flops, planned_flops)})"
         )
+    host = max(r.host_peak_bytes for r in results)
+    planned_host = (stage.predicted.get("host_memory") or {}).get("bytes")
+    if planned_host is not None and host > float(planned_host):
+        problems.append(
+            f"host memory: peak {_fmt(host)} rehearsed (VmHWM), above the plan's bound {_fmt(planned_host)} "
+            f"({_pct(host, planned_host)})"
+        )
     planned_cats = stage.predicted.get("memory_by_category")
     return {
         "index": stage.index,
@@ -432,6 +513,9 @@ def compare_stage(stage: Stage, results: Sequence[RankResult]) -> dict[str, Any]
         "planned_memory_bytes": planned_mem,
         "memory_by_category": mem_rank.memory_by_category,
         "planned_memory_by_category": planned_cats,
+        "host_peak_bytes": host,
+        "planned_host_memory": stage.predicted.get("host_memory"),
+        "planned_memory_beyond_tensors": stage.predicted.get("memory_beyond_tensors"),
         "flops": flops,
         "planned_flops": planned_flops,
         "seconds": round(sum(r.seconds for r in results), 1),

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from partita.cluster import Cluster, NodeGroup
+from partita.device_reserve import tensor_cap
 from partita.errors import ConfigError
 from partita.ir import Graph
 from partita.plan import Plan
@@ -143,10 +144,7 @@ def heterogeneity_unaware(
         opt = Option(0, st.tp, st.tp, devs, (), per_combo, combos, stack)
         picks.append(StagePick(index[st.layers[0]], index[st.layers[-1]] + 1, opt, 0))
     cand = Candidate(plan.stages[0].dp, plan.micro_batch_size, m, plan.schedule, v, tuple(picks), real)
-    fits = all(
-        cand.memory(i) <= min(d.memory_bytes for d, _, _ in p.option.devices) * real.factors.memory_usable
-        for i, p in enumerate(cand.stages)
-    )
+    fits = all(cand.memory(i) <= min(tensor_cap(d) for d, _, _ in p.option.devices) for i, p in enumerate(cand.stages))
     return plan, cand.step_time if fits else math.inf
 
 

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from partita.cluster import Cluster
+from partita.device_reserve import tensor_cap
 from partita.errors import ConfigError
 from partita.ir import Graph, Prim, dim_size
 from partita.search.entry.planner import Option, Search
@@ -535,7 +536,7 @@ def evaluate_config(
             f"{-min(saved) / 2**30:.1f} GiB of activations less per device at most; the step time is the layout's "
             "without it (a ring all-reduce costs its reduce-scatter plus its all-gather)."
         )
-    cap = dev.memory_bytes * search.factors.memory_usable
+    cap = tensor_cap(dev)  # device_reserve.py: less the context, NCCL buffers and allocator margin
     pt = cand.pipeline
     step = cand.step_time
     flops = model_flops(graph, full, costs.linear_batch)  # at the whole sequence: every query meets every key

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from partita.cluster import Cluster
+from partita.device_reserve import tensor_cap
 from partita.errors import ConfigError
 from partita.ir import Graph
 from partita.search.entry.evaluate import block_kind, check_layout, megatron_split, tp_dims, tp_style_of
@@ -98,7 +99,7 @@ def best_hand_layout(
             picks.append((bound, len(picks), cand, mem, *combos[c]))
     if not picks:
         return None
-    cap = next(iter(searches.values())).factors.memory_usable * dev.memory_bytes
+    cap = tensor_cap(dev)
     best: tuple[bool, float, int, Candidate, float, int, str] | None = None  # (not fits, step or mem, order, ...)
     for bound, order, cand, mem, z, r in sorted(picks, key=lambda x: (x[0], x[1])):
         fits = mem <= cap

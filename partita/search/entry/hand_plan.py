@@ -33,7 +33,7 @@ from partita.search.pipeline.cp_costs import ContextParallelCosts
 from partita.search.pipeline.stage_cost import SolverCosts
 from partita.search.pipeline.zero_bubble import HeldCounts, in_flight_table
 from partita.search.pricing.config import SearchOptions, TrainingConfig
-from partita.search.program import chunk_layout, v_layout
+from partita.search.program import chunk_layout, records, v_layout
 from partita.search.program import context_parallel as cp_records
 from partita.search.program.plan_build import Candidate, StagePick, build_plan
 from partita.search.program.sequence_parallel import apply as sequence_parallel_apply
@@ -143,6 +143,7 @@ def hand_plan(
         plan = sequence_parallel_apply(plan, graph)
     if cp > 1:
         plan = _with_cp(plan, search, full, dp, cp)
+    plan = records.memory_items(plan, graph)  # memory beyond tensors, host peak (issue 33)
     layout = {
         "tp": tps[0] if len(set(tps)) == 1 else list(tps),
         "pp": pp,

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from partita.device_reserve import tensor_cap
 from partita.errors import InfeasibleError
 from partita.search.pricing.config import powers_of_two
 
@@ -39,15 +40,14 @@ def check_states_fit(search: Any) -> None:
     (ZeRO-3 over ``dp``, tensor parallelism over ``tp``), so their total is at most the usable
     memory of the whole cluster; a model whose states exceed it cannot fit, whatever the search."""
     total, _ = _states_bytes(search)
-    usable = search.factors.memory_usable
-    have = sum(search.cluster.count(d.name) * d.memory_bytes * usable for d in search.types)
+    have = sum(search.cluster.count(d.name) * tensor_cap(d) for d in search.types)
     if total <= have:
         return
     n = search.cluster.num_devices
     big = search.types[0]  # most memory per device
-    need_devices = math.ceil(total / (big.memory_bytes * usable))
+    need_devices = math.ceil(total / tensor_cap(big))
     per_dev = ", ".join(
-        f"each {d.name} has {_size(d.memory_bytes)} ({_size(d.memory_bytes * usable)} usable)" for d in search.types
+        f"each {d.name} has {_size(d.memory_bytes)} ({_size(tensor_cap(d))} usable for tensors)" for d in search.types
     )
     params = search.graph.num_params()
     raise InfeasibleError(
@@ -97,10 +97,9 @@ def infeasible(search: Any) -> InfeasibleError:
             )
             for a in o.arrays:
                 need[name] = min(need.get(name, math.inf), _min_max_memory(a.memory, pp))
-    usable = search.factors.memory_usable
     parts = [
         f"on {d.name} alone the plan with the least memory per device needs {_size(need[d.name])}, "
-        f"a {d.name} has {_size(d.memory_bytes)} ({_size(d.memory_bytes * usable)} usable)"
+        f"a {d.name} has {_size(d.memory_bytes)} ({_size(tensor_cap(d))} usable for tensors)"
         for d in search.types
         if d.name in need and math.isfinite(need[d.name])
     ]

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from partita.cluster import Cluster, DeviceType
+from partita.device_reserve import tensor_cap
 from partita.errors import ConfigError
 from partita.ir import Graph
 from partita.plan import Plan, shards_on_tp
@@ -68,7 +69,7 @@ from partita.search.pipeline.step_bounds import (
 from partita.search.pipeline.zero_bubble import solve_zero_bubble
 from partita.search.pricing.config import SearchOptions, TrainingConfig, powers_of_two
 from partita.search.pricing.precision import choose_precision
-from partita.search.program import chunk_layout, v_layout
+from partita.search.program import chunk_layout, records, v_layout
 from partita.search.program.plan_build import Candidate, StagePick, build_plan
 
 DEFAULT_OPTIONS = SearchOptions()
@@ -304,7 +305,7 @@ class Search:
                     split_backward=split_backward,
                 )
                 a = parts.arrays(in_flight, num_micro_batches)
-                fit = a.memory <= dev.memory_bytes * self.factors.memory_usable
+                fit = a.memory <= tensor_cap(dev)
                 ok = fit if ok is None else ok & fit
                 worst = (
                     a
@@ -680,8 +681,10 @@ def _search(
     plan = build_plan(search, cands, time.perf_counter() - t0, graph_hash)
     best = min(cands, key=lambda c: (round(c.step_time, 12), c.summary()))  # build_plan's pick
     if isinstance(best, v_layout.VCandidate) and plan.schedule == "zbv":
-        return v_layout.lay_out(search, plan, best), rec
-    return chunk_layout.lay_out(search, plan), rec
+        plan = v_layout.lay_out(search, plan, best)
+    else:
+        plan = chunk_layout.lay_out(search, plan)
+    return records.memory_items(plan, search.graph), rec  # memory beyond tensors, host peak (issue 33)
 
 
 def _solve_interleaved(search: Search, base: Candidate, v: int, incumbent: float = math.inf) -> list[Candidate]:

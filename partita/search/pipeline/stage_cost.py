@@ -17,7 +17,8 @@ Per micro-batch period of a stage (one replica)::
 Memory per device: ``params + grads / dp^[z>=2] + optimizer / dp^[z>=1] + in_flight(s) * saved
 + transient`` where ``saved`` is all saved activations (none), minus the attention core
 (selective), or only the layer inputs (full, with one layer's activations as the transient). It
-must stay under ``memory_usable`` of the device memory. What the torch program holds (issue 15,
+must stay under the device's tensor capacity (``device_reserve.tensor_cap``: its memory less the CUDA
+context, NCCL buffers and allocator margin, each a documented item). What the torch program holds (issue 15,
 checked by ``partita rehearse``): f32 parameters, f32 gradients and the optimizer's f32 moments
 (``LayerCost``); under FSDP2 (ZeRO >= 1, dp > 1) ``params`` is the f32 shard plus the copies
 gathered in the compute dtype (:func:`static_memory`); activations as ``search/layer/saved.py`` says the
@@ -59,7 +60,6 @@ from partita.search.pricing.mesh import AxisLink, LogicalMesh
 class StageFactors:
     """Stage-level calibration (the ``"stage"`` section of a calibration profile)."""
 
-    memory_usable: float = 0.92  # fraction of device memory plans may use (allocator, context)
     grad_overlap: float = 1.0  # fraction of the last backward that hides the gradient sync
     p2p_efficiency: float = 0.85  # achieved / link bandwidth for stage-to-stage sends
     optimizer_passes: float = 2.0  # read + write of every optimizer byte per step

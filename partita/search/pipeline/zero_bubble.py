@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from partita.device_reserve import tensor_cap
 from partita.search.pipeline import schedule as sched
 from partita.search.pipeline import step_bounds
 
@@ -256,7 +257,6 @@ def solve_zero_bubble(search: Any, dp: int, b: int, schedule: str, incumbent: fl
 def _kept(search: Any, c: Any, depth: int) -> bool:
     """A depth pass keeps a candidate of exactly its depth whose every stage fits at its own position's
     count, as ``Candidate.memory`` reads it (the DP's fits, checked)."""
-    usable = search.factors.memory_usable
     return len(c.stages) == depth and all(
-        c.memory(i) <= min(d.memory_bytes for d, _, _ in p.option.devices) * usable for i, p in enumerate(c.stages)
+        c.memory(i) <= min(tensor_cap(d) for d, _, _ in p.option.devices) for i, p in enumerate(c.stages)
     )

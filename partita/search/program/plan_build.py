@@ -16,6 +16,7 @@ import dataclasses
 import functools
 from typing import Any
 
+from partita import device_reserve
 from partita.ir import dim_size
 from partita.passes.annotate import HEAVY_PRIMS, layer_stats
 from partita.plan import Collective, Plan, Stage, validate
@@ -390,7 +391,8 @@ def build_plan(search: Any, cands: list[Candidate], elapsed_s: float, graph_hash
             "step_time_s": step,
             **br,
             "memory_per_device": mem,
-            "memory_usable": search.factors.memory_usable,  # the fraction every stage was held under (report)
+            # per device type: its memory beyond tensors and the tensor capacity every stage was held under
+            "memory_reserve": {d.name: device_reserve.describe(d) for d in search.types},
             "tokens_per_s": tr.global_batch * tr.seq_len / step,
             "mfu": flops / step / peak if peak else 0.0,
             **_sanity(search, used_devs, flops, step),

@@ -364,3 +364,80 @@ def summary(collectives: Sequence[Collective]) -> dict[str, dict[str, float]]:
         e["count"] += int(c.count)
         e["bytes"] += float(c.bytes) * int(c.count)
     return dict(sorted(out.items()))
+
+
+# ---- memory beyond tensors and host memory (issue 33 item 4) ----------------------------------------
+# The stage's process on the host, before any parameter is filled: the interpreter, torch, the model's
+# library, the program, the meta model and the set-up stage's structures (the rehearsal's roles of a gpt2
+# tp2 x pp2 plan measured 0.47-0.49 GiB; a GPU process also maps the CUDA libraries, not measured here).
+# The stated constant of the host-peak bound.
+HOST_BASE_BYTES = 2 * 2**30
+
+
+def communicators(stage: Stage) -> int:
+    """Process groups the stage's rank issues collectives on, as its records name them: one per axis
+    (``tp``, ``dp``, ``world``, ``tied``), and one per pipeline neighbour (torch keeps a communicator per
+    send/receive pair)."""
+    axes = {c.axis for c in stage.collectives if c.axis != "pp"}
+    peers = {c.reason.rsplit("stage ", 1)[-1] for c in stage.collectives if c.axis == "pp"}
+    return len(axes) + len(peers)
+
+
+def _device(plan: Plan, name: str) -> Any:
+    """The plan's device type ``name`` (its cluster spec), as ``device_reserve`` reads it."""
+    import types
+
+    for g in plan.cluster.get("spec", {}).get("groups", []):
+        d = g["device"]
+        if d["name"] == name:
+            return types.SimpleNamespace(name=name, kind=d.get("kind", "gpu"), memory_bytes=float(d["memory_bytes"]))
+    return None
+
+
+def host_memory(facts: GraphFacts, plan: Plan, i: int) -> dict[str, float]:
+    """The host peak of a rank of stage ``i`` under the one setup path (``backends/torch/materialize``):
+    one parameter's full f32 value at a time, cut to this rank's shard; the largest parameter and its
+    shard bound it, above :data:`HOST_BASE_BYTES`. A CPU rank's shards live on the host too (``to_empty``
+    on the CPU): all of them are added there."""
+    s = _group_stage(plan, i)  # a rank group holds every chunk of its position
+    held = {t for c in _chunks(plan, i) for name in c.layers for t in facts.params.get(name, [])}
+    fsdp = s.dp if s.dp > 1 and s.zero_stage >= 1 else 1
+    full, shard, total = 0.0, 0.0, 0.0
+    for t in held:
+        b = float(F32 * _numel(facts.graph, t))
+        sh = b / (_tp_factor(s, facts.names(t)) * fsdp)
+        total += sh
+        if b + sh > full + shard:
+            full, shard = b, sh
+    devs = [_device(plan, n) for n in dict.fromkeys(s.replica_device_types or (s.device_type,))]
+    on_host = total if any(d is not None and d.kind == "cpu" for d in devs) else 0.0
+    return {
+        "base": float(HOST_BASE_BYTES),
+        "largest_parameter": full,
+        "its_shard": shard,
+        "shards_on_host": on_host,
+        "bytes": HOST_BASE_BYTES + full + shard + on_host,
+    }
+
+
+def memory_items(plan: Plan, graph: Graph | None = None) -> Plan:
+    """``plan`` with each stage's memory beyond tensors (``device_reserve.items``: CUDA context, NCCL
+    buffers of :func:`communicators`, allocator margin on its ``memory_bytes``) per device type it runs
+    on, as ``predicted["memory_beyond_tensors"]``, and (torch plans, given the graph) the host peak a
+    rank of it may reach while it is set up (:func:`host_memory`) as ``predicted["host_memory"]``."""
+    from partita import device_reserve
+
+    facts = GraphFacts(graph) if graph is not None and plan.model.get("framework", "torch") == "torch" else None
+    stages = []
+    for i, s in enumerate(plan.stages):
+        pred: dict[str, Any] = dict(s.predicted)
+        beyond: dict[str, dict[str, float]] = {}
+        for name in dict.fromkeys(s.replica_device_types or (s.device_type,)):
+            dev = _device(plan, name)
+            if dev is not None:
+                beyond[name] = device_reserve.items(dev, float(pred.get("memory_bytes", 0.0)), communicators(s))
+        pred["memory_beyond_tensors"] = beyond
+        if facts is not None:
+            pred["host_memory"] = host_memory(facts, plan, i)
+        stages.append(dataclasses.replace(s, predicted=pred))
+    return dataclasses.replace(plan, stages=tuple(stages))

@@ -37,7 +37,7 @@ The price of a layout, from the group's stage arrays at each chunk's own unit ra
   activations are gone, ``stage_ranges.StageParts``). ``partita rehearse`` of llama-7b's ZB-V plan
   (one micro-batch, bf16, ZeRO-1): -4.3% / +7.3% per rank group (-1.6% / +15.7% before, with every
   gradient priced as an f32 accumulator plus a copy at the step's end). A layout that does not fit
-  ``memory_usable`` of the device is dropped.
+  the device's tensor capacity (``device_reserve.tensor_cap``) is dropped.
 
 Two things the group holds that a plain stage's pricing does not meet: the tied embedding / LM head
 weight of its first and last chunk is one tensor (``SolverCosts.shared_excess``), and each chunk's
@@ -55,6 +55,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from partita.device_reserve import tensor_cap
 from partita.plan import Plan, chunk_position, validate
 from partita.search.pipeline import schedule as sched
 from partita.search.pipeline import schedule_cost
@@ -249,8 +250,7 @@ def group_memory(c: VCandidate, r: int) -> dict[str, float]:
 
 
 def _fits(c: VCandidate) -> bool:
-    usable = c.search.factors.memory_usable
-    return all(c.memory(r) <= p.option.devices[0][0].memory_bytes * usable for r, p in enumerate(c.stages))
+    return all(c.memory(r) <= tensor_cap(p.option.devices[0][0]) for r, p in enumerate(c.stages))
 
 
 def _make(base: Candidate, cuts: list[int]) -> VCandidate:
