@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
         "env_check",
         "hf_config_check",
     ),  # reading the user's files and environment: below everything that does
-    ("ir", "prims", "plan", "cluster"),
+    ("ir", "prims", "plan", "cluster", "device_reserve"),
     ("passes",),
     ("search",),
     ("frontends", "models"),
