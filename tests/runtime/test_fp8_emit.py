@@ -37,7 +37,7 @@ def test_emitted_setup_converts_every_linear_with_the_plans_recipe(tmp_path: Pat
     assert "config=Float8LinearConfig.from_recipe_name('rowwise')" in src
     assert "'fp8': 'rowwise'" in src  # PROGRAM["stages"][0]
     ns: dict[str, object] = {"__name__": "fp8_program", "__file__": str(tmp_path / "program_torch.py")}
-    exec(compile(src, "program_torch.py", "exec"), ns)  # noqa: S102: the program as torchrun would import it
+    exec(compile(src, "program_torch.py", "exec"), ns)  # noqa: S102  (the program as torchrun would import it)
     model = materialize.materialize(resolve_model(spec), 0).model
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     rt = types.SimpleNamespace(device=torch.device("cpu"), fsdp_modules=[])
