@@ -173,7 +173,7 @@ class CostModel:
         return CostModel(device, CPU_EFFICIENCY if device.kind == "cpu" else Efficiency())
 
     def fingerprint(self) -> str:
-        d = {"device": dataclasses.asdict(self.device) | {"peak_flops": dict(self.device.peak_flops)}}
+        d: dict[str, Any] = {"device": dataclasses.asdict(self.device) | {"peak_flops": dict(self.device.peak_flops)}}
         d["efficiency"] = dataclasses.asdict(self.efficiency)
         if self.fp8:
             d["fp8"] = self.fp8

@@ -12,20 +12,23 @@ plan's ``dtype`` says (f32 master, bf16 compute), and the three GEMMs of each li
 input gradient, weight gradient) run in FP8 with dynamic scales. Everything else (attention,
 norms, embeddings, the optimizer) runs as in a bf16 plan.
 
-Pricing, per MATMUL kernel of ``F`` FLOPs and ``M`` bf16 bytes (inputs + output) on one device::
+Pricing, per MATMUL kernel of ``F`` FLOPs moving ``M`` bytes as the roofline counts them (the graph's
+traced width: 4 bytes per element of the inputs and the output, ``search/layer/intra_op.py``)::
 
     t = max(F / (peak_fp8 * eff_flops), M / (hbm * eff.memory))       # the FP8 GEMM
-      + CAST_TRAFFIC * M / (hbm * eff.memory) + CAST_KERNELS * eff.kernel_overhead_s   # amax + casts
+      + CAST_TRAFFIC * M / (hbm * eff.memory) + (CAST_KERNELS + 1) * eff.kernel_overhead_s   # amax + casts
 
-``CAST_TRAFFIC = 2.5``: each bf16 operand is read once for its amax (per tensor or per row) and
-once to cast, and written at half its width (1 byte per element); ``M`` counts the output as well,
-which forward does not cast but backward does (the output gradient), so one kernel's casting
-traffic is taken as ``2.5 M`` in forward and backward alike. ``CAST_KERNELS = 4``: amax and cast of
-the two operands. The rowwise recipe moves the same bytes (a scale per row instead of one per
-tensor). Every MATMUL of the graph is priced this way: the traced graph does not tell a linear's
-GEMM from a batched one, and the attention's own GEMMs are ``Prim.ATTENTION`` (bf16) already;
-the program keeps the linears whose sizes are not multiples of 16 in bf16 (``runs_in_fp8``), which
-this pricing does not model (tiny models only).
+``CAST_TRAFFIC = 1.25``: each bf16 operand element is read once for its amax (per tensor or per row)
+and once to cast (2 + 2 bytes) and written as FP8 (1 byte): 5 bytes per element, 1.25 of the 4 the
+roofline counts. ``M`` counts the output as well, which forward does not cast but backward does (the
+output gradient), so one kernel's casting traffic is taken as ``1.25 M`` in forward and backward
+alike. That is the fused cost (amax and cast each one pass); the program runs torchao eagerly (no
+``torch.compile``), whose casts take more passes, so this pricing is, if anything, FP8's best case.
+``CAST_KERNELS = 4``: amax and cast of the two operands. The rowwise recipe moves the same bytes (a
+scale per row instead of one per tensor). Every MATMUL that reads a parameter (a linear's GEMM) is priced this way
+(``search/layer/intra_op.py`` hands the others, an eager attention's batched GEMMs, a cost model without
+fp8: torchao converts ``nn.Linear`` only); the program keeps the linears whose sizes are not multiples of
+16 in bf16 (``runs_in_fp8``), which this pricing does not model (tiny models only).
 
 Peaks: ``partita/data/fp8_peaks.json`` (vendor datasheets, dense). A device type without an entry
 (A100, V100, T4, CPU) has no FP8 tensor cores: :func:`check` refuses an fp8 request on it, except
@@ -47,7 +50,7 @@ from partita.cluster import Cluster, DeviceType
 from partita.errors import ConfigError
 
 RECIPES = ("tensorwise", "rowwise")  # torchao.float8.Float8LinearRecipeName values the program runs
-CAST_TRAFFIC = 2.5
+CAST_TRAFFIC = 1.25
 CAST_KERNELS = 4
 _DATA = Path(__file__).resolve().parents[2] / "data" / "fp8_peaks.json"
 
@@ -116,6 +119,6 @@ def note(cluster: Cluster, recipe: str) -> str:
     )
     return (
         f"fp8 ({recipe}) as requested: linear layers' GEMMs in FP8 via torchao, the rest in bf16 with f32 master "
-        f"weights and optimizer state; {peaks or 'no GPU types'}; each GEMM also pays {CAST_TRAFFIC:g}x its bf16 "
-        f"bytes in amax + cast traffic.{cpu}"
+        f"weights and optimizer state; {peaks or 'no GPU types'}; each linear's GEMM also pays {CAST_TRAFFIC:g}x "
+        f"the bytes it moves in amax + cast traffic.{cpu}"
     )
