@@ -153,7 +153,14 @@ def _training(args: argparse.Namespace) -> Any:
     from partita.search.pricing.config import TrainingConfig
 
     dtype = {"fp16": "f16", "fp32": "f32"}.get(args.dtype, args.dtype)  # --precision spells them fp16 / fp32
-    return TrainingConfig(global_batch=args.global_batch, seq_len=args.seq, dtype=dtype, optimizer=args.optimizer)
+    fp8 = args.fp8_recipe if dtype == "fp8" else None  # fp8: bf16 training with FP8 linears (search/pricing/fp8.py)
+    return TrainingConfig(
+        global_batch=args.global_batch,
+        seq_len=args.seq,
+        dtype="bf16" if fp8 else dtype,
+        fp8=fp8,
+        optimizer=args.optimizer,
+    )
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
@@ -424,7 +431,19 @@ def _add_training(p: argparse.ArgumentParser, defaults: bool = True) -> None:
     )
     p.add_argument("--seq", type=int, default=2048 if defaults else None, required=not defaults, help="sequence length")
     p.add_argument(
-        "--dtype", "--precision", dest="dtype", default="bf16", choices=["bf16", "f16", "f32", "fp16", "fp32"]
+        "--dtype",
+        "--precision",
+        dest="dtype",
+        default="bf16",
+        choices=["bf16", "f16", "f32", "fp16", "fp32", "fp8"],
+        help="fp8: bf16 training whose linear layers run their GEMMs in FP8 through torchao (H100, H200, L4; "
+        "hand layouts with --tp 1; `pip install partita[fp8]` where the program runs)",
+    )
+    p.add_argument(
+        "--fp8-recipe",
+        default="tensorwise",
+        choices=["tensorwise", "rowwise"],
+        help="with --precision fp8: torchao's Float8LinearConfig recipe (scales per tensor or per row)",
     )
     p.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
     p.add_argument("--gpus-per-node", type=int, default=None, help="devices per node for shorthand clusters")

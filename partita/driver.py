@@ -377,6 +377,13 @@ def compile_to_dir(
     check_model_spec(model)  # a config.json's sizes, before transformers reads it
     cl = parse_cluster(cluster, gpus_per_node)
     _check_training(training)
+    if getattr(training, "fp8", None) is not None:  # design rule 1: the search chooses only what it prices and runs
+        raise ConfigError(
+            "--precision fp8 without a hand-made layout: the search does not choose FP8 yet (it prices FP8 only "
+            "for hand layouts, and the program runs it only with tp = 1).",
+            "give the layout (--tp 1 --pp P --dp D --micro-batch b) to compile it in FP8, or use --precision bf16 "
+            "to let the search choose.",
+        )
     ident = spec_identity(model)
     if ident is not None and not force:
         key = cache_key(None, cl, training, ident)
@@ -473,6 +480,17 @@ def program_model(source: str) -> str | None:
     return None
 
 
+def _check_fp8(training: Any, cl: Any, tp: int | Sequence[int] | None = None) -> None:
+    """``--precision fp8``: every device type has FP8 tensor cores; with ``tp`` (compile), the program builds it."""
+    if getattr(training, "fp8", None) is None:
+        return
+    from partita.search.pricing import fp8
+
+    fp8.check(cl.device_types())
+    if tp is not None:
+        fp8.check_layout(max(tp) if isinstance(tp, Sequence) else tp)
+
+
 def _check_training(training: Any) -> None:
     if training.global_batch < 1 or training.seq_len < 1:
         raise ConfigError(
@@ -557,6 +575,7 @@ def evaluate_model(
 ) -> Any:
     _check_training(training)
     cl = parse_cluster(cluster, gpus_per_node)  # validate the cheap inputs before tracing
+    _check_fp8(training, cl)  # priced with any tp: evaluate predicts, it builds no program
     from partita.search.entry.evaluate import evaluate_config, tp_style_of
     from partita.search.program import sequence_parallel as sp
 
@@ -603,6 +622,7 @@ def compile_layout(
     model = resolve_spec(model)  # a model path: absolute in the program (it runs in the plan directory)
     _check_training(training)
     cl = parse_cluster(cluster, gpus_per_node)  # validate the cheap inputs before tracing
+    _check_fp8(training, cl, layout.get("tp", 1))
     from partita.search.entry.hand_plan import hand_plan
     from partita.search.pricing.precision import choose_precision
     from partita.search.program import sequence_parallel

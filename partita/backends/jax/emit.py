@@ -231,6 +231,11 @@ def plan_layouts(plan: Plan, handle: Any, shapes: Mapping[str, Sequence[int]], s
 # ---- the program -------------------------------------------------------------------------------
 def emit_jax(plan: Plan, model_spec: str) -> str:
     """The generated program's source for ``plan`` (``model_spec`` names the zoo entry or module:factory)."""
+    if plan.training.get("fp8"):  # search/pricing/fp8.py: only the torch program converts linears to FP8
+        raise PlanError(
+            f"this plan trains in fp8 ({plan.training['fp8']}), but the JAX program has no FP8 training.",
+            "compile the JAX model with --precision bf16; FP8 is emitted for PyTorch models (torchao).",
+        )
     _check(plan)
     handle = jp.load_model(model_spec)
     abstract = jp.flatten(handle.abstract_params())

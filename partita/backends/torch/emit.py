@@ -136,6 +136,7 @@ def _stage_dict(plan: Plan, s: Stage) -> dict[str, Any]:
         "recompute": s.recompute,
         "shares": list(shares(s, plan.micro_batch_size)),
         "precision": _precision(plan, s),
+        **({"fp8": plan.training["fp8"]} if plan.training.get("fp8") else {}),
     }
 
 
@@ -249,6 +250,17 @@ def _setup_stage(plan: Plan, s: Stage, facts: StageFacts) -> str:
         f'    """Layers {", ".join(s.layers)}; mesh rt.mesh = DeviceMesh({list(s.ranks)} as {s.dp}x{s.tp}, ("dp", "tp"))."""',
         f'    module = tpar.split_stage(model, {list(s.layers)!r}, PROGRAM["layers"], rt.device)',
     ]
+    recipe = plan.training.get("fp8")
+    if recipe:
+        lines += [
+            f"    # plan.training fp8 = {recipe!r} (search/pricing/fp8.py): torchao swaps each nn.Linear whose sizes are",
+            "    # multiples of 16 for a Float8Linear: its three GEMMs in FP8 with dynamic scales; weights stay the master",
+            "    # copy and the optimizer state is the plan's (f32 masters under bf16 compute).",
+            "    convert_to_float8_training, Float8LinearConfig = fp8.torchao_float8()  # one paragraph, exit 2, without torchao",
+            "    module = convert_to_float8_training(",
+            f"        module, config=Float8LinearConfig.from_recipe_name({recipe!r}), module_filter_fn=fp8.runs_in_fp8",
+            "    )",
+        ]
     if s.tp > 1:
         lines += _tp_lines(s, facts)
     else:
@@ -430,6 +442,11 @@ def emit_torch(plan: Plan, model_spec: str) -> str:
     """The source of one Python module that trains ``plan`` for ``model_spec`` under torchrun."""
     cp_records.refuse_emit(plan, "PyTorch")
     check_schedule(plan)
+    if plan.training.get("fp8"):  # search/pricing/fp8.py: what the program builds with fp8 (tp = 1)
+        from partita.search.pricing import fp8 as fp8_pricing
+
+        fp8_pricing.check_recipe(str(plan.training["fp8"]))
+        fp8_pricing.check_layout(max(s.tp for s in plan.stages))
     kind = _runner_kind(plan)
     chunked, plan = plan, vchunks.physical_plan(plan)  # chunks of a rank group: one setup_stage (chunks.py)
     # tp roles: a searched plan's own (Stage.tp_plan, written literally; the runtime checks them against
@@ -452,6 +469,11 @@ def emit_torch(plan: Plan, model_spec: str) -> str:
         header = header.replace(
             "from torch.distributed.fsdp import fully_shard",
             "import torch\nfrom torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard",
+        )
+    if plan.training.get("fp8"):
+        header = header.replace(
+            "from partita.backends.torch import parallel as tpar",
+            "from partita.backends.torch import fp8\nfrom partita.backends.torch import parallel as tpar",
         )
     parts = [
         header.format(

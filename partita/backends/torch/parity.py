@@ -28,7 +28,16 @@ import torch
 # gradient is that noise around a true zero moves by up to lr per step whatever its sign (docs/parity.md:
 # 1e-3 of a tensor's largest entry measured); bf16/f16 compute in low precision (FSDP2 MixedPrecisionPolicy
 # or autocast), so they are judged at a few units of their rounding.
-TOLERANCE: dict[str, tuple[float, float]] = {"f32": (1e-2, 1e-5), "bf16": (5e-2, 1e-3), "f16": (2e-2, 1e-4)}
+# fp8 (issue 36 part 2): a plan training its linears in FP8 (torchao) is compared with the bf16 single-device run:
+# E4M3 keeps 3 mantissa bits (unit roundoff U = 2**-4), and the dynamic scales of a micro-batch differ from the
+# full batch's, so its gradients and parameters are judged at 4 U (docs/parity.md, "FP8"); a dropped dp
+# all-reduce (half the gradient) still fails it.
+TOLERANCE: dict[str, tuple[float, float]] = {
+    "f32": (1e-2, 1e-5),
+    "bf16": (5e-2, 1e-3),
+    "f16": (2e-2, 1e-4),
+    "fp8": (0.25, 1e-2),
+}
 # the step-1 gradients, where no optimizer amplifies the noise: f32 is judged at 1e-4 of the largest entry
 # (the matrices measure <= 1e-6; a missing tp reduction of DeepSeek-V3's rope key moved them by 1e-3..8e-3)
 GRAD_TOLERANCE: dict[str, tuple[float, float]] = {**TOLERANCE, "f32": (1e-4, 1e-7)}
@@ -178,7 +187,7 @@ def check_run(
     prog = program.PROGRAM  # type: ignore[attr-defined]
     precision = prog["stages"][0].get("precision", "f32")  # the plan's dtype, as stage 0 runs it
     training = prog["training"]
-    dtype = str(training.get("dtype", "f32"))
+    dtype = "fp8" if training.get("fp8") else str(training.get("dtype", "f32"))  # fp8: against the bf16 run
     torch.use_deterministic_algorithms(True, warn_only=True)
     ref = reference_run(
         prog["model"], training, steps, lr_lambda=program.lr_lambda, precision=precision,  # type: ignore[attr-defined]

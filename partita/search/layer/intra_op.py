@@ -295,8 +295,11 @@ class _LayerProblem:
         nb = sum(self.nbytes(t) / shard_factor(lay, mesh) * (1.0 - self.fusion * (t in fused)) for t, lay in ios)
         if n.prim in VIEW_PRIMS:
             nb = 0.0  # views move no data
-        c.fwd_compute = self.cm.compute_time(n.prim, flops, nb, self.dtype) if flops or nb else 0.0
-        c.bwd_compute = self.cm.backward_compute_time(n.prim, flops, nb, self.dtype) if flops or nb else 0.0
+        cm = self.cm
+        if cm.fp8 and not any(tensors[t].role is Role.PARAMETER for t in n.inputs):
+            cm = dataclasses.replace(cm, fp8=None)  # torchao converts nn.Linear only: a bmm (attention) stays bf16
+        c.fwd_compute = cm.compute_time(n.prim, flops, nb, self.dtype) if flops or nb else 0.0
+        c.bwd_compute = cm.backward_compute_time(n.prim, flops, nb, self.dtype) if flops or nb else 0.0
         if n.prim is not Prim.MATMUL:
             c.sel_fwd = c.fwd_compute
         for oc in s.op_collectives:

@@ -449,7 +449,10 @@ class SolverCosts:
 
     def cost_model(self, device: DeviceType) -> CostModel:
         if device.name not in self._cm:
-            self._cm[device.name] = CostModel.for_device(device)
+            cm = CostModel.for_device(device)
+            if getattr(self.training, "fp8", None):  # linears' GEMMs in FP8 (search/pricing/fp8.py)
+                cm = dataclasses.replace(cm, fp8=self.training.fp8)
+            self._cm[device.name] = cm
         return self._cm[device.name]
 
     @functools.cached_property

@@ -21,6 +21,7 @@ class TrainingConfig:
     global_batch: int
     seq_len: int
     dtype: str = "bf16"
+    fp8: str | None = None  # a torchao float8 recipe (search/pricing/fp8.py): linears' GEMMs in FP8, dtype bf16
     optimizer: str = "adam"
     # carried into plan.training and the program (backends/torch/optim.py); None: the runtime default
     lr: float | None = None
@@ -40,6 +41,15 @@ class TrainingConfig:
             )
         if self.dtype not in DTYPE_BYTES:
             raise ConfigError(f"dtype {self.dtype!r} is unknown.", "use bf16, f16 or f32.")
+        if self.fp8 is not None:
+            from partita.search.pricing.fp8 import check_recipe
+
+            check_recipe(self.fp8)
+            if self.dtype != "bf16":
+                raise ConfigError(
+                    f"fp8 training with dtype {self.dtype!r}: FP8 linears compute around bf16 (torchao).",
+                    "use dtype bf16 with fp8 (--precision fp8 sets it).",
+                )
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"optimizer {self.optimizer!r} is unknown.", f"use one of {OPTIMIZERS}.")
 

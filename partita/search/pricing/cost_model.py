@@ -40,6 +40,7 @@ from typing import Any
 from partita.cluster import PROFILE_FORMAT, PROFILE_VERSION, DeviceType, ProfileError, apply_profile, read_profile
 from partita.errors import ConfigError
 from partita.ir import DTYPE_BYTES, Graph, Prim, Role
+from partita.search.pricing import fp8
 from partita.search.pricing.mesh import AxisLink
 
 __all__ = ["PROFILE_FORMAT", "PROFILE_VERSION", "ProfileError", "Efficiency", "CostModel"]
@@ -159,6 +160,7 @@ def program_state_bytes(graph: Graph, dtype: str, optimizer: str) -> tuple[int, 
 class CostModel:
     device: DeviceType
     efficiency: Efficiency = Efficiency()
+    fp8: str | None = None  # a torchao recipe: MATMULs priced in FP8 with their casts (search/pricing/fp8.py)
 
     @staticmethod
     def for_device(device: DeviceType) -> CostModel:
@@ -171,14 +173,19 @@ class CostModel:
         return CostModel(device, CPU_EFFICIENCY if device.kind == "cpu" else Efficiency())
 
     def fingerprint(self) -> str:
-        d = {"device": dataclasses.asdict(self.device) | {"peak_flops": dict(self.device.peak_flops)}}
+        d: dict[str, Any] = {"device": dataclasses.asdict(self.device) | {"peak_flops": dict(self.device.peak_flops)}}
         d["efficiency"] = dataclasses.asdict(self.efficiency)
+        if self.fp8:
+            d["fp8"] = self.fp8
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
     def compute_time(self, prim: Prim, flops: float, bytes_moved: float, dtype: str) -> float:
         """Roofline time of one kernel on one device (module docstring)."""
         eff = self.efficiency
         t_mem = bytes_moved / (self.device.hbm_bandwidth * eff.memory)
+        if self.fp8 and prim is Prim.MATMUL and dtype == "bf16":
+            e = eff.matmul_efficiency(flops) if flops > 0 else 1.0
+            return fp8.gemm_time(flops, bytes_moved, self.device, e, eff.memory, eff.kernel_overhead_s)
         t_flop = 0.0
         if flops > 0:
             if prim in _MATMUL_LIKE:

@@ -220,10 +220,21 @@ def _held_names(g: Any, a0: int, b0: int, placements: dict[str, tuple[str, ...]]
     return out
 
 
+def _precision(search: Any, cl: Any, dtype: str) -> dict[str, Any]:
+    """What every stage trains in and why: fp8 (``search/pricing/fp8.py``) or the dtype rule (``precision.py``)."""
+    from partita.search.pricing import fp8
+    from partita.search.pricing.precision import precision_note
+
+    recipe = getattr(search.training, "fp8", None)
+    if recipe:
+        return {"dtype": dtype, "fp8": recipe, "why": "every stage: " + fp8.note(cl, recipe)}
+    return {"dtype": dtype, "why": precision_note(cl, dtype)}
+
+
 def _sanity(search: Any, used_devs: list[str], flops: float, step: float) -> dict[str, Any]:
     """MFU against the physical bound (every device of the cluster), idle devices and why, and the
     precision the plan trains in (issue 18; ``search/pricing/precision.py``)."""
-    from partita.search.pricing.precision import idle_reasons, precision_note
+    from partita.search.pricing.precision import idle_reasons
 
     cl, dtype = search.cluster, search.training.dtype
     bound = cl.peak_flops(dtype)
@@ -236,7 +247,7 @@ def _sanity(search: Any, used_devs: list[str], flops: float, step: float) -> dic
         "devices_total": cl.num_devices,
         "mostly_idle": 2 * len(used_devs) < cl.num_devices,
         "idle_reasons": idle_reasons(cl, used, dtype),
-        "precision": {"dtype": dtype, "why": precision_note(cl, dtype)},
+        "precision": _precision(search, cl, dtype),
         "network": cl.describe_network(),
     }
 

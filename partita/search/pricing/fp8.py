@@ -1,0 +1,124 @@
+"""FP8 training as a precision choice (issue 36 item 2): peaks per device type, casting overhead, refusals.
+
+Read by ``search/pricing/cost_model.py`` (a :class:`~partita.search.pricing.cost_model.CostModel` with
+``fp8`` set prices its matmuls here), ``search/pipeline/stage_cost.py`` (which builds those cost
+models when ``TrainingConfig.fp8`` names a recipe), ``driver.py`` (:func:`check` before tracing) and
+the plan builder / ``evaluate`` notes (:func:`note`). The program side is ``backends/torch/fp8.py``.
+
+What the program runs: torchao's float8 training (``convert_to_float8_training`` with
+``Float8LinearConfig.from_recipe_name(recipe)``) swaps every ``nn.Linear`` whose dimensions are
+multiples of 16 for a ``Float8Linear``: master weights, gradients and optimizer state stay as the
+plan's ``dtype`` says (f32 master, bf16 compute), and the three GEMMs of each linear (forward,
+input gradient, weight gradient) run in FP8 with dynamic scales. Everything else (attention,
+norms, embeddings, the optimizer) runs as in a bf16 plan.
+
+Pricing, per MATMUL kernel of ``F`` FLOPs moving ``M`` bytes as the roofline counts them (the graph's
+traced width: 4 bytes per element of the inputs and the output, ``search/layer/intra_op.py``)::
+
+    t = max(F / (peak_fp8 * eff_flops), M / (hbm * eff.memory))       # the FP8 GEMM
+      + CAST_TRAFFIC * M / (hbm * eff.memory) + (CAST_KERNELS + 1) * eff.kernel_overhead_s   # amax + casts
+
+``CAST_TRAFFIC = 1.25``: each bf16 operand element is read once for its amax (per tensor or per row)
+and once to cast (2 + 2 bytes) and written as FP8 (1 byte): 5 bytes per element, 1.25 of the 4 the
+roofline counts. ``M`` counts the output as well, which forward does not cast but backward does (the
+output gradient), so one kernel's casting traffic is taken as ``1.25 M`` in forward and backward
+alike. That is the fused cost (amax and cast each one pass); the program runs torchao eagerly (no
+``torch.compile``), whose casts take more passes, so this pricing is, if anything, FP8's best case.
+``CAST_KERNELS = 4``: amax and cast of the two operands. The rowwise recipe moves the same bytes (a
+scale per row instead of one per tensor). Every MATMUL that reads a parameter (a linear's GEMM) is priced this way
+(``search/layer/intra_op.py`` hands the others, an eager attention's batched GEMMs, a cost model without
+fp8: torchao converts ``nn.Linear`` only); the program keeps the linears whose sizes are not multiples of
+16 in bf16 (``runs_in_fp8``), which this pricing does not model (tiny models only).
+
+Peaks: ``partita/data/fp8_peaks.json`` (vendor datasheets, dense). A device type without an entry
+(A100, V100, T4, CPU) has no FP8 tensor cores: :func:`check` refuses an fp8 request on it, except
+the CPU, whose "fp8" is torchao's emulation on the ranks of a test (priced at its bf16 rate).
+
+Left out: the search never chooses fp8 by itself (``--precision fp8`` prices and emits hand
+layouts); FP8 with tensor parallelism (torchao's ``Float8ColwiseParallel`` styles) and FP8
+all-gathers under FSDP2 are not emitted, so :func:`check_layout` refuses tp > 1.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+from partita.cluster import Cluster, DeviceType
+from partita.errors import ConfigError
+
+RECIPES = ("tensorwise", "rowwise")  # torchao.float8.Float8LinearRecipeName values the program runs
+CAST_TRAFFIC = 1.25
+CAST_KERNELS = 4
+_DATA = Path(__file__).resolve().parents[2] / "data" / "fp8_peaks.json"
+
+
+@functools.cache
+def _peaks() -> dict[str, float]:
+    raw = json.loads(_DATA.read_text())
+    return {str(k): float(v) * 1e12 for k, v in raw["peaks_tflops"].items()}
+
+
+def peak(dev: DeviceType) -> float:
+    """Dense FP8 FLOP/s of ``dev``: its own ``peak_flops["fp8"]`` (a cluster spec's), the shipped
+    datasheet number, the bf16 rate on a CPU (torchao's emulation), else 0 (no FP8 tensor cores)."""
+    if "fp8" in dev.peak_flops:
+        return float(dev.peak_flops["fp8"])
+    if dev.kind == "cpu":
+        return dev.flops("bf16")
+    return _peaks().get(dev.name, 0.0)
+
+
+def check_recipe(recipe: str) -> None:
+    if recipe not in RECIPES:
+        raise ConfigError(f"fp8 recipe {recipe!r} is unknown.", f"use one of {', '.join(RECIPES)}.")
+
+
+def check(device_types: Iterable[DeviceType]) -> None:
+    """Refuse fp8 on a device type without FP8 tensor cores (A100, V100, T4), naming the ones that have them."""
+    missing = [d.name for d in device_types if peak(d) <= 0]
+    if missing:
+        have = ", ".join(sorted(_peaks()))
+        raise ConfigError(
+            f"--precision fp8: {', '.join(missing)} {'has' if len(missing) == 1 else 'have'} no FP8 tensor cores "
+            f"(FP8 matmuls need Hopper or Ada: {have}).",
+            "train in bf16 on these devices (--precision bf16), or give the device type an fp8 peak in the "
+            "cluster spec (peak_tflops: {bf16: ..., fp8: ...}) if it has one.",
+        )
+
+
+def check_layout(tp: int) -> None:
+    """What the program does not build with fp8 (module docstring): tensor parallelism."""
+    if tp > 1:
+        raise ConfigError(
+            f"--precision fp8 with --tp {tp}: the program converts linears with torchao's float8 training but "
+            "does not emit its tensor-parallel styles (Float8ColwiseParallel / Float8RowwiseParallel).",
+            "use --tp 1 with fp8 (data and pipeline parallelism run it), or --precision bf16 with tensor parallelism.",
+        )
+
+
+def gemm_time(
+    flops: float, bytes_moved: float, dev: DeviceType, eff_flops: float, memory_eff: float, kernel_s: float
+) -> float:
+    """One FP8 matmul and its casts (module docstring)."""
+    hbm = dev.hbm_bandwidth * memory_eff
+    t = max(flops / (peak(dev) * eff_flops) if flops > 0 else 0.0, bytes_moved / hbm)
+    return t + CAST_TRAFFIC * bytes_moved / hbm + (CAST_KERNELS + 1) * kernel_s
+
+
+def note(cluster: Cluster, recipe: str) -> str:
+    """Why the stages run FP8: each device type's bf16 and FP8 peaks and the casting traffic priced."""
+    types = [d for d in cluster.device_types() if d.kind != "cpu"]
+    peaks = ", ".join(f"{d.name} {d.flops('bf16') / 1e12:g} -> {peak(d) / 1e12:g} TFLOP/s" for d in types)
+    cpu = (
+        " CPU ranks run torchao's emulation (priced at their bf16 rate)."
+        if len(types) < len(cluster.device_types())
+        else ""
+    )
+    return (
+        f"fp8 ({recipe}) as requested: linear layers' GEMMs in FP8 via torchao, the rest in bf16 with f32 master "
+        f"weights and optimizer state; {peaks or 'no GPU types'}; each linear's GEMM also pays {CAST_TRAFFIC:g}x "
+        f"the bytes it moves in amax + cast traffic.{cpu}"
+    )
