@@ -34,7 +34,7 @@ import warnings  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
-from partita.cli_checks import LIMITS, TIME_BUDGET_S, _check_arguments, _internal_error, _paragraph  # noqa: E402, F401
+from partita.cli_checks import LIMITS, TIME_BUDGET_S, _check_arguments, _internal_error, _paragraph, _refuse_cp  # noqa: E402, F401
 from partita.errors import ConfigError, InternalError, PartitaError  # noqa: E402
 from partita.outputs import _check_cache_dir, _check_out_dir, _check_writable_target, os_error_text  # noqa: E402
 
@@ -203,20 +203,6 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
         print(f"compile cache: {cache_dir()} (set PARTITA_CACHE_DIR to move it; --force recompiles)")
     return 0
-
-
-def _refuse_cp(cp: int | None) -> None:
-    """`partita compile --cp N` (N > 1) is refused before anything is traced or written (issue 36): the Plan
-    carries a cp degree per stage and its collective records (``search/program/context_parallel.py``), but no
-    emitter builds the cp mesh axis and the sequence split yet, so a program would not train what the plan says."""
-    if cp is not None and cp > 1:
-        raise ConfigError(
-            f"--cp {cp}: context parallelism is priced (`partita evaluate --cp`) and its runtime scheme exists "
-            "(backends/torch/context_parallel.py), but `partita compile` cannot emit it yet: the emitted program "
-            "would not split the sequence over a cp mesh axis, so it would not train the plan it was given.",
-            f"price the layout with `partita evaluate MODEL --cluster ... --cp {cp}`, and compile without --cp "
-            "(or --cp 1).",
-        )
 
 
 def _progress_wanted(json_out: bool) -> bool:

@@ -12,7 +12,7 @@ before recompute, autocast and FSDP2 wrap the stage (torchao's order: convert, t
 swapped ``Float8Linear`` keeps its weight as the plan's master copy (f32 under autocast, sharded
 f32 under FSDP2's ``MixedPrecisionPolicy``), so gradients and optimizer state are what a bf16 plan
 keeps; only the three GEMMs of the linear run in FP8 with dynamic scales. On CPU ranks torch runs
-``torch._scaled_mm`` on the CPU (torch >= 2.10 has a CPU kernel), so the same program trains in tests.
+torch's scaled matmul on the CPU (torch >= 2.10 has a CPU kernel), so the same program trains in tests.
 
 torchao is an optional dependency (``pip install partita[fp8]``): :func:`torchao_float8` refuses with
 one paragraph (a :class:`~partita.errors.ConfigError`: the program prints it and exits 2) when it is
