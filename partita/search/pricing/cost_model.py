@@ -68,6 +68,9 @@ class Efficiency:
     optimizer_tensor_s: float = 0.0  # fixed optimizer-step cost per parameter tensor (eager for-loop Adam)
     optimizer_memory: float = 0.8  # fraction of HBM bandwidth the optimizer step streams its states at
     comm_overlap: float = 1.0  # fraction of the backward that can hide the gradient sync on this device
+    # share of the time a ZeRO-2/3 (FSDP) collective runs beside a micro-batch's compute that the compute
+    # loses to it (NCCL kernels hold SMs and HBM bandwidth: overlap is not free); see OVERLAP_INTERFERENCE
+    overlap_interference: float = 0.2
     device: str = ""  # device type the factors were measured on ("" = generic defaults)
 
     def __post_init__(self) -> None:
@@ -80,6 +83,8 @@ class Efficiency:
         for name in ("matmul", "attention", "memory", "collective_bandwidth", "network_bandwidth"):
             if not 0 < getattr(self, name) <= 1:
                 raise ProfileError(f"efficiency {name}={getattr(self, name)} must be in (0, 1].", "fix the profile.")
+        if self.overlap_interference > 1:
+            raise ProfileError(f"efficiency overlap_interference={self.overlap_interference} is above 1.", "use 0..1.")
         if self.comm_overlap > 1 or self.optimizer_memory <= 0:
             raise ProfileError(
                 f"efficiency comm_overlap={self.comm_overlap} / optimizer_memory={self.optimizer_memory} is out of "
@@ -124,6 +129,7 @@ CPU_EFFICIENCY = Efficiency(
     collective_bandwidth=0.5,
     network_bandwidth=0.5,
     collective_latency_s=1e-4,
+    overlap_interference=0.0,  # gloo's collectives run on host threads, not beside GPU kernels
     device="CPU",
 )
 
