@@ -157,7 +157,7 @@ def stage_parts(
     r = tab.ranged
     valid = r("num_layers") > 0
     # ZeRO-2/3 traffic runs beside the micro-batch's compute, which loses overlap_interference of the time
-    # they overlap (min(t, sync)) to the NCCL kernels (cost_model.OVERLAP_INTERFERENCE)
+    # they overlap (min(t, sync)) to the NCCL kernels (search/pricing/cost_model.py)
     slowed = tab.overlap_interference * np.minimum(t, z.sync_comm)
     t_mb = np.maximum(t, z.sync_comm) + slowed
     comm_total = r("comm") + np.maximum(0.0, z.sync_comm - t) + slowed

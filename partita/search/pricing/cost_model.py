@@ -23,6 +23,14 @@ all-reduce, the per-device send buffer of an all-to-all::
 bidirectional aggregates; NCCL's bus bandwidth reaches ~40% of them) and ``eff.network_bandwidth``
 across nodes (NIC numbers are per direction).
 
+Overlap is not free: while a ZeRO-2/3 (FSDP) all-gather or reduce-scatter runs beside a micro-batch's
+compute, NCCL's kernels hold SMs and HBM bandwidth, so the compute slows. A micro-batch with compute ``t``
+and in-micro-batch traffic ``sync`` costs ``max(t, sync) + eff.overlap_interference * min(t, sync)``
+(``search/pipeline/stage_ranges.stage_parts``). The GPU default 0.2 is the share of an H100's SMs one NCCL
+all-gather held in a public Nsight trace (24 of 132 blocks, NVIDIA developer forum, "Compute-Communication
+Overlap Causes Severe GEMM Performance Degradation because of Tail Effect"), rounded up for HBM contention;
+it is not fitted on any measured row (sources in ``partita/data/README.md``). CPU ranks: 0.
+
 Training memory per parameter element (mixed precision when ``dtype`` is 2 bytes): bf16 param and
 grad (2 + 2) plus fp32 master + two Adam moments (12) = 16 bytes for "adam"; "sgd" keeps only the
 fp32 master (4 + 4 = 8). With f32 training there is no master copy: adam 4 + 4 + 8, sgd 4 + 4.
@@ -69,7 +77,7 @@ class Efficiency:
     optimizer_memory: float = 0.8  # fraction of HBM bandwidth the optimizer step streams its states at
     comm_overlap: float = 1.0  # fraction of the backward that can hide the gradient sync on this device
     # share of the time a ZeRO-2/3 (FSDP) collective runs beside a micro-batch's compute that the compute
-    # loses to it (NCCL kernels hold SMs and HBM bandwidth: overlap is not free); see OVERLAP_INTERFERENCE
+    # loses to it (NCCL kernels hold SMs and HBM bandwidth: overlap is not free; the module docstring)
     overlap_interference: float = 0.2
     device: str = ""  # device type the factors were measured on ("" = generic defaults)
 
