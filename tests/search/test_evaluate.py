@@ -198,3 +198,29 @@ def test_uneven_stage_split_is_priced_with_lighter_end_stages(g12) -> None:  # n
     assert blocks == [1, 2, 1]
     plan = hand_plan(g12, cl, TR, **kw)
     assert [len(s.layers) for s in plan.stages] == [b - a for a, b in megatron_split(g12, 3)]
+
+
+def test_fsdp_overlap_interference_is_priced_linearly_and_only_for_zero_2_3(g12) -> None:  # noqa: ANN001
+    """Overlap is not free (issue 32): a ZeRO-3 micro-batch costs max(t, sync) + rho * min(t, sync), rho the
+    device's Efficiency.overlap_interference; ZeRO-1 (no in-micro-batch traffic) is unchanged; CPU has none."""
+    import dataclasses
+
+    from partita.search.pipeline.stage_cost import SolverCosts
+    from partita.search.pricing.cost_model import CPU_EFFICIENCY, CostModel, Efficiency
+
+    cl = parse_cluster("8xH100-80G")
+    dev = cl.groups[0].device
+    base = CostModel.for_device(dev).efficiency
+    assert base.overlap_interference == 0.2 and CPU_EFFICIENCY.overlap_interference == 0.0
+
+    def ev(rho: float, zero: int) -> float:
+        costs = SolverCosts(g12, cl, TR, tp_style="torch")
+        costs._cm[dev.name] = CostModel(dev, dataclasses.replace(base, overlap_interference=rho))
+        kw = {"tp": 1, "pp": 1, "dp": 8, "micro_batch": 1, "zero_stage": zero}
+        return evaluate_config(g12, cl, TR, costs=costs, tp_style="torch", **kw).predicted_step_time_s
+
+    t0, t1, t2 = ev(0.0, 3), ev(0.2, 3), ev(0.4, 3)
+    assert t1 > t0 and (t2 - t0) == pytest.approx(2 * (t1 - t0), rel=1e-9)
+    assert ev(0.0, 1) == pytest.approx(ev(0.4, 1), rel=1e-12)
+    with pytest.raises(Exception, match="overlap_interference"):
+        Efficiency(overlap_interference=1.5)

@@ -65,3 +65,11 @@ def test_every_row_names_the_program_it_is_priced_as(rows: list[dict]) -> None:
     assert {published.PROGRAM_STYLE[r["program"]] for r in rows if r["source"].startswith(("nara", "korth"))} == {
         "megatron"
     }
+
+
+def test_source_subset_refuses_an_unknown_source_and_writes_nothing(capsys) -> None:  # noqa: ANN001
+    before = published.OUT.stat().st_mtime if published.OUT.exists() else None
+    with pytest.raises(SystemExit) as e:
+        published.main(["--source", "nosuchsource"])
+    assert e.value.code == 2 and "mosaicml" in capsys.readouterr().err
+    assert (published.OUT.stat().st_mtime if published.OUT.exists() else None) == before

@@ -84,6 +84,7 @@ class LayerCost:
     optimizer_fixed_s: float = 0.0  # per-tensor optimizer cost of the layer's parameter tensors
     optimizer_stream_scale: float = 1.0  # 0.8 / Efficiency.optimizer_memory of the device
     comm_overlap: float = 1.0  # Efficiency.comm_overlap of the device
+    overlap_interference: float = 0.0  # Efficiency.overlap_interference of the device
     # the torch program's other precision mode (search/layer/saved.py): activation_bytes, input_bytes and
     # selective_bytes above are FSDP2's MixedPrecisionPolicy program (ZeRO >= 1, dp > 1), these the
     # torch.autocast one (every other stage); None: one mode only (f32, JAX)
@@ -136,6 +137,7 @@ class UnitTable:
     held: np.ndarray | None = None  # per unit, LayerCost.held_bytes summed (zero_bubble.range_held_of)
     grad_transient: np.ndarray | None = None  # per unit, the largest LayerCost.grad_transient_bytes
     w_grad_transient: np.ndarray | None = None  # ... and w_grad_transient_bytes
+    overlap_interference: float = 0.0  # the largest LayerCost.overlap_interference
 
     @staticmethod
     def build(
@@ -183,6 +185,7 @@ class UnitTable:
             agg("held_bytes"),
             agg("grad_transient_bytes", max) if any(c.grad_transient_bytes for c in costs) else None,
             agg("w_grad_transient_bytes", max) if any(c.w_grad_transient_bytes for c in costs) else None,
+            max((c.overlap_interference for c in costs), default=0.0),
         )
 
     def for_stage(self, dp: int, zero: int) -> UnitTable:
@@ -620,6 +623,7 @@ class SolverCosts:
             optimizer_fixed_s=eff.optimizer_tensor_s * len(self.graph.layers[index].params),
             optimizer_stream_scale=0.8 / eff.optimizer_memory,
             comm_overlap=eff.comm_overlap,
+            overlap_interference=eff.overlap_interference,
         )
 
     def _from_solution(self, sol, index: int, b: int) -> LayerCost:  # noqa: ANN001

@@ -156,8 +156,11 @@ def stage_parts(
     z, recv = zt[1], rv[1]
     r = tab.ranged
     valid = r("num_layers") > 0
-    t_mb = np.maximum(t, z.sync_comm)
-    comm_total = r("comm") + np.maximum(0.0, z.sync_comm - t)
+    # ZeRO-2/3 traffic runs beside the micro-batch's compute, which loses overlap_interference of the time
+    # they overlap (min(t, sync)) to the NCCL kernels (search/pricing/cost_model.py)
+    slowed = tab.overlap_interference * np.minimum(t, z.sync_comm)
+    t_mb = np.maximum(t, z.sync_comm) + slowed
+    comm_total = r("comm") + np.maximum(0.0, z.sync_comm - t) + slowed
     t_mb = t_mb + recv
     comm_total = comm_total + recv
     inf = np.inf

@@ -23,6 +23,14 @@ all-reduce, the per-device send buffer of an all-to-all::
 bidirectional aggregates; NCCL's bus bandwidth reaches ~40% of them) and ``eff.network_bandwidth``
 across nodes (NIC numbers are per direction).
 
+Overlap is not free: while a ZeRO-2/3 (FSDP) all-gather or reduce-scatter runs beside a micro-batch's
+compute, NCCL's kernels hold SMs and HBM bandwidth, so the compute slows. A micro-batch with compute ``t``
+and in-micro-batch traffic ``sync`` costs ``max(t, sync) + eff.overlap_interference * min(t, sync)``
+(``search/pipeline/stage_ranges.stage_parts``). The GPU default 0.2 is the share of an H100's SMs one NCCL
+all-gather held in a public Nsight trace (24 of 132 blocks, NVIDIA developer forum, "Compute-Communication
+Overlap Causes Severe GEMM Performance Degradation because of Tail Effect"), rounded up for HBM contention;
+it is not fitted on any measured row (sources in ``partita/data/README.md``). CPU ranks: 0.
+
 Training memory per parameter element (mixed precision when ``dtype`` is 2 bytes): bf16 param and
 grad (2 + 2) plus fp32 master + two Adam moments (12) = 16 bytes for "adam"; "sgd" keeps only the
 fp32 master (4 + 4 = 8). With f32 training there is no master copy: adam 4 + 4 + 8, sgd 4 + 4.
@@ -69,6 +77,9 @@ class Efficiency:
     optimizer_tensor_s: float = 0.0  # fixed optimizer-step cost per parameter tensor (eager for-loop Adam)
     optimizer_memory: float = 0.8  # fraction of HBM bandwidth the optimizer step streams its states at
     comm_overlap: float = 1.0  # fraction of the backward that can hide the gradient sync on this device
+    # share of the time a ZeRO-2/3 (FSDP) collective runs beside a micro-batch's compute that the compute
+    # loses to it (NCCL kernels hold SMs and HBM bandwidth: overlap is not free; the module docstring)
+    overlap_interference: float = 0.2
     device: str = ""  # device type the factors were measured on ("" = generic defaults)
 
     def __post_init__(self) -> None:
@@ -81,6 +92,8 @@ class Efficiency:
         for name in ("matmul", "attention", "memory", "collective_bandwidth", "network_bandwidth"):
             if not 0 < getattr(self, name) <= 1:
                 raise ProfileError(f"efficiency {name}={getattr(self, name)} must be in (0, 1].", "fix the profile.")
+        if self.overlap_interference > 1:
+            raise ProfileError(f"efficiency overlap_interference={self.overlap_interference} is above 1.", "use 0..1.")
         if self.comm_overlap > 1 or self.optimizer_memory <= 0:
             raise ProfileError(
                 f"efficiency comm_overlap={self.comm_overlap} / optimizer_memory={self.optimizer_memory} is out of "
@@ -125,6 +138,7 @@ CPU_EFFICIENCY = Efficiency(
     collective_bandwidth=0.5,
     network_bandwidth=0.5,
     collective_latency_s=1e-4,
+    overlap_interference=0.0,  # gloo's collectives run on host threads, not beside GPU kernels
     device="CPU",
 )
 
