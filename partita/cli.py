@@ -37,6 +37,7 @@ from typing import Any  # noqa: E402
 from partita.cli_checks import LIMITS, TIME_BUDGET_S, _check_arguments, _internal_error, _paragraph, _refuse_cp  # noqa: E402, F401
 from partita.errors import ConfigError, InternalError, PartitaError  # noqa: E402
 from partita.outputs import _check_cache_dir, _check_out_dir, _check_writable_target, os_error_text  # noqa: E402
+from partita.progress import wanted as _progress_wanted  # noqa: E402
 
 DEFAULT_MODEL = "gpt3-6.7b"
 DEFAULT_CLUSTER = "mixed-lab"
@@ -205,12 +206,6 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _progress_wanted(json_out: bool) -> bool:
-    from partita.progress import wanted
-
-    return wanted(json_out)
-
-
 _LAYOUT_FLAGS = ("tp", "pp", "dp", "micro_batch")
 _LAYOUT_OPTIONS = ("zero", "recompute", "schedule", "virtual_stages")
 
@@ -271,6 +266,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         num_virtual=args.virtual_stages,
         sequence_parallel=args.sequence_parallel,
         cp=args.cp,
+        progress=_progress_wanted(args.json),
     )
     out = ev.to_dict() if hasattr(ev, "to_dict") else dict(vars(ev))
     if args.json:

@@ -572,7 +572,10 @@ def evaluate_model(
     num_virtual: int = 1,
     sequence_parallel: bool = False,
     cp: int = 1,
+    progress: bool = False,
 ) -> Any:
+    """``partita evaluate``: one hand layout priced by the search's own model (no search, no program);
+    ``progress``: one line per phase on stderr (``partita/progress.py``)."""
     _check_training(training)
     cl = parse_cluster(cluster, gpus_per_node)  # validate the cheap inputs before tracing
     _check_fp8(training, cl)  # priced with any tp: evaluate predicts, it builds no program
@@ -585,9 +588,16 @@ def evaluate_model(
 
     check_degree(training.seq_len, cp)  # the rest of context_parallel.check needs the graph
 
+    from partita.progress import say
+
     graph = stored_graph(model, training.seq_len)  # as compile reads it: a zoo model imports no torch
     if graph is None:
-        graph = trace_model(model, batch=TRACE_BATCH, seq=training.seq_len).graph
+        if progress:
+            say(f"tracing {model} on the meta device (no weights)")
+        traced = trace_model(model, batch=TRACE_BATCH, seq=training.seq_len)
+        graph = traced.graph
+        if progress:
+            say(f"traced {len(graph.layers)} layers in {traced.trace_time_s:.1f} s; pricing the layout")
     return evaluate_config(
         graph,
         cl,

@@ -257,6 +257,22 @@ def test_compile_progress_lines_go_to_stderr_and_json_stays_whole(tmp_path, caps
     assert "partita: trac" not in capsys.readouterr().err
 
 
+def test_evaluate_progress_lines_when_it_traces(capsys, monkeypatch) -> None:
+    """Issue 35 item 10: ``evaluate`` of a model with no stored trace says it is tracing and then pricing,
+    on stderr; stdout stays one JSON document; PARTITA_PROGRESS=0 silences it."""
+    monkeypatch.setenv("PARTITA_PROGRESS", "1")
+    args = ["evaluate", "mlp", "--cluster", "2xCPU", "--global-batch", "8", "--seq", "1", "--dtype", "f32"]
+    layout = ["--tp", "1", "--pp", "1", "--dp", "2", "--micro-batch", "4", "--json"]
+    assert main([*args, *layout]) == 0
+    got = capsys.readouterr()
+    json.loads(got.out)
+    assert any(x.startswith("partita: tracing mlp") for x in got.err.splitlines()), got.err
+    assert any(x.startswith("partita: traced ") and "pricing the layout" in x for x in got.err.splitlines()), got.err
+    monkeypatch.setenv("PARTITA_PROGRESS", "0")
+    assert main([*args, *layout]) == 0
+    assert "partita: trac" not in capsys.readouterr().err
+
+
 def test_evaluate_of_a_zoo_model_reads_its_stored_trace(tmp_path) -> None:
     """Issue 35 item 10: ``evaluate`` of a shipped model reads the stored graph as ``compile`` does (it
     traced afresh before: torch and transformers imported, over a minute on a loaded machine)."""
