@@ -164,7 +164,7 @@ def test_issue34_cases_cover_every_class() -> None:
     from tests.reliability.catalogue import NEW_CASES
 
     assert len(NEW_CASES) >= 60
-    assert {c.area for c in NEW_CASES} == {"bounds", "model", "writes", "cli", "cluster", "plan", "launch"}
+    assert {c.area for c in NEW_CASES} >= {"bounds", "model", "writes", "cli", "cluster", "plan", "launch"}
 
 
 def test_review_sweep_covers_every_command() -> None:
