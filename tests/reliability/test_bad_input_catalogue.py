@@ -40,7 +40,13 @@ def build_fixtures(root: Path) -> Fixtures:
 
 
 def _snapshot(root: Path) -> dict[str, int]:
-    return {str(p.relative_to(root)): (p.stat().st_size if p.is_file() else -1) for p in root.rglob("*")}
+    """Every file below ``root`` but Python's own bytecode cache (importing a user's module writes it beside the
+    module, as any import does, unless PYTHONDONTWRITEBYTECODE is set)."""
+    return {
+        str(p.relative_to(root)): (p.stat().st_size if p.is_file() else -1)
+        for p in root.rglob("*")
+        if "__pycache__" not in p.parts
+    }
 
 
 def run_case(case: Case, t: Path, fx: Fixtures) -> tuple[int | str, str]:
