@@ -258,7 +258,8 @@ class Plan:
                 "recompile the plan with this Partita version.",
             )
         _unknown_keys(d, {f.name for f in dataclasses.fields(Plan)} | {"format"}, source, "")
-        for k, st in enumerate(d.get("stages") or []):
+        stages_in = d.get("stages")
+        for k, st in enumerate(stages_in if isinstance(stages_in, list) else []):  # a non-list is named below
             if isinstance(st, Mapping):
                 _unknown_keys(st, {f.name for f in dataclasses.fields(Stage)}, source, f"stages[{k}].")
         field = _FieldReader()
