@@ -7,8 +7,9 @@ function, ``materialize.setup_stage``, and a tied model's stages are tied again 
   module it returns; a path setting a stage up some other way leaves the count at 0 and fails;
 * the stage set up on meta and filled shard by shard (tp = 2 on a fake world of 2: each rank's local
   shard) equals the single-device reference's weights, sliced;
-* the rehearsal pairs every send between two rehearsed ranks with its receive (``rehearse.pair_p2p``),
-  and reports a deliberately unpaired send added to a generated 1F1B schedule;
+* the rehearsal pairs every send between two rehearsed ranks with its receive (``rehearse.pair_p2p``,
+  ``p2p_world``), each named by the action of torch's 1F1B schedule it belongs to, and reports a
+  deliberately unpaired send added after a generated 1F1B schedule (more in ``test_rehearse_world.py``);
 * the tied-embedding Qwen2 reproduction: a pipeline stage of a generic (non-adapter) model holds a
   ``Ghost`` of the other stage's tied module, whose ``getattr`` answers with that module's meta
   parameter; ``retie`` took it for a holder and raised ``KeyError: "attribute 'weight' already
@@ -36,6 +37,7 @@ from partita.backends.torch.emit import emit_torch
 from partita.frontends import torch_shim
 from partita.models.families import config, write_config
 from partita.models.zoo import resolve_model
+from partita.search.pipeline.schedule import pipeline_actions
 from partita.search.program import records
 from tests.runtime.plans import _graph, layout, make_plan
 
@@ -177,9 +179,12 @@ def test_rehearsal_pairs_every_send_with_its_receive(tmp_path: Path, monkeypatch
     reported, naming both ranks; a run would hang there."""
     program, ranks = _pipeline_roles(tmp_path)
     got = {r: rehearse.rehearse_rank(program, r) for r in ranks}
-    # 4 micro-batches: stage 0 sends each activation and receives its gradient, stage 1 the other way
-    assert [sum(op == k for op, _, _ in got[ranks[0]].p2p) for k in ("send", "recv")] == [4, 4]
-    assert [sum(op == k for op, _, _ in got[ranks[1]].p2p) for k in ("send", "recv")] == [4, 4]
+    # 4 micro-batches: stage 0 sends each activation and receives its gradient, stage 1 the other way,
+    # each operation named by the action torch's Schedule1F1B ran it for, in the order of the plan's
+    # own 1F1B action list (the one the cost model simulates): F sends / receives activations, B gradients
+    for r, acts in zip(ranks, pipeline_actions("1f1b", 2, 4)):
+        want = [f"{a} {'send' if (str(a)[0] == 'F') == (r == ranks[0]) else 'recv'}" for a in acts]
+        assert [row[4] for row in got[r].p2p] == want, r
     assert rehearse.pair_p2p(got) == {}
 
     real = torch_train.forward_backward
@@ -194,7 +199,7 @@ def test_rehearsal_pairs_every_send_with_its_receive(tmp_path: Path, monkeypatch
     got = {r: rehearse.rehearse_rank(program, r) for r in ranks}
     found = rehearse.pair_p2p(got)
     assert set(found) == set(ranks), found
-    assert (
-        "has no receive" in found[ranks[0]][0]
-        and f"rank {ranks[0]} sends 5 tensors to rank {ranks[1]}" in found[ranks[0]][0]
-    )
+    assert found[ranks[0]] == [
+        f"p2p: rank {ranks[0]} (stage 0) outside the schedule (64 B) to rank {ranks[1]} (stage 1) has no receive: "
+        f"rank {ranks[1]} ended its step with 1 of rank {ranks[0]}'s sends unreceived (the pipeline would hang)"
+    ]

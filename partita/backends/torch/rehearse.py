@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from partita.backends.torch import fidelity, materialize, optim
+from partita.backends.torch import fidelity, materialize, optim, p2p_world
 from partita.backends.torch import parallel as tpar
 from partita.backends.torch import train as torch_train
 from partita.backends.torch.chunks import physical_plan
@@ -82,7 +82,7 @@ class RankResult:
     memory_by_category: dict[str, int]
     flops: int
     seconds: float = 0.0
-    p2p: list[list[Any]] = dataclasses.field(default_factory=list)  # [op ("send"/"recv"), peer rank, bytes] in order
+    p2p: list[list[Any]] = dataclasses.field(default_factory=list)  # [op, peer rank, bytes, tag, label] in order
     host_peak_bytes: int = 0  # the role's host peak: its set-up's streamed fill (HostMeter) and its step (VmHWM)
 
 
@@ -119,7 +119,8 @@ class StepRecorder(torch_shim.TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.events: list[tuple[str, str | None, int]] = []
-        self.p2p: list[list[Any]] = []  # [op, peer (global rank), bytes], in issue order (pair_p2p)
+        self.p2p: list[list[Any]] = []  # [op, peer (global rank), bytes, tag, label], in issue order (pair_p2p)
+        self.labels: p2p_world.Label | None = None  # the schedule action of a p2p operation (p2p_world)
         self.flops = 0
         self.entry_mode: Any = None
 
@@ -140,7 +141,7 @@ class StepRecorder(torch_shim.TorchDispatchMode):
         if ev is not None:
             self.events.append(ev)
             if ev[0] == "p2p":
-                self.p2p.append(_p2p_record(func, args, ev))
+                self.p2p.append(_p2p_record(func, args, ev, self.labels))
         else:
             formula = torch_shim.flop_formula(func)
             if formula is not None:
@@ -151,11 +152,13 @@ class StepRecorder(torch_shim.TorchDispatchMode):
         return fidelity.summarize(self.events, axes)  # type: ignore[return-value]
 
 
-def _p2p_record(func: Any, args: Sequence[Any], ev: tuple[str, str | None, int]) -> list[Any]:
-    """``[op, peer, bytes]`` of a ``c10d.send`` / ``c10d.recv_`` (``(tensors, group, peer, tag)``): the
-    peer as a global rank (the op names it by its rank in the group)."""
+def _p2p_record(func: Any, args: Sequence[Any], ev: tuple[str, str | None, int], labels: Any = None) -> list[Any]:
+    """``[op, peer, bytes, tag, label]`` of a ``c10d.send`` / ``c10d.recv_`` (``(tensors, group, peer,
+    tag)``): the peer as a global rank (the op names it by its rank in the group), the label from the
+    runner's schedule (``p2p_world``)."""
     op = "send" if "send" in str(func) else "recv"
     peer = int(args[2]) if len(args) > 2 and isinstance(args[2], int) else -1
+    tag = int(args[3]) if len(args) > 3 and isinstance(args[3], int) else 0
     if ev[1] is not None and peer >= 0:
         from torch.distributed.distributed_c10d import _resolve_process_group
 
@@ -163,34 +166,16 @@ def _p2p_record(func: Any, args: Sequence[Any], ev: tuple[str, str | None, int])
             peer = dist.get_global_rank(_resolve_process_group(ev[1]), peer)
         except (RuntimeError, ValueError, KeyError):
             pass
-    return [op, peer, int(ev[2])]
+    return [op, peer, int(ev[2]), tag, labels(op, peer, tag) if labels is not None else p2p_world.OUTSIDE]
 
 
 def pair_p2p(results: Mapping[int, RankResult]) -> dict[int, list[str]]:
-    """Every send between two rehearsed ranks has its receive, in order and of the same size (the
-    ranks' p2p records of the measured step: each pair's sends and receives are FIFO). Returns, per
-    rank, what does not pair: a send without its receive, a receive without its send, a size that
-    differs. A peer that was not rehearsed (a folded tp rank) is not checked."""
-    out: dict[int, list[str]] = {}
-    for a, ra in results.items():
-        for b, rb in results.items():
-            sends = [n for op, peer, n in ra.p2p if op == "send" and peer == b]
-            recvs = [n for op, peer, n in rb.p2p if op == "recv" and peer == a]
-            if sends == recvs:
-                continue
-            k = next((i for i, (x, y) in enumerate(zip(sends, recvs)) if x != y), min(len(sends), len(recvs)))
-            if k < len(sends) and k < len(recvs):
-                why = f"send {k + 1} of rank {a} to rank {b} is {_fmt(sends[k])}, rank {b} receives {_fmt(recvs[k])}"
-            elif k < len(sends):
-                why = (f"rank {a} sends {len(sends)} tensors to rank {b}, which receives {len(recvs)}: send {k + 1} "
-                       f"({_fmt(sends[k])}) has no receive (the pipeline would hang)")  # fmt: skip
-            else:
-                why = (f"rank {b} receives {len(recvs)} tensors from rank {a}, which sends {len(sends)}: receive "
-                       f"{k + 1} ({_fmt(recvs[k])}) has no send (the pipeline would hang)")  # fmt: skip
-            out.setdefault(a, []).append("p2p: " + why)
-            if b != a:
-                out.setdefault(b, []).append("p2p: " + why)
-    return out
+    """The rehearsed roles played together as one point-to-point world (``p2p_world.match_world``):
+    per rank, a deadlock, a wrong order, a send without its receive or a receive without its send,
+    each named by rank, stage and schedule action. A peer that was not rehearsed (a folded tp rank)
+    is not checked."""
+    world = {r: p2p_world.ops_of(v.p2p) for r, v in results.items()}
+    return p2p_world.match_world(world, {r: v.stage for r, v in results.items()})
 
 
 # ---- one rank ----------------------------------------------------------------------------------------
@@ -267,7 +252,8 @@ def _rehearse_rank(program: Any, rank: int) -> RankResult:
                     out.requires_grad_(True)
                 torch_shim.pipeline_static_meta(runner.schedule, (x,), (out,))
             opt = torch_train.make_optimizer(rt.module.parameters(), training)
-            result = _measure(rt, me, runner, opt, handle, model, prog, (tied, tied_group, tied_n))
+            labels = p2p_world.labeler(runner, prog)  # each p2p operation's schedule action, for pair_p2p
+            result = _measure(rt, me, runner, opt, handle, model, prog, (tied, tied_group, tied_n), labels)
         axes = fidelity.axis_names(mesh, pp_group, tied_group)
         rec, peak, cats = result
         return RankResult(
@@ -319,7 +305,15 @@ def _torch_pipeline() -> Any:
 
 
 def _measure(
-    rt: Any, me: Mapping[str, Any], runner: Any, opt: Any, handle: Any, model: Any, prog: Any, tied: tuple
+    rt: Any,
+    me: Mapping[str, Any],
+    runner: Any,
+    opt: Any,
+    handle: Any,
+    model: Any,
+    prog: Any,
+    tied: tuple,
+    labels: p2p_world.Label | None = None,
 ) -> tuple[StepRecorder, int, dict[str, int]]:
     """A warm-up step, then the measured one under the recorder and the memory tracker."""
     training = prog["training"]
@@ -364,6 +358,7 @@ def _measure(
 
     hook = torch.nn.modules.module.register_module_forward_pre_hook(forget_root)
     rec = StepRecorder()
+    rec.labels = labels
     try:
         with torch_shim.private_propagation_fake_mode(), mt, rec:
             step(1)
