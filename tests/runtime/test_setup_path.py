@@ -51,8 +51,19 @@ def _free_port() -> int:
 
 
 def _recording(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """``materialize.setup_stage`` wrapped: one record per call, with the ``Materialized`` it set up,
+    which must be one ``materialize.build_stage`` returned (recorded in ``built``)."""
     calls: list[dict[str, Any]] = []
     real = materialize.setup_stage
+    real_build = materialize.build_stage
+    built_ids: list[int] = []
+
+    def build(*args: Any, **kw: Any) -> Any:
+        out = real_build(*args, **kw)
+        built_ids.append(id(out))
+        return out
+
+    monkeypatch.setattr(materialize, "build_stage", build)
 
     def wrapper(built: Any, setup: Any, rt: Any, device: Any, **kw: Any) -> nn.Module:
         module = real(built, setup, rt, device, **kw)
@@ -63,6 +74,7 @@ def _recording(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
                 "fill": kw.get("fill", True),
                 "how": built.how,
                 "host": kw.get("host_fill"),
+                "built_here": id(built) in built_ids,  # the model came from materialize.build_stage
             }
         )
         return module
@@ -92,11 +104,13 @@ def test_program_and_rehearsal_set_a_stage_up_through_one_function(
                            ["--steps", "1", "--no-count", "--log-every", "0"])  # fmt: skip
     assert res is not None and len(res["losses"]) == 1
     assert [c["setup"] for c in calls] == [program.SETUP_STAGE[0]] and calls[0]["fill"] and calls[0]["how"] == "stage"
+    assert calls[0]["built_here"], "the program built its stage without materialize.build_stage"
     assert made[0] == list(calls[0]["module"].parameters())  # the program trains the module it returned
 
     got = rehearse.rehearse_rank(program, 0)
     assert len(calls) == 2, "the rehearsal set its stage up without materialize.setup_stage"
     assert calls[1]["setup"] is program.SETUP_STAGE[0] and not calls[1]["fill"]
+    assert calls[1]["built_here"] and calls[1]["how"] == "stage", "the rehearsal built its stage another way"
     assert isinstance(calls[1]["host"], materialize.HostFill)  # the fill streamed through the host (issue 33 item 4)
     assert all(torch_shim.is_fake(p) for p in calls[1]["module"].parameters())
     assert got.peak_memory_bytes > 0 and got.host_peak_bytes > 0
