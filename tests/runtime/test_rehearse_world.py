@@ -157,3 +157,32 @@ def test_the_matchers_blocking_rules() -> None:
     # rank 2 was not rehearsed (a folded tp peer): its operations are not checked
     folded = {0: _ops(("send", 2, "a"), ("recv", 2, "b"), ("send", 1, "c")), 1: _ops(("recv", 0, "d"))}
     assert p2p_world.match_world(folded, stages) == {}
+
+
+@pytest.mark.slow
+def test_tied_qwen2_tp2_pp4_zero_bubble_rehearses_and_matches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 33's tied-embedding reproduction end to end: a 4-layer Qwen2 config with tied embeddings,
+    ``partita compile`` as tp 2 x pp 4 under ZB-H1 (8 ranks), rehearsed through ``rehearse_dir``: its
+    roles (tp rank 0 of each stage) run the program's own setup (``retie`` once raised ``KeyError:
+    "attribute 'weight' already exists"`` here) and pair every send with its receive in one world;
+    every stage matches the plan (collectives, memory, FLOPs)."""
+    from partita.cli import main as cli_main
+    from partita.models.families import config, write_config
+    from partita.plan import read_plan
+
+    monkeypatch.setenv("PARTITA_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = config("qwen2", h=64, l=4, a=4, k=2, f=128, v=128, p=64)
+    cfg.update(bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=True)
+    path = write_config(tmp_path / "qwen", cfg)
+    out = tmp_path / "plan"
+    args = ["compile", str(path), "--cluster", "8xCPU", "--global-batch", "8", "--seq", "16", "--tp", "2", "--pp", "4"]
+    args += ["--dp", "1", "--micro-batch", "1", "--schedule", "zb_h1", "--precision", "f32", "--out", str(out)]
+    assert cli_main(args) == 0
+    plan = read_plan(out / "plan.json")
+    assert plan.schedule == "zb_h1" and [(s.tp, s.dp) for s in plan.stages] == [(2, 1)] * 4
+    res = rehearse.rehearse_dir(out)
+    assert [s["ranks_rehearsed"] for s in res["stages"]] == [[0], [2], [4], [6]]
+    assert res["match"], [(s["index"], s["mismatches"]) for s in res["stages"]]
+    # 8 micro-batches; per cut and micro-batch tp rank 0 sends its tensor to both tp ranks of the neighbour
+    # stage (P2PPipeline) and receives the neighbour's once: 3 operations per cut, 8 x 3 an end stage, twice inner
+    assert [s["collectives"]["p2p@pp"]["count"] for s in res["stages"]] == [24, 48, 48, 24]
