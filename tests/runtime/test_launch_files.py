@@ -4,6 +4,8 @@
   heterogeneous job with one component per type; each script, run with ``PYTHON=echo``, prints the
   torchrun command of its i-th node: the node rank and process count of ``hosts.plan_nodes`` (the
   static rendezvous's order), never one ``--nproc-per-node 28`` for all; the program's header names them;
+* ``partita compile`` writes them in the plan directory, and removes them when it compiles a one-node
+  plan there;
 * a plan on one node gets none, and its header names ``torchrun --nproc-per-node``;
 * a relative ``config.json`` path: the program names it absolute, ``partita run`` started from the plan
   directory trains it, and a compile cache entry emitted for another path is not served for this one.
@@ -65,6 +67,28 @@ def test_multi_node_plan_gets_a_launch_per_device_type_and_a_heterogeneous_sbatc
     assert "sbatch launch.sbatch" in header and "launch_l4.sh" in header and "--nproc-per-node" not in header
 
 
+@pytest.mark.slow
+def test_compile_writes_the_launch_files_beside_a_multi_node_program(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``partita compile`` (not only ``launch_files``): a hand layout on 16xA100-80G (2 nodes) gets its
+    launch script and sbatch in the plan directory, as ``launch_files`` writes them for the plan read
+    back; compiled again there for one node (``--force``), the old launch files are gone."""
+    from partita.plan import read_plan
+
+    monkeypatch.setenv("PARTITA_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "p"
+    task = ["--global-batch", "16", "--seq", "16", "--tp", "1", "--pp", "2", "--micro-batch", "1"]
+    assert cli_main(["compile", "gpt2-tiny", "--cluster", "16xA100-80G", *task, "--dp", "8", "--out", str(out)]) == 0
+    want = torch_launch.launch_files(read_plan(out / "plan.json"))
+    assert set(want) == {"launch_a100-80g.sh", "launch.sbatch"}
+    assert {n: (out / n).read_text() for n in want} == want
+    assert "sbatch launch.sbatch" in (out / "program_torch.py").read_text().split('"""')[1]
+    one = ["compile", "gpt2-tiny", "--cluster", "8xA100-80G", *task, "--dp", "4", "--out", str(out), "--force"]
+    assert cli_main(one) == 0
+    assert not list(out.glob("launch*")), sorted(p.name for p in out.iterdir())
+
+
 def test_one_node_plan_gets_no_launch_files() -> None:
     plan = layout("gpt2-tiny", "pp_1f1b")
     assert torch_launch.launch_files(plan) == {}
@@ -92,3 +116,24 @@ def test_relative_model_path_runs_from_the_plan_directory(
     assert cli_main(["compile", "b/config.json", *task, "--out", "plan_b"]) == 0
     got = program_model((tmp_path / "plan_b" / "program_torch.py").read_text())
     assert got == str((tmp_path / "b" / "config.json").resolve())
+
+
+@pytest.mark.slow
+def test_a_plan_compiled_from_a_relative_path_rehearses_from_another_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``partita rehearse`` reads the model from the program, where compile wrote it absolute: the plan
+    of ``a/config.json`` rehearses from a directory where that relative path names nothing."""
+    import json
+
+    monkeypatch.setenv("PARTITA_CACHE_DIR", str(tmp_path / "cache"))
+    write_config(tmp_path / "a", tiny("llama"))
+    monkeypatch.chdir(tmp_path)
+    task = ["--cluster", "1xCPU", "--global-batch", "2", "--seq", "8"]
+    assert cli_main(["compile", "a/config.json", *task, "--out", "plan_a"]) == 0
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    capsys.readouterr()
+    assert cli_main(["rehearse", "../plan_a", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["match"], [s["mismatches"] for s in res["stages"]]
