@@ -11,9 +11,11 @@ rank, with the blocking rules the program runs under:
   the rank goes on; the send waits, posted, for its receive;
 * a receive blocks its rank until the matching send is posted (``dist.recv`` in ``P2PPipeline``;
   ``_wait_batch_p2p`` right after the batch in torch's schedules);
-* sends and receives between two ranks pair in issue order (NCCL matches point-to-point operations
-  per pair in order and ignores tags), so a pair whose tags or sizes differ is a message delivered to
-  the wrong action: reported as a wrong order.
+* on a GPU plan (``in_order``: NCCL, which matches point-to-point operations between two ranks in
+  issue order and ignores tags) sends and receives between two ranks pair in issue order, so a pair
+  whose tags or sizes differ is a message delivered to the wrong action: reported as a wrong order;
+  on a CPU plan (gloo, which matches a receive with the next send of its tag from its peer) they pair
+  per tag, in order, and only sizes must agree.
 
 What is left when no cursor moves is the finding, by name: a deadlock (each waiting rank, the action
 whose receive it waits at, and what its peer is doing), a receive whose peer ended its step without the
@@ -130,13 +132,17 @@ def labeler(runner: Any, program: Mapping[str, Any]) -> Label | None:
 
 
 # ---- the world ---------------------------------------------------------------------------------------
-def match_world(world: Mapping[int, Sequence[Op]], stage_of: Mapping[int, int]) -> dict[int, list[str]]:
+def match_world(
+    world: Mapping[int, Sequence[Op]], stage_of: Mapping[int, int], *, in_order: bool = True
+) -> dict[int, list[str]]:
     """Play every rank's operations together (module docstring); per rank, what does not pair, in
-    words (empty: every send met its receive, in order, and every rank ran to the end of its step)."""
+    words (empty: every send met its receive, in order, and every rank ran to the end of its step).
+    ``in_order``: NCCL's matching (per pair, in issue order); else gloo's (per pair and tag)."""
     pc = {r: 0 for r in world}
-    posted: dict[tuple[int, int], list[Op]] = collections.defaultdict(list)  # (src, dst) -> sends, in order
-    taken: dict[tuple[int, int], int] = collections.defaultdict(int)  # (src, dst) -> receives matched
-    wrong: dict[tuple[int, int], list[str]] = collections.defaultdict(list)
+    # a channel: (src, dst) under NCCL, (src, dst, tag) under gloo; its sends in order, receives matched
+    posted: dict[tuple[int, ...], list[Op]] = collections.defaultdict(list)
+    taken: dict[tuple[int, ...], int] = collections.defaultdict(int)
+    wrong: dict[tuple[int, ...], list[str]] = collections.defaultdict(list)
     moved = True
     while moved:
         moved = False
@@ -147,10 +153,10 @@ def match_world(world: Mapping[int, Sequence[Op]], stage_of: Mapping[int, int]) 
                 if o.peer not in world:  # a rank not played (folded): not checked
                     pc[r] += 1
                 elif o.op == "send":
-                    posted[(r, o.peer)].append(o)
+                    posted[(r, o.peer) if in_order else (r, o.peer, o.tag)].append(o)
                     pc[r] += 1
                 else:
-                    pair = (o.peer, r)
+                    pair = (o.peer, r) if in_order else (o.peer, r, o.tag)
                     k = taken[pair]
                     if k >= len(posted[pair]):
                         break  # blocked until the peer posts its send
@@ -161,18 +167,19 @@ def match_world(world: Mapping[int, Sequence[Op]], stage_of: Mapping[int, int]) 
                     pc[r] += 1
                 moved = True
     out: dict[int, list[str]] = collections.defaultdict(list)
-    for (a, b), found in wrong.items():
+    for channel, found in wrong.items():
         more = f" (and {len(found) - 1} more pairs after it)" if len(found) > 1 else ""
-        for who in {a, b}:
+        for who in set(channel[:2]):
             out[who].append(found[0] + more)
     done = {r for r in world if pc[r] >= len(world[r])}
     for r in sorted(set(world) - done):
         o = world[r][pc[r]]
         out[r].append(_waiting(r, o, world, pc, done, stage_of))
-    for (a, b), sends in sorted(posted.items()):
-        if b in done and taken[(a, b)] < len(sends):
-            s = sends[taken[(a, b)]]
-            extra = len(sends) - taken[(a, b)]
+    for channel, sends in sorted(posted.items()):
+        a, b = channel[:2]
+        if b in done and taken[channel] < len(sends):
+            s = sends[taken[channel]]
+            extra = len(sends) - taken[channel]
             why = (
                 f"p2p: {_who(a, stage_of)} {s.label} ({_fmt(s.bytes)}) to {_who(b, stage_of)} has no receive: rank {b} "
                 f"ended its step with {extra} of rank {a}'s sends unreceived (the pipeline would hang)"

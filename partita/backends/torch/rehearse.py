@@ -169,13 +169,13 @@ def _p2p_record(func: Any, args: Sequence[Any], ev: tuple[str, str | None, int],
     return [op, peer, int(ev[2]), tag, labels(op, peer, tag) if labels is not None else p2p_world.OUTSIDE]
 
 
-def pair_p2p(results: Mapping[int, RankResult]) -> dict[int, list[str]]:
+def pair_p2p(results: Mapping[int, RankResult], *, in_order: bool = True) -> dict[int, list[str]]:
     """The rehearsed roles played together as one point-to-point world (``p2p_world.match_world``):
     per rank, a deadlock, a wrong order, a send without its receive or a receive without its send,
-    each named by rank, stage and schedule action. A peer that was not rehearsed (a folded tp rank)
-    is not checked."""
+    each named by rank, stage and schedule action. ``in_order``: matched as NCCL matches (a GPU plan),
+    else by tag as gloo does (a CPU plan). A peer that was not rehearsed (a folded tp rank) is not checked."""
     world = {r: p2p_world.ops_of(v.p2p) for r, v in results.items()}
-    return p2p_world.match_world(world, {r: v.stage for r, v in results.items()})
+    return p2p_world.match_world(world, {r: v.stage for r, v in results.items()}, in_order=in_order)
 
 
 # ---- one rank ----------------------------------------------------------------------------------------
@@ -554,7 +554,8 @@ def _rehearse(plan: Plan, plan_dir: Path, program: Mapping[str, Any], progress: 
     # records together (chunks.physical_plan), which is what one rank of the group issues
     view = physical_plan(plan)
     # the roles played together: every send between two of them must meet its receive (pair_p2p)
-    unpaired = pair_p2p({r: v for r, v in got.items() if isinstance(v, RankResult)})
+    nccl = any(s.get("kind") == "gpu" for s in program["stages"])  # the backend the program's p2p runs on
+    unpaired = pair_p2p({r: v for r, v in got.items() if isinstance(v, RankResult)}, in_order=nccl)
     stages = []
     for index, ranks in plan_roles.items():
         failure = next((got[r] for r in ranks if isinstance(got[r], str)), None)
