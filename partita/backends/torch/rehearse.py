@@ -31,6 +31,12 @@ The comparison is with the Plan's own records and nothing else: ``Stage.collecti
 ``kind@axis``: counts equal, total bytes within 2%), ``Stage.predicted["memory_bytes"]`` (peak within
 10%) and ``Stage.predicted["flops"]`` (per device and step, within 5%). A record the plan lacks is a
 mismatch that says so; this module never predicts anything itself.
+
+The roles of a pipeline are then played together (``pair_p2p``, ``p2p_world``): every send and
+receive a role's schedule issued, with its action (``F1.2 recv``), replayed with the schedule's
+blocking rules and the plan's backend's matching (NCCL in order, gloo by tag), so a deadlock, a
+message received by the wrong action or a send without its receive is a mismatch of the stages
+involved, by rank, stage and action.
 """
 
 from __future__ import annotations
