@@ -121,7 +121,9 @@ def layout_text(plan: Plan) -> str:
     parts = []
     for s in plan.stages:
         mesh = f"dp {s.dp}" + (f" x cp {s.cp}" if s.cp > 1 else "") + f" x tp {s.tp}"
-        text = f"{mesh}, ZeRO-{s.zero_stage}, {s.recompute} recompute"
+        text = f"{mesh}, ZeRO-{s.zero_stage}, " + (
+            "no recompute" if s.recompute == "none" else f"{s.recompute} recompute"
+        )
         if text not in parts:
             parts.append(text)
     return "; ".join(parts)
