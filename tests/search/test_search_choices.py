@@ -174,6 +174,7 @@ def test_mixed_cluster_keeps_a100_in_bf16() -> None:
     assert "no FP8 tensor cores" in rec["bf16_types"]["A100-80G"]
     if rec["chosen"]:
         assert {s.device_type for s in plan.stages} == {"H100-80G"}
+        assert "no FP8 tensor cores" in plan.predicted["idle_reasons"]["A100-80G"]
     else:
         assert "fp8" not in plan.training
     assert "A100-80G: no FP8 tensor cores" in plan_text(plan, width=400)

@@ -96,7 +96,12 @@ def choose(
     base = plans.get("cp 1")
     if base is not None and "best_hand_layout" in base.search and "best_hand_layout" not in best.search:
         extra["best_hand_layout"] = base.search["best_hand_layout"]  # the yardstick, priced beside cp 1
-    return dataclasses.replace(best, search={**best.search, **extra})
+    predicted = best.predicted
+    if label == "fp8" and predicted.get("idle_reasons"):  # the fp8 plan leaves the types without FP8 idle
+        kept = extra["fp8"].get("bf16_types") or {}
+        idle = {k: (f"{v}; {kept[k]}" if k in kept else v) for k, v in predicted["idle_reasons"].items()}
+        predicted = {**predicted, "idle_reasons": idle}
+    return dataclasses.replace(best, search={**best.search, **extra}, predicted=predicted)
 
 
 def _attempt(plans: dict[str, Plan], errors: dict[str, ConfigError], label: str, fn: Callable[[], Plan]) -> None:
