@@ -30,6 +30,7 @@ No torch; no import of the planner (it calls here).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -69,7 +70,7 @@ def choose(
     errors: dict[str, ConfigError] = {}
     _attempt(plans, errors, "cp 1", lambda: run(base_tr))
     for c in degrees:
-        _attempt(plans, errors, f"cp {c}", lambda c=c: _run_cp(graph, base_tr, c, run))
+        _attempt(plans, errors, f"cp {c}", functools.partial(_run_cp, graph, base_tr, c, run))
         if f"cp {c}" in plans:
             say(f"cp={c}: {_step(plans[f'cp {c}']):.4f} s")
     fp8_why = None

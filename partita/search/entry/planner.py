@@ -591,8 +591,8 @@ def _plan_one(
         recompute = tuple(r for r in options.recompute if r != "selective")
         if not recompute:
             raise ConfigError(f"cp={cp} with selective recompute only: cp plans recompute none or full.", "")
-        schedules = tuple(x for x in options.schedules if x != "zbv") or ("1f1b",)
-        options = dataclasses.replace(options, recompute=recompute, schedules=schedules, uneven_shares=False)
+        kept = tuple(x for x in options.schedules if x != "zbv") or ("1f1b",)
+        options = dataclasses.replace(options, recompute=recompute, schedules=kept, uneven_shares=False)
         costs = ContextParallelCosts(graph, cluster, training, cp, memo=memo)
     elif costs is None and memo is not None:
         costs = SolverCosts(graph, cluster, training, memo=memo)
@@ -739,6 +739,7 @@ def _search(
     else:
         plan = chunk_layout.lay_out(search, plan)
     if cp > 1:  # the flat dp x cp replicas written as the Plan of cp (search/program/cp_layout.py)
+        assert isinstance(search.costs, ContextParallelCosts)
         plan = cp_layout.with_cp(plan, search, search.costs.full_training, plan.stages[0].dp // cp, cp)
     return records.memory_items(plan, search.graph), rec  # memory beyond tensors, host peak (issue 33)
 
