@@ -96,6 +96,9 @@ def test_search_picks_cp_for_a_64k_llama_7b_on_64_h100(llama: Graph, long_plans:
     assert hand.fits and flipped.predicted["step_time_s"] <= hand.predicted_step_time_s * (1 + 1e-9)
     # the Plan the program would run: devices dp x cp x tp per stage, the whole sequence, a valid round trip
     assert sum(s.dp * s.cp * s.tp for s in flipped.stages) <= 64 and flipped.training["seq_len"] == 65536
+    if sum(s.dp * s.cp * s.tp for s in flipped.stages) == 64:  # every device used: the two MFUs are one
+        assert flipped.predicted["mfu_cluster"] == pytest.approx(flipped.predicted["mfu"])
+    assert all("dp counts dp x cp" in a["summary"] for a in flipped.search["alternatives"])
     assert Plan.from_json(flipped.to_json()).to_json() == flipped.to_json()  # validated on reading
 
 

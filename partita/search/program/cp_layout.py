@@ -7,7 +7,8 @@ candidate (``plan_build.build_plan``) is that flat view; :func:`with_cp` writes 
 program runs: the whole sequence in ``training``, stages of ``dp`` replicas with ``Stage.cp`` (replica
 ``i * cp + c`` of the flat layout is rank block ``(i, c)``: ranks ``(dp, cp, tp)``, tp fastest), the
 records completed by ``search/program/context_parallel.complete`` from the layers' ILP records, and the
-MFU of the whole sequence's FLOPs (every query meets every key: :func:`model_flops` at ``S``).
+MFU of the whole sequence's FLOPs (every query meets every key: :func:`model_flops` at ``S``; both MFUs,
+the devices used and the whole cluster), and the runners-up's dp marked as counting dp x cp.
 
 Used by ``search/entry/hand_plan.py`` (a hand layout's ``cp``) and ``search/entry/planner.py`` (the
 search's cp degrees, ``search/program/realizable.py``).
@@ -54,8 +55,17 @@ def with_cp(plan: Plan, search: Any, full: TrainingConfig, dp: int, cp: int) -> 
     stages = tuple(dataclasses.replace(s, dp=dp, cp=cp, collectives=ilp_records(search, s, plan)) for s in plan.stages)
     linear = search.costs.linear_batch  # as plan_build counts the FLOPs
     local = model_flops(graph, local_training(full, cp), linear)
-    mfu = plan.predicted["mfu"] * model_flops(graph, full, linear) / local if local else plan.predicted["mfu"]
-    out = dataclasses.replace(plan, training=full.to_dict(), stages=stages, predicted={**plan.predicted, "mfu": mfu})
+    scale = model_flops(graph, full, linear) / local if local else 1.0
+    predicted = {
+        **plan.predicted,
+        **{k: plan.predicted[k] * scale for k in ("mfu", "mfu_cluster") if k in plan.predicted},
+    }
+    # runners-up of the same search: their dp counts the dp x cp replicas of S / cp tokens
+    alts = [
+        {**a, "summary": f"{a['summary']} (cp {cp}: dp counts dp x cp)"} for a in plan.search.get("alternatives") or []
+    ]
+    search = {**plan.search, "alternatives": alts} if "alternatives" in plan.search else plan.search
+    out = dataclasses.replace(plan, training=full.to_dict(), stages=stages, predicted=predicted, search=search)
     out = cp_records.complete(out, graph)
     validate(out)
     return out
