@@ -80,6 +80,10 @@ def test_search_picks_cp_for_a_64k_llama_7b_on_64_h100(llama: Graph, long_plans:
     assert steps["1"] == today.predicted["step_time_s"] > steps[str(cp)]
     assert f"cp {cp}: {steps['1'] / steps[str(cp)]:.2f}x faster than the best cp 1 plan" in rec["why"]
     assert layout_text(today) in rec["why"]  # the cp 1 plan it beat, as the search without cp found it
+    wide = plan_text(flipped, width=400)
+    assert "context parallelism" in wide and rec["why"] in wide and f", cp {cp}" in wide  # the stage table's mesh
+    assert html.escape(rec["why"]) in why_html(flipped)
+    assert today.search["context_parallel"]["why"] in plan_text(today, width=400)
     hand = evaluate_config(
         llama,
         parse_cluster(H100_64),

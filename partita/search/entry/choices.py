@@ -14,8 +14,9 @@
    stage alike) and with tp 1 (the program does not emit torchao's tensor-parallel float8 styles);
 4. keeps the fastest plan (ties: cp 1, then bf16) and records in ``plan.search`` why
    (``"context_parallel"``, ``"fp8"``): each choice's best step, and one sentence the report prints.
-   Nothing is recorded where nothing was offered or asked (short sequences, no fp8 request), so
-   those plans are byte-identical to the ones before issue 36.
+   Nothing is recorded below ``2 * realizable.MIN_LOCAL_SEQ`` tokens without an fp8 request (no cp
+   offered there, none asked), so those plans are byte-identical to the ones before issue 36; at longer
+   sequences the plan says why cp was not offered when the emitter does not build it.
 
 Why FP8 is opt-in and not the default on H100: FP8 changes the numerics (the program's parity against
 one device holds within FP8's tolerance, ``docs/parity.md``, not bf16's), and the program needs torchao
