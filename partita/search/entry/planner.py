@@ -596,7 +596,7 @@ def _plan_one(
         costs = ContextParallelCosts(graph, cluster, training, cp, memo=memo)
     elif costs is None and memo is not None:
         costs = SolverCosts(graph, cluster, training, memo=memo)
-    search = Search(graph, cluster, costs.training if costs is not None else training, options, costs, factors)
+    search = Search(graph, cluster, costs.training if cp > 1 else training, options, costs, factors)  # type: ignore[union-attr]
     if types is not None:  # e.g. the FP8 types of an fp8 plan (choices.py): the others stay idle
         search.types = [d for d in search.types if d.name in types]
     check_states_fit(search)  # fails fast, before any configuration is priced
