@@ -14,6 +14,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rich.markup import escape as markup_escape
 from rich.table import Table
 
 from partita.plan import Plan
@@ -72,7 +73,7 @@ def summary_table(plan: Plan) -> Table:
         rows.append(["MFU (vs peak of the whole cluster)", f"{pct(p['mfu_cluster'])}{idle_note}"])
         rows.append(["precision", str((p.get("precision") or {}).get("why", "-"))])
         rows.append(["network", str(p.get("network", "-"))])
-    rows += [[what, why] for what, why in choice_notes(plan)]
+    rows += [[what, markup_escape(why)] for what, why in choice_notes(plan)]  # "partita[fp8]" is not a style
     headroom = []
     for s in plan.stages:
         for dev, mem, cap in stage_memory(plan, s):

@@ -80,10 +80,10 @@ def test_search_picks_cp_for_a_64k_llama_7b_on_64_h100(llama: Graph, long_plans:
     assert steps["1"] == today.predicted["step_time_s"] > steps[str(cp)]
     assert f"cp {cp}: {steps['1'] / steps[str(cp)]:.2f}x faster than the best cp 1 plan" in rec["why"]
     assert layout_text(today) in rec["why"]  # the cp 1 plan it beat, as the search without cp found it
-    wide = plan_text(flipped, width=400)
+    wide = plan_text(flipped, width=1000)
     assert "context parallelism" in wide and rec["why"] in wide and f", cp {cp}" in wide  # the stage table's mesh
     assert html.escape(rec["why"]) in why_html(flipped)
-    assert today.search["context_parallel"]["why"] in plan_text(today, width=400)
+    assert today.search["context_parallel"]["why"] in plan_text(today, width=1000)
     hand = evaluate_config(
         llama,
         parse_cluster(H100_64),
@@ -159,7 +159,7 @@ def test_fp8_is_chosen_on_h100_where_faster() -> None:
     assert rec["steps"] == {"bf16": bf16.predicted["step_time_s"], "fp8": plan.predicted["step_time_s"]}
     assert rec["steps"]["fp8"] < rec["steps"]["bf16"]
     assert f"{rec['steps']['bf16'] / rec['steps']['fp8']:.2f}x faster than the best bf16 plan" in rec["why"]
-    wide = plan_text(plan, width=400)
+    wide = plan_text(plan, width=1000)
     assert "fp8" in wide and rec["why"] in wide
     assert html.escape(rec["why"]) in why_html(plan)
 
@@ -184,7 +184,7 @@ def test_mixed_cluster_keeps_a100_in_bf16() -> None:
         assert "no FP8 tensor cores" in plan.predicted["idle_reasons"]["A100-80G"]
     else:
         assert "fp8" not in plan.training
-    assert "A100-80G: no FP8 tensor cores" in plan_text(plan, width=400)
+    assert "A100-80G: no FP8 tensor cores" in plan_text(plan, width=1000)
 
 
 @pytest.mark.parametrize(

@@ -188,10 +188,11 @@ def _fp8_record(
         return out
     f8 = _step(plans["fp8"])
     out["steps"] = {"bf16": bf, "fp8": f8}
-    tp1 = " (tp 1 stages: the program does not convert tensor-parallel linears)"
+    tp1 = "; tp 1 only (no FP8 tensor parallelism emitted)"
     if label == "fp8":
         out["why"] = (
-            f"fp8 ({recipe}): {bf / f8:.2f}x faster than the best bf16 plan ({bf:.3f} vs {f8:.3f} s per step){tp1}"
+            f"fp8 ({recipe}): {bf / f8:.2f}x faster than the best bf16 plan ({bf:.3f} vs {f8:.3f} s per step){tp1}; "
+            "needs torchao where it runs (partita[fp8])"
             if bf is not None
             else f"fp8 ({recipe}): no bf16 plan fits"
         )
