@@ -419,7 +419,8 @@ def _add_training(p: argparse.ArgumentParser, defaults: bool = True) -> None:
         default="bf16",
         choices=["bf16", "f16", "f32", "fp16", "fp32", "fp8"],
         help="fp8: bf16 training whose linear layers run their GEMMs in FP8 through torchao (H100, H200, L4; "
-        "hand layouts with --tp 1; `pip install partita[fp8]` where the program runs)",
+        "a hand layout: every stage, --tp 1; no layout: the search may choose it where faster, tp 1 stages; "
+        "`pip install partita[fp8]` where the program runs)",
     )
     p.add_argument(
         "--fp8-recipe",

@@ -377,13 +377,8 @@ def compile_to_dir(
     check_model_spec(model)  # a config.json's sizes, before transformers reads it
     cl = parse_cluster(cluster, gpus_per_node)
     _check_training(training)
-    if getattr(training, "fp8", None) is not None:  # design rule 1: the search chooses only what it prices and runs
-        raise ConfigError(
-            "--precision fp8 without a hand-made layout: the search does not choose FP8 yet (it prices FP8 only "
-            "for hand layouts, and the program runs it only with tp = 1).",
-            "give the layout (--tp 1 --pp P --dp D --micro-batch b) to compile it in FP8, or use --precision bf16 "
-            "to let the search choose.",
-        )
+    # --precision fp8 without a layout lets the search choose FP8 where it is faster and the program runs it
+    # (search/entry/choices.py); with a layout (compile_layout) every stage trains in FP8
     ident = spec_identity(model)
     if ident is not None and not force:
         key = cache_key(None, cl, training, ident)

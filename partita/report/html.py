@@ -38,6 +38,7 @@ from partita.report.run_log import gap_causes
 from partita.report.run_log_view import collective_rows
 from partita.report.terminal import (
     SCHEDULE_NAMES,
+    choice_notes,
     compare_text,
     hand_layout_table,
     plan_text,
@@ -429,6 +430,8 @@ def why_html(plan: Plan) -> str:
     )
     if prec:
         items.append(f"<li>precision: {_e(prec)}</li>")
+    for what, why in choice_notes(plan):  # issue 36: context parallelism, fp8
+        items.append(f"<li>{_e(what)}: {_e(why)}</li>")
     names = [f"<b>{_e(k)}</b>: {_e(v)}" for k, v in SCHEDULE_NAMES.items() if k == plan.schedule]
     if names:
         items.append(f"<li>{names[0]}</li>")

@@ -14,6 +14,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rich.markup import escape as markup_escape
 from rich.table import Table
 
 from partita.plan import Plan
@@ -72,6 +73,7 @@ def summary_table(plan: Plan) -> Table:
         rows.append(["MFU (vs peak of the whole cluster)", f"{pct(p['mfu_cluster'])}{idle_note}"])
         rows.append(["precision", str((p.get("precision") or {}).get("why", "-"))])
         rows.append(["network", str(p.get("network", "-"))])
+    rows += [[what, markup_escape(why)] for what, why in choice_notes(plan)]  # "partita[fp8]" is not a style
     headroom = []
     for s in plan.stages:
         for dev, mem, cap in stage_memory(plan, s):
@@ -80,6 +82,20 @@ def summary_table(plan: Plan) -> Table:
     rows.append(["memory headroom per device (of usable)", ", ".join(headroom) or "-"])
     name = f"Plan for {plan.model.get('name')} on {plan.cluster.get('name')} ({devices_phrase(plan)})"
     return table(name, ["what", "value"], rows, show_header=False)
+
+
+def choice_notes(plan: Plan) -> list[tuple[str, str]]:
+    """Why the search chose context parallelism and FP8 or not (issue 36, ``search/entry/choices.py``'s
+    records): ``(what, why)`` per choice the plan records; none where nothing was offered or asked."""
+    out = []
+    cp = plan.search.get("context_parallel")
+    if isinstance(cp, Mapping) and cp.get("why"):
+        out.append(("context parallelism", str(cp["why"])))
+    f8 = plan.search.get("fp8")
+    if isinstance(f8, Mapping) and f8.get("why"):
+        kept = "; ".join(f"{k}: {v}" for k, v in sorted((f8.get("bf16_types") or {}).items()))
+        out.append(("fp8", str(f8["why"]) + (f"; {kept}" if kept else "")))
+    return out
 
 
 def _shares_note(plan: Plan) -> str:
@@ -120,6 +136,7 @@ def _stage_layout_rows(plan: Plan) -> list[list[str]]:
                 s.device_type,
                 ranks,
                 f"{s.dp} x {s.tp}"
+                + (f", cp {s.cp}" if s.cp > 1 else "")  # context parallelism: dp x cp x tp ranks
                 + (" SP" if "sequence_parallel" in s.tp_plan.values() else "")  # Megatron SP
                 + (" (tp shards nothing: replicated)" if s.tp_shards_nothing else ""),
                 str(s.zero_stage),

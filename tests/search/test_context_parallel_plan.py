@@ -183,6 +183,9 @@ def test_hand_plan_lays_out_cp_as_evaluate_prices_it() -> None:
         assert plan.predicted["mfu"] * plan.predicted["step_time_s"] * cp == pytest.approx(
             one["mfu"] * one["step_time_s"], rel=1e-6
         )
+        # against the whole cluster too (was left at S / cp's FLOPs: 64 devices, dp x cp x tp x pp of them used)
+        used = dp * cp * tp * pp
+        assert plan.predicted["mfu_cluster"] == pytest.approx(plan.predicted["mfu"] * used / 64, rel=1e-6)
         assert (plan.training["seq_len"], plan.num_micro_batches, plan.world_size) == (SEQ, m, dp * cp * tp * pp)
         assert [(s.dp, s.cp, s.tp) for s in plan.stages] == [(dp, cp, tp)] * pp
         assert plan.search["hand_layout"]["cp"] == cp

@@ -55,6 +55,7 @@ from partita.search.pipeline.zero_bubble import RUNNABLE_ZERO, HeldCounts, count
 from partita.search.pricing import context_parallel as cpx
 from partita.search.pricing.config import SearchOptions, TrainingConfig
 from partita.search.pricing.precision import choose_precision, precision_note
+from partita.search.program.cp_layout import model_flops
 from partita.search.program.plan_build import Candidate, StagePick
 from partita.search.program.records import NOT_BLOCKS
 from partita.search.program.sequence_parallel import activation_delta, check_strategies
@@ -410,29 +411,6 @@ def sequence_parallel_saved(cand: Candidate, training: TrainingConfig) -> tuple[
         delta = activation_delta(g, blocks, strategy, p.option.tp, r, low, fsdp, (mb, training.seq_len), regather)
         out.append(delta * sched.in_flight(cand.schedule, i, len(cand.stages), cand.m, cand.v))
     return tuple(out)
-
-
-_FLOPS: dict[tuple[int, int], tuple[Graph, float, float]] = {}
-
-
-def model_flops(graph: Graph, training: TrainingConfig, linear_batch: bool) -> float:
-    """Forward + backward FLOPs of one step (the whole global batch), as the plan records them.
-
-    Training FLOPs are affine in the batch: evaluated at B = 1 and 2 once per (graph, seq) and
-    extrapolated (``layer_stats`` substitutes sympy per node: too slow to call per evaluation)."""
-    from partita.passes.annotate import layer_stats
-
-    key = (id(graph), training.seq_len)
-    hit = _FLOPS.get(key)
-    if hit is None or hit[0] is not graph:
-        f1, f2 = (
-            float(sum(s.forward_flops + s.backward_flops for s in layer_stats(graph, {"B": b, "S": training.seq_len})))
-            for b in (1, 2)
-        )
-        hit = _FLOPS[key] = (graph, f1, f2)
-    _, f1, f2 = hit
-    flops = f1 + (f2 - f1) * (training.global_batch - 1)
-    return flops * training.global_batch if linear_batch else flops
 
 
 def evaluate_config(

@@ -25,7 +25,7 @@ import numpy as np
 
 from partita.cluster import Cluster
 from partita.ir import Graph
-from partita.plan import Collective, Plan, Stage, validate
+from partita.plan import Plan
 from partita.search.entry.evaluate import check_layout, megatron_split, stage_tps, tp_style_of
 from partita.search.entry.planner import Option, Search
 from partita.search.pipeline import schedule as sched
@@ -34,7 +34,7 @@ from partita.search.pipeline.stage_cost import SolverCosts
 from partita.search.pipeline.zero_bubble import HeldCounts, in_flight_table
 from partita.search.pricing.config import SearchOptions, TrainingConfig
 from partita.search.program import chunk_layout, records, v_layout
-from partita.search.program import context_parallel as cp_records
+from partita.search.program.cp_layout import with_cp
 from partita.search.program.plan_build import Candidate, StagePick, build_plan
 from partita.search.program.sequence_parallel import apply as sequence_parallel_apply
 from partita.search.program.sequence_parallel import check as sequence_parallel_check
@@ -142,7 +142,7 @@ def hand_plan(
     if sequence_parallel:
         plan = sequence_parallel_apply(plan, graph)
     if cp > 1:
-        plan = _with_cp(plan, search, full, dp, cp)
+        plan = with_cp(plan, search, full, dp, cp)
     plan = records.memory_items(plan, graph)  # memory beyond tensors, host peak (issue 33)
     layout = {
         "tp": tps[0] if len(set(tps)) == 1 else list(tps),
@@ -160,36 +160,3 @@ def hand_plan(
         "notes": notes,
     }
     return dataclasses.replace(plan, search={**plan.search, "hand_layout": layout})
-
-
-def _with_cp(plan: Plan, search: Search, full: TrainingConfig, dp: int, cp: int) -> Plan:
-    """``plan`` (laid out for ``dp * cp`` replicas of ``S / cp`` tokens) as the Plan of ``cp``: the whole
-    sequence in ``training``, stages of ``dp`` replicas with ``cp`` (the same ranks: replica ``i * cp + c``
-    of the flat layout is rank block ``(i, c)``), records by ``search/program/context_parallel.complete``
-    from the layers' ILP records (what ``records.complete`` starts from), and the MFU of the whole
-    sequence's FLOPs (every query meets every key)."""
-    from partita.search.entry.evaluate import model_flops
-    from partita.search.pricing.context_parallel import local_training
-
-    graph = search.graph
-    stages = tuple(dataclasses.replace(s, dp=dp, cp=cp, collectives=_ilp_records(search, s, plan)) for s in plan.stages)
-    linear = search.costs.linear_batch  # as plan_build counts the FLOPs
-    local = model_flops(graph, local_training(full, cp), linear)
-    mfu = plan.predicted["mfu"] * model_flops(graph, full, linear) / local if local else plan.predicted["mfu"]
-    out = dataclasses.replace(plan, training=full.to_dict(), stages=stages, predicted={**plan.predicted, "mfu": mfu})
-    out = cp_records.complete(out, graph)
-    validate(out)
-    return out
-
-
-def _ilp_records(search: Search, s: Stage, plan: Plan) -> tuple[Collective, ...]:
-    """Stage ``s``'s tensor-parallel records per micro-batch, from its layers' ILP solutions (``plan_build``'s)."""
-    index = {lay.name: i for i, lay in enumerate(search.graph.layers)}
-    dev = next(d for d in search.types if d.name == s.device_type)
-    mb = plan.micro_batch_size
-    scale = float(mb) if search.costs.linear_batch else 1.0
-    out: list[Collective] = []
-    for name in s.layers:
-        for c in search.costs.solution(index[name], dev, s.tp, mb).collectives:
-            out.append(c if c.phase == "optimizer" else dataclasses.replace(c, bytes=c.bytes * scale))
-    return tuple(out)

@@ -40,11 +40,13 @@ from partita.device_reserve import tensor_cap
 from partita.errors import ConfigError
 from partita.ir import Graph
 from partita.plan import Plan, shards_on_tp
+from partita.search.entry import choices
 from partita.search.entry import prefetch as beside
 from partita.search.entry.infeasible import check_states_fit, infeasible
 from partita.search.entry.prefetch import in_background, prefetch
 from partita.search.pipeline import schedule as sched
 from partita.search.pipeline import schedule_cost
+from partita.search.pipeline.cp_costs import ContextParallelCosts
 from partita.search.pipeline.inter_op import DPStats, solve_stages
 from partita.search.pipeline.stage_cost import (
     SolverCosts,
@@ -69,7 +71,7 @@ from partita.search.pipeline.step_bounds import (
 from partita.search.pipeline.zero_bubble import solve_zero_bubble
 from partita.search.pricing.config import SearchOptions, TrainingConfig, powers_of_two
 from partita.search.pricing.precision import choose_precision
-from partita.search.program import chunk_layout, records, v_layout
+from partita.search.program import chunk_layout, cp_layout, records, v_layout
 from partita.search.program.plan_build import Candidate, StagePick, build_plan
 
 DEFAULT_OPTIONS = SearchOptions()
@@ -538,14 +540,65 @@ def plan_graph(
     every input of a solve, so sharing changes no result. ``yardstick``: a record for
     ``plan.search["best_hand_layout"]`` from the training configuration in the plan's precision (the
     driver's ``hand_best`` pricing), computed beside the search (``prefetch.in_background``) once the
-    layer ILPs are solved."""
+    layer ILPs are solved. Context parallelism and FP8 (issue 36): each a search of its own where offered,
+    the fastest plan kept (``search/entry/choices.py``)."""
     t0 = time.perf_counter()
     say = progress if callable(progress) else (print if progress else (lambda _s: None))
-    if costs is None:  # fp16 when it lets GPUs without bf16 tensor cores contribute (search/pricing/precision.py)
+
+    def run(
+        tr: TrainingConfig, *, cp: int = 1, types: list[str] | None = None, options: SearchOptions = options
+    ) -> Plan:
+        first = cp == 1 and types is None and tr.fp8 is None  # the search as before issue 36
+        return _plan_one(
+            graph,
+            cluster,
+            tr,
+            options=options,
+            costs=costs if first else None,
+            factors=factors,
+            memo=memo,
+            yardstick=yardstick if first else None,
+            say=say,
+            t0=t0,
+            cp=cp,
+            types=types,
+        )
+
+    return choices.choose(graph, cluster, training, options, run, say)
+
+
+def _plan_one(
+    graph: Graph,
+    cluster: Cluster,
+    training: TrainingConfig,
+    *,
+    options: SearchOptions,
+    costs: SolverCosts | None,
+    factors: StageFactors | None,
+    memo: Any,
+    yardstick: Any,
+    say: Callable[[str], None],
+    t0: float,
+    cp: int = 1,
+    types: list[str] | None = None,
+) -> Plan:
+    """The search of one choice of ``search/entry/choices.py``: context parallelism ``cp`` (the layers at
+    ``S / cp``, ``search/pipeline/cp_costs.py``; ``dp * cp`` replicas searched, written back as ``Stage.cp``
+    by ``search/program/cp_layout.with_cp``), on the device ``types`` named (all when None)."""
+    if costs is None and training.fp8 is None:  # fp16 when it lets GPUs without bf16 tensor cores contribute
         training = choose_precision(cluster, training, getattr(options, "allow_f16", True))
-    if costs is None and memo is not None:
+    if cp > 1:  # what the cp records and layouts describe: no selective recompute, no zbv, one type per stage
+        recompute = tuple(r for r in options.recompute if r != "selective")
+        if not recompute:
+            raise ConfigError(f"cp={cp} with selective recompute only: cp plans recompute none or full.", "")
+        kept = tuple(x for x in options.schedules if x != "zbv") or ("1f1b",)
+        options = dataclasses.replace(options, recompute=recompute, schedules=kept, uneven_shares=False)
+        costs = ContextParallelCosts(graph, cluster, training, cp, memo=memo)
+    elif costs is None and memo is not None:
         costs = SolverCosts(graph, cluster, training, memo=memo)
-    search = Search(graph, cluster, training, options, costs, factors)
+    search = Search(graph, cluster, costs.training if cp > 1 else training, options, costs, factors)  # type: ignore[union-attr]
+    if types is not None:  # e.g. the FP8 types of an fp8 plan (choices.py): the others stay idle
+        search.types = [d for d in search.types if d.name in types]
     check_states_fit(search)  # fails fast, before any configuration is priced
     chunks = graph.meta.get("framework") != "jax" and not graph.meta.get("no_chunks")  # no JAX chunk records;
     # a model the torch runtime cuts with its generic splitter runs one layer range per rank (passes/pipeline.py)
@@ -553,12 +606,12 @@ def plan_graph(
     schedules = [s for s in options.schedules if s not in ("interleaved_1f1b", "zbv")] or ["1f1b"]
     if graph.meta.get("framework") == "jax":  # no JAX runtime splits the backward (backends/jax/emit._check)
         schedules = [s for s in schedules if not sched.splits_backward(s)] or ["1f1b"]
-    n = cluster.num_devices
+    n = sum(cluster.count(d.name) for d in search.types)
     configs = [
         (dp, b)
         for b in powers_of_two(options.max_micro_batch)
         for dp in powers_of_two(n)
-        if training.global_batch % (b * dp) == 0
+        if search.training.global_batch % (b * dp) == 0 and dp % cp == 0  # cp: dp x cp replicas
     ]
     # the unit tables the configurations read, solved first (in parallel where it pays, search/entry/prefetch.py):
     # the pure device types' (which the mixed classes' shares come from), then the mixed classes'
@@ -573,7 +626,7 @@ def plan_graph(
         functools.partial(_beside, search, configs, there, chunks, yardstick), solves >= beside.MIN_SOLVES
     )
     try:
-        plan, rec = _search(search, configs, here, chunks, say, side, t0)
+        plan, rec = _search(search, configs, here, chunks, say, side, t0, cp)
     except BaseException:
         side.cancel()
         raise
@@ -638,6 +691,7 @@ def _search(
     say: Callable[[str], None],
     side: Any,
     t0: float,
+    cp: int = 1,
 ) -> tuple[Plan, Any]:
     """:func:`plan_graph`'s outer loop and what follows it; ``(plan, yardstick record)``."""
     options = search.options
@@ -684,6 +738,9 @@ def _search(
         plan = v_layout.lay_out(search, plan, best)
     else:
         plan = chunk_layout.lay_out(search, plan)
+    if cp > 1:  # the flat dp x cp replicas written as the Plan of cp (search/program/cp_layout.py)
+        assert isinstance(search.costs, ContextParallelCosts)
+        plan = cp_layout.with_cp(plan, search, search.costs.full_training, plan.stages[0].dp // cp, cp)
     return records.memory_items(plan, search.graph), rec  # memory beyond tensors, host peak (issue 33)
 
 

@@ -100,6 +100,11 @@ class SearchOptions:
     * ``tail_epsilon``: relative step of the tail caps (rule R7, ``planner``); 0 = exact.
     * ``uneven_shares``: allow stages whose replicas run on different device types (Cephalo).
     * ``num_alternatives``: how many runner-up plans to report.
+    * ``cp_degrees``: context-parallel degrees (> 1) searched beside cp 1 (issue 36), each a search of
+      its own with the layers at ``S / cp`` (``search/pipeline/cp_costs.py``); the fastest plan of all
+      wins and the report says why. None: what the emitter of the graph's framework builds
+      (``search/program/realizable.cp_degrees``: none today; powers of two keeping >= 8,192 tokens per
+      rank once it does); ``()``: cp 1 only.
     * ``allow_f16``: train a bf16 request in fp16 (with dynamic loss scaling) when the cluster has GPUs
       without bf16 tensor cores (V100, T4) and none loses by it (``search/pricing/precision.py``).
     """
@@ -115,6 +120,7 @@ class SearchOptions:
     uneven_shares: bool = True
     virtual_stages: tuple[int, ...] = (2, 4)
     num_alternatives: int = 5
+    cp_degrees: tuple[int, ...] | None = None  # None: search/program/realizable.cp_degrees
     allow_f16: bool = True  # the torch runtime scales the loss dynamically (backends/torch/optim.LossScaler)
     record_time: bool = False  # put the search wall time in plan.search (breaks byte-identical plans)
 
@@ -126,6 +132,8 @@ class SearchOptions:
             raise ConfigError(f"zero_stages {self.zero_stages} must be a non-empty subset of 0..3.", "e.g. (0, 1).")
         if any(r not in RECOMPUTE for r in self.recompute) or not self.recompute:
             raise ConfigError(f"recompute {self.recompute} must be a non-empty subset of {RECOMPUTE}.", "")
+        if self.cp_degrees is not None and any(c < 2 for c in self.cp_degrees):
+            raise ConfigError(f"cp_degrees {self.cp_degrees} must be > 1 (cp 1 is always searched).", "e.g. (2, 4).")
         if self.max_tp < 1 or self.max_micro_batch < 1 or self.t_max_epsilon < 0 or not 0 <= self.tail_epsilon < 1:
             raise ConfigError(
                 "max_tp and max_micro_batch must be >= 1, t_max_epsilon >= 0 and 0 <= tail_epsilon < 1.",

@@ -34,9 +34,12 @@ Peaks: ``partita/data/fp8_peaks.json`` (vendor datasheets, dense). A device type
 (A100, V100, T4, CPU) has no FP8 tensor cores: :func:`check` refuses an fp8 request on it, except
 the CPU, whose "fp8" is torchao's emulation on the ranks of a test (priced at its bf16 rate).
 
-Left out: the search never chooses fp8 by itself (``--precision fp8`` prices and emits hand
-layouts); FP8 with tensor parallelism (torchao's ``Float8ColwiseParallel`` styles) and FP8
-all-gathers under FSDP2 are not emitted, so :func:`check_layout` refuses tp > 1.
+The search chooses fp8 only when allowed (``--precision fp8`` without a layout: an fp8 plan searched
+beside the bf16 one on the FP8 device types with tp 1, the faster kept, ``search/entry/choices.py``);
+with a hand layout it forces fp8 on every stage. Left out: FP8 with tensor parallelism (torchao's
+``Float8ColwiseParallel`` styles) and FP8 all-gathers under FSDP2 are not emitted, so
+:func:`check_layout` refuses tp > 1 (and the search keeps fp8 plans at tp 1,
+``search/program/realizable.FP8_MAX_TP``).
 """
 
 from __future__ import annotations

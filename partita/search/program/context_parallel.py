@@ -16,8 +16,9 @@ runs (all-gather K/V). Per step, on the stage's first rank, with ``m`` micro-bat
   computed for that view too, ``dp * cp`` replicas of ``S / cp`` tokens (``context_parallel.local_training``'s).
 
 Selective recompute with cp > 1 is refused: whether its checkpoint policy saves the K/V all-gathers
-(and so how many the program issues) is not established. ``search/entry/hand_plan.py`` (``cp=``) writes
-``cp > 1`` (the search does not), and ``partita compile --cp`` is refused (``cli.py``) until an emitter
+(and so how many the program issues) is not established. ``search/entry/hand_plan.py`` (``cp=``) and the
+search (``search/entry/choices.py``, where ``search/program/realizable.py`` offers cp: not by default
+yet) write ``cp > 1`` (both through ``search/program/cp_layout.with_cp``), and ``partita compile --cp`` is refused (``cli.py``) until an emitter
 builds the scheme; these records are the contract that emitter is checked against. ``complete`` starts
 from the ILP's per-micro-batch records in ``Stage.collectives``, as ``records.complete`` does. Pure functions over the Plan and the IR: no torch.
 """

@@ -1,0 +1,82 @@
+"""What the emitted programs can run of context parallelism and FP8: the switch the search reads (issue 36).
+
+Design rule 1 (the search space is what the emitters produce): the planner offers a choice only where
+the program of the plan's framework builds it. Two choices of issue 36 are priced before every emitter
+builds them, so the search asks here:
+
+* **cp** (context parallelism, ``search/pricing/context_parallel.py``): :data:`CP_EMITTED` says, per
+  framework, whether its emitter writes a plan's ``Stage.cp`` (the sequence split over the cp axis,
+  K/V all-gathered for attention). Today no emitter does (``compile --cp`` is refused), so the default
+  search offers no cp. The torch emitter's cp (branch s39-36cp) flips ``"torch"`` to True: that one line
+  is the whole change the search needs.
+  Where cp is offered, :func:`cp_degrees` gives the degrees: powers of two from 2 whose ranks keep at
+  least :data:`MIN_LOCAL_SEQ` tokens each (Llama 3 trains at 131,072 tokens with cp 16: 8,192 per rank).
+  Below that the search's time, not the price, is the reason: each degree is a search of its own
+  (its layers solved at ``S / cp``), so short sequences (2,048 tokens, the search-speed targets of
+  ``bench/search_speed.py``) cost nothing more, and long ones are searched at every degree the
+  price then decides between. A caller that names degrees (``SearchOptions.cp_degrees``) gets those
+  searched whatever this switch says (tests; ``bench/``).
+* **fp8** (``search/pricing/fp8.py``): the torch program converts linears with torchao
+  (``backends/torch/fp8.py``), every stage alike, and only where tp = 1 (:data:`FP8_MAX_TP`); the
+  JAX program has no FP8 training. :func:`fp8_refusal` says why fp8 is not offered, or None.
+
+Pure data and functions: no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from partita.cluster import DeviceType
+
+# per framework: does its emitter build Stage.cp? torch: flip to True when backends/torch emits cp (s39-36cp)
+CP_EMITTED: dict[str, bool] = {"torch": False, "jax": False}
+MIN_LOCAL_SEQ = 8192  # tokens per rank below which the default search offers no cp (module docstring)
+MAX_CP = 16  # Llama 3's largest (405B at 131,072 tokens)
+
+FP8_EMITTED: dict[str, bool] = {"torch": True, "jax": False}  # backends/torch/fp8.py; JAX refuses fp8 plans
+FP8_MAX_TP = 1  # the torch program does not emit torchao's Float8ColwiseParallel / Float8RowwiseParallel
+
+
+def cp_emitted(framework: str) -> bool:
+    return CP_EMITTED.get(framework, False)
+
+
+def cp_degrees(framework: str, seq_len: int) -> tuple[int, ...]:
+    """The cp degrees > 1 the default search offers for ``framework`` at ``seq_len`` (module docstring)."""
+    if not cp_emitted(framework):
+        return ()
+    out, c = [], 2
+    while c <= MAX_CP and seq_len % c == 0 and seq_len // c >= MIN_LOCAL_SEQ:
+        out.append(c)
+        c *= 2
+    return tuple(out)
+
+
+def cp_refusal(framework: str, seq_len: int) -> str | None:
+    """Why the default search offers no cp (None where it offers some)."""
+    if not cp_emitted(framework):
+        return (
+            f"cp not offered: the {framework} program does not split the sequence yet (compile --cp is "
+            "refused); `partita evaluate --cp` prices it"
+        )
+    if not cp_degrees(framework, seq_len):
+        return f"cp not offered: {seq_len:,} tokens, fewer than {2 * MIN_LOCAL_SEQ:,} (cp 2 keeps {MIN_LOCAL_SEQ:,} per rank)"
+    return None
+
+
+def fp8_types(types: Iterable[DeviceType]) -> list[DeviceType]:
+    """The device types with FP8 tensor cores (``fp8.peak`` > 0; CPU ranks run torchao's emulation)."""
+    from partita.search.pricing import fp8
+
+    return [d for d in types if fp8.peak(d) > 0]
+
+
+def fp8_refusal(framework: str, types: Iterable[DeviceType]) -> str | None:
+    """Why the search offers no fp8 plan at all (None where it offers one)."""
+    if not FP8_EMITTED.get(framework, False):
+        return f"fp8 not offered: the {framework} program has no FP8 training"
+    if not fp8_types(types):
+        names = ", ".join(d.name for d in types)
+        return f"fp8 not offered: {names} {'has' if ',' not in names else 'have'} no FP8 tensor cores"
+    return None
