@@ -22,6 +22,7 @@ from partita.backends.torch import parallel
 from partita.cli import main
 from partita.errors import ModelError, PlanError
 from partita.models import resolve_model
+from tests.runtime.plans import image_inputs
 
 
 class BNNet(nn.Module):
@@ -35,10 +36,7 @@ class BNNet(nn.Module):
         return self.fc(torch.relu(self.norm(self.conv(images))).mean(dim=(2, 3)))
 
 
-def _images(batch: int, seq: int, device: str) -> dict[str, Any]:
-    if device == "meta":
-        return {"images": torch.zeros(batch, 3, 8, 8, device=device), "labels": torch.zeros(batch, dtype=torch.long)}
-    return {"images": torch.randn(batch, 3, 8, 8), "labels": torch.randint(0, 10, (batch,))}
+_images = image_inputs(8)  # 8 x 8 RGB images, 10 classes
 
 
 def bnnet() -> tuple[nn.Module, Any]:
