@@ -18,7 +18,10 @@ Falcon, BLOOM and T5; BERT's pairs gathered across their two parent modules; Qwe
 replicated; the ConvNet's classifier head only, its tp2 x pp2 stage 0 of convolutions stated as
 ``tp_shards_nothing``). Every other tp stage shards something: ``Stage.tp_shards_nothing`` is false, asserted
 (:func:`check_tp_shards`). Mixtral's tp layouts are the layer ILP's expert-parallel ones (``expert_plan``):
-``ep2`` (dp=2 x tp=2, collectives counted) and ``tp2pp2`` (its pipeline, ``expert_pipeline``). Beside them:
+``ep2`` (dp=2 x tp=2, collectives counted) and ``tp2pp2`` (its pipeline, ``expert_pipeline``). ``falcon-dp2tp2`` and
+``falcon-tp2pp2`` failed on the old runtime (a row-parallel output, a view made by ``DTensor.to_local``, met
+Falcon's in-place ``mlp_output += attention_output``: a RuntimeError at the first step; ``tp.py`` copies it now).
+Beside them:
 
 * ``pp2``: two stages of dp=2, 1F1B, for T5 (``COUNTED_PIPELINES``: its cut carries three tensors packed into
   one, ``backends/torch/boundary.py``, and the counted step must issue the plan's p2p records) and, ZeRO-0 /
