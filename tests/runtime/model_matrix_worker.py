@@ -1,10 +1,10 @@
 """One torchrun launch that trains many (model, plan) jobs: the worker of ``test_model_matrix.py``.
 
 ``python -m torch.distributed.run --nproc-per-node N tests/runtime/model_matrix_worker.py JOBS OUT``:
-every rank joins one gloo group; the seeded single-device references are split over the ranks
-(``train.reference_run``, job ``i`` on rank ``i % N``); then each job's plan is emitted
-(``backends/torch/emit.py``), executed in memory and trained by ``train._train``, exactly as the
-generated program's ``__main__`` would, one job after another on the same group. Rank 0 writes
+every rank joins one gloo group; the seeded single-device references, one per (model, training, steps)
+that the jobs share, are split over the ranks (``train.reference_run``, reference ``i`` on rank ``i % N``);
+then each job's plan is emitted (``backends/torch/emit.py``), executed in memory and trained by
+``train._train``, exactly as the generated program's ``__main__`` would, one job after another on the same group. Rank 0 writes
 ``{job id: {"losses", "reference", "seconds", "num_stages"}}`` to OUT; a job with ``"count"`` also
 counts collectives (the program's own first/last-step count against the plan's records, and every
 rank's all_to_all over the run: their bytes follow the routing, only the group's sum is fixed).
@@ -31,22 +31,28 @@ def main(jobs_file: str, out_file: str) -> None:
     jobs = json.loads(Path(jobs_file).read_text())
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=180))
     rank, world = dist.get_rank(), dist.get_world_size()
+    # one single-device run per (model, training, steps): the layouts of a model share it
+    keys = {job["id"]: _reference_key(job) for job in jobs}
+    first = {k: next(j for j in jobs if keys[j["id"]] == k) for k in dict.fromkeys(keys.values())}
+    wants = {k for j in jobs if j.get("parity") for k in (keys[j["id"]],)}
     mine = {}
-    for i, job in enumerate(jobs):
+    for i, (key, job) in enumerate(first.items()):
         if i % world == rank:
             training = json.loads(job["plan"])["training"]
-            parity = bool(job.get("parity"))  # per-parameter: step-1 gradients, parameters after the last step
+            parity = key in wants  # per-parameter: step-1 gradients, parameters after the last step
             ref = torch_train.reference_run(
                 job["spec"], training, job["steps"], dump_steps=[1] if parity else [], params=parity
             )
-            mine[job["id"]] = ref["losses"]
+            mine[key] = ref["losses"]
             if parity:
-                where = Path(jobs_file).parent / job["id"]
+                where = Path(jobs_file).parent / f"reference{list(first).index(key)}"
                 where.mkdir(parents=True, exist_ok=True)
                 torch.save({"grads": ref["grads"][1], "params": ref["params"]}, where / "reference.pt")
     every: list = [None] * world
     dist.all_gather_object(every, mine)
-    refs = {k: v for part in every for k, v in part.items()}
+    by_key = {k: v for part in every for k, v in part.items()}
+    refs = {job_id: by_key[k] for job_id, k in keys.items()}
+    ref_dirs = {job_id: Path(jobs_file).parent / f"reference{list(first).index(k)}" for job_id, k in keys.items()}
     out = {}
     for job in jobs:
         plan = Plan.from_json(job["plan"], f"matrix job {job['id']}")
@@ -84,7 +90,8 @@ def main(jobs_file: str, out_file: str) -> None:
                 "num_stages": plan.num_stages,
             }
             if job.get("parity"):
-                out[job["id"]]["parity"] = _parity(where, json.loads(job["plan"])["training"], job["steps"])
+                training = json.loads(job["plan"])["training"]
+                out[job["id"]]["parity"] = _parity(where, ref_dirs[job["id"]], training, job["steps"])
             if job.get("count"):  # the last step on each stage's first rank, and all_to_all per rank (whole run)
                 out[job["id"]]["collectives"] = res["collectives"]
                 out[job["id"]]["collective_mismatches"] = res["collective_mismatches"]
@@ -98,11 +105,16 @@ def main(jobs_file: str, out_file: str) -> None:
     leave_process_group()  # skips interpreter finalization, where gloo aborts now and then
 
 
-def _parity(where: Path, training: dict, steps: int) -> list[dict]:
+def _reference_key(job: dict) -> str:
+    """Jobs that train the same model the same way (spec, training settings, steps) have one reference."""
+    return json.dumps([job["spec"], json.loads(job["plan"])["training"], job["steps"]], sort_keys=True)
+
+
+def _parity(where: Path, reference: Path, training: dict, steps: int) -> list[dict]:
     """Every parameter's step-1 gradient and last value against the reference (``parity.compare``)."""
     from partita.backends.torch import parity
 
-    ref = torch.load(where / "reference.pt", weights_only=True)
+    ref = torch.load(reference / "reference.pt", weights_only=True)
     dtype = str(training.get("dtype", "f32"))
     grads = parity.load_dumps(str(where / "grads"), "grads_step1_rank*.pt")
     rows = parity.compare(grads, ref["grads"], "grad@1", dtype)

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
 
 from partita.cluster import parse_shorthand
 from partita.plan import Plan, Stage
@@ -50,6 +54,22 @@ def tp_placements(model: str, layers: list[str], contiguous_qkv: bool = False) -
         elif model == "mlp" and name == "fc2":
             out["fc2.weight"] = "S(1)"
     return {k: ("R", v) for k, v in out.items()}
+
+
+def image_inputs(size: int) -> Callable[[int, int, str], dict[str, Any]]:
+    """The example inputs of the runtime tests' image classifiers (``module:function`` specs returning
+    ``(model, inputs)``): ``batch`` RGB images ``size`` x ``size`` and labels of 10 classes; zeros on the
+    meta device, drawn from torch's seeded generator otherwise (``seq`` is ignored)."""
+
+    def inputs(batch: int, seq: int, device: str) -> dict[str, Any]:
+        if device == "meta":
+            return {
+                "images": torch.zeros(batch, 3, size, size, device=device),
+                "labels": torch.zeros(batch, dtype=torch.long),
+            }
+        return {"images": torch.randn(batch, 3, size, size), "labels": torch.randint(0, 10, (batch,))}
+
+    return inputs
 
 
 def make_plan(

@@ -6,19 +6,35 @@ models are ``tests.runtime.test_model_matrix:convnet`` / ``:mixer``. Plan layers
 paths of the model's repeated container (``stages.guess_blocks``; ``tests/test_models.py`` checks
 that the tracer names the same layers). Layouts on 4 CPU ranks, 3 steps, global batch 8:
 
-* ``dp4z3``: one stage, dp=4, ZeRO-3 (every architecture);
-* ``pp2``: two stages of dp=2 cut in the middle, 1F1B, ZeRO-0 / ZeRO-2 alternating;
-* ``dp2tp2``: one stage, Megatron tp=2 x dp=2, for Mistral, Qwen2 and Gemma (``TENSOR_PARALLEL``);
-* ``dp4z1``: one stage, dp=4, ZeRO-1, in place of ``pp2`` for the models the runtime does not pipeline
-  (``NOT_PIPELINED``, empty now: T5's pp2 cut inside the decoder carries three tensors,
-  ``backends/torch/boundary.py``).
+Issue 31's three layouts for every architecture:
+
+* ``dp4z3``: one stage, dp=4, ZeRO-3;
+* ``tp2pp2``: two stages (cut in the middle, 1F1B) of tp=2, dp=1;
+* ``dp2tp2``: one stage, tp=2 x dp=2.
+
+The tp layouts are Megatron column / row placements per family (``tests/runtime/tp_layouts.py``): heads and
+MLP split, or the nearest legal split that file's ``NEAREST`` names with its reason (MLP only for Phi-3, OPT,
+Falcon, BLOOM and T5; BERT's pairs gathered across their two parent modules; Qwen2-MoE's routed experts
+replicated; the ConvNet's classifier head only, its tp2 x pp2 stage 0 of convolutions stated as
+``tp_shards_nothing``). Every other tp stage shards something: ``Stage.tp_shards_nothing`` is false, asserted
+(:func:`check_tp_shards`). Mixtral's tp layouts are the layer ILP's expert-parallel ones (``expert_plan``):
+``ep2`` (dp=2 x tp=2, collectives counted) and ``tp2pp2`` (its pipeline, ``expert_pipeline``). ``falcon-dp2tp2`` and
+``falcon-tp2pp2`` failed on the old runtime (a row-parallel output, a view made by ``DTensor.to_local``, met
+Falcon's in-place ``mlp_output += attention_output``: a RuntimeError at the first step; ``tp.py`` copies it now).
+Beside them:
+
+* ``pp2``: two stages of dp=2, 1F1B, for T5 (``COUNTED_PIPELINES``: its cut carries three tensors packed into
+  one, ``backends/torch/boundary.py``, and the counted step must issue the plan's p2p records) and, ZeRO-0 /
+  ZeRO-2 alternating, the ``-api`` jobs;
+* ``dp4z1``: one stage, dp=4, ZeRO-1, in place of ``tp2pp2`` for the models the runtime does not pipeline
+  (``NOT_PIPELINED``, empty now).
 
 Each task trains on its own loss (``train.make_loss``): next-token for causal LMs, the masked positions
 for BERT (``hf.mask_tokens``), the decoder targets for T5 (its inputs packed on dim 1, ``hf.pack``),
 class labels for ViT, the ConvNet and the Mixer. Losses equal the seeded single-device run within 1e-4, and
 (issue 31) every job but the ``-api`` ones compares every parameter's step-1 gradient and its value after
 the last step with it, name by name, at ``backends/torch/parity.py``'s f32 tolerances. Seven models (``THROUGH_API``) also train through
-``partita.parallelize(model, plan=...)`` and ``partita.step`` with the same plans. All jobs run in ONE torchrun launch
+``partita.parallelize(model, plan=...)`` and ``partita.step`` (``dp4z3`` and ``pp2``). All jobs run in ONE torchrun launch
 (``model_matrix_worker.py``), so CI pays for 4 torch imports once.
 """
 
@@ -41,6 +57,8 @@ from partita.backends.torch import stages
 from partita.cluster import parse_shorthand
 from partita.models import families, resolve_model
 from partita.plan import Plan, Stage
+from tests.runtime import tp_layouts
+from tests.runtime.plans import image_inputs
 
 ROOT = Path(__file__).resolve().parents[2]
 # Models the runtime does not pipeline (passes/boundaries.pipeline_refusal marks their graphs): none of the
@@ -103,10 +121,7 @@ class Mixer(nn.Module):
         return self.head(self.norm(x).mean(dim=1))
 
 
-def _images(batch: int, seq: int, device: str) -> dict[str, Any]:
-    if device == "meta":
-        return {"images": torch.zeros(batch, 3, 16, 16, device=device), "labels": torch.zeros(batch, dtype=torch.long)}
-    return {"images": torch.randn(batch, 3, 16, 16), "labels": torch.randint(0, 10, (batch,))}
+_images = image_inputs(16)  # 16 x 16 RGB images, 10 classes
 
 
 def convnet() -> tuple[nn.Module, Any]:
@@ -117,7 +132,6 @@ def mixer() -> tuple[nn.Module, Any]:
     return Mixer(), _images
 
 
-TENSOR_PARALLEL = {"mistral", "qwen2", "gemma"}
 # expert parallel (tp role ``expert``, backends/torch/moe.py): experts sharded over tp=2, tokens all_to_all'd;
 # the blocks' tp layout is the ILP's own (expert_plan), so the plan carries the records the run is counted against
 EXPERT_PARALLEL = {"mixtral"}
@@ -224,16 +238,22 @@ def make_plan(layers: list[str], layout: str, zero: int = 0, placements: dict | 
         groups, mb = [(layers, (0, 1, 2, 3), 4, int(layout[-1]))], 1
     elif layout == "dp2tp2":
         groups, mb = [(layers, (0, 1, 2, 3), 2, 0)], 2
+    elif layout == "tp2pp2":  # two stages of tp=2, dp=1
+        half = len(layers) // 2
+        groups, mb = [(layers[:half], (0, 1), 1, 0), (layers[half:], (2, 3), 1, 0)], 4
     else:
         half = len(layers) // 2
         groups, mb = [(layers[:half], (0, 1), 2, zero), (layers[half:], (2, 3), 2, zero)], 2
-    tp = 2 if layout == "dp2tp2" else 1
-    out = [
-        Stage(index=i, layers=tuple(ls), device_type="CPU", ranks=ranks, dp=dp, tp=tp, zero_stage=z)
-        for i, (ls, ranks, dp, z) in enumerate(groups)
-    ]
-    if placements:
-        out = [dataclasses.replace(out[0], param_placements=placements)]
+    tp = 2 if layout in ("dp2tp2", "tp2pp2") else 1
+    out = []
+    for i, (ls, ranks, dp, z) in enumerate(groups):
+        mine = {k: v for k, v in (placements or {}).items() if len(groups) == 1 or _in_layers(k, ls, layers)}
+        out.append(
+            Stage(
+                index=i, layers=tuple(ls), device_type="CPU", ranks=ranks, dp=dp, tp=tp, zero_stage=z,
+                param_placements=mine,
+            )
+        )  # fmt: skip
     return Plan(
         model={"name": "matrix", "framework": "torch", "layers": layers},
         cluster={"name": cluster.name, "fingerprint": cluster.fingerprint(), "spec": cluster.to_dict()},
@@ -247,6 +267,13 @@ def make_plan(layers: list[str], layout: str, zero: int = 0, placements: dict | 
     )
 
 
+def _in_layers(fqn: str, mine: list[str], layers: list[str]) -> bool:
+    """Is parameter ``fqn`` in the plan layers ``mine``: under one of their blocks, or outside every block
+    (the embedding's or head's) and ``mine`` holds the head (the only such tp-placed parameter: ConvNet's ``fc``)."""
+    block = next((b for b in layers[1:-1] if fqn.startswith(b + ".")), None)
+    return block in mine if block is not None else "head" in mine
+
+
 def jobs(tmp: Path) -> list[dict[str, Any]]:
     specs = {f: str(families.write_config(tmp / f, families.tiny(f))) for f in families.FAMILIES}
     specs.update(TORCH_MODELS)
@@ -256,24 +283,28 @@ def jobs(tmp: Path) -> list[dict[str, Any]]:
     out = []
     for i, (name, spec) in enumerate(specs.items()):
         layers = plan_layers(spec)
-        layouts = [("dp4z3", 3), ("dp4z1", 1) if name in NOT_PIPELINED else ("pp2", 2 * (i % 2))]
-        for layout, zero in layouts:
-            plan = make_plan(layers, layout, zero)
-            out.append({"id": f"{name}-{layout}", "spec": spec, "plan": plan.to_json(), "steps": 3})
-            if name in COUNTED_PIPELINES and layout == "pp2":  # the plan's records, counted against the run
-                out[-1].update(plan=counted_plan(spec, plan).to_json(), count=True)
-            if name in THROUGH_API:
-                out.append({**out[-1], "id": f"{name}-{layout}-api", "api": True})
-        if name in TENSOR_PARALLEL:  # Megatron tp=2 x dp=2 on the model's own attention (local heads)
-            plan = make_plan(layers, "dp2tp2", placements=megatron(layers, bias=name == "qwen2"))
-            out.append({"id": f"{name}-dp2tp2", "spec": spec, "plan": plan.to_json(), "steps": 3})
+        job = {"spec": spec, "steps": 3}
+        out.append({**job, "id": f"{name}-dp4z3", "plan": make_plan(layers, "dp4z3", 3).to_json()})
+        if name in THROUGH_API:
+            out.append({**out[-1], "id": f"{name}-dp4z3-api", "api": True})
+        pp2 = make_plan(layers, "pp2", 2 * (i % 2))  # two stages of dp=2, ZeRO-0 / ZeRO-2 alternating
+        if name in COUNTED_PIPELINES:  # the plan's records, counted against the run
+            out.append({**job, "id": f"{name}-pp2", "plan": counted_plan(spec, pp2).to_json(), "count": True})
+        if name in THROUGH_API:
+            out.append({**job, "id": f"{name}-pp2-api", "plan": pp2.to_json(), "api": True})
         if name in EXPERT_PARALLEL:  # experts over tp=2, with the load-balancing loss; collectives counted
             aux = {**families.tiny(name), "output_router_logits": True, "router_aux_loss_coef": AUX_COEF}
             aux_spec = str(families.write_config(tmp / f"{name}_aux", aux))
             plan = expert_plan(aux_spec, layers)
-            out.append({"id": f"{name}-ep2", "spec": aux_spec, "plan": plan.to_json(), "steps": 3, "count": True})
-            pp2 = next(j for j in out if j["id"] == f"{name}-pp2")  # its pipeline runs the experts expert-parallel
-            pp2["plan"] = expert_pipeline(plan, layers).to_json()
+            out.append({**job, "id": f"{name}-ep2", "spec": aux_spec, "plan": plan.to_json(), "count": True})
+            # its pipeline runs the experts expert-parallel, tp=2 per stage
+            out.append({**job, "id": f"{name}-tp2pp2", "plan": expert_pipeline(plan, layers).to_json()})
+            continue
+        # Megatron tp=2 (tp_layouts.py: heads and MLP, or the nearest legal split it names), x dp=2 and x pp=2
+        place = tp_layouts.placements(name, resolve_model(spec).build("meta"), layers[1:-1])
+        out.append({**job, "id": f"{name}-dp2tp2", "plan": make_plan(layers, "dp2tp2", placements=place).to_json()})
+        tp2pp2 = make_plan(layers, "dp4z1", 1) if name in NOT_PIPELINED else make_plan(layers, "tp2pp2", 0, place)
+        out.append({**job, "id": f"{name}-tp2pp2", "plan": tp2pp2.to_json()})
     for job in out:  # issue 31: every parameter's step-1 gradient and last value, not only the losses
         if not job.get("api"):
             job["parity"] = True
@@ -284,6 +315,7 @@ def jobs(tmp: Path) -> list[dict[str, Any]]:
 @pytest.mark.slow
 def test_every_architecture_trains_like_one_device(tmp_path: Path) -> None:
     todo = jobs(tmp_path)
+    check_tp_shards(todo)
     (tmp_path / "jobs.json").write_text(json.dumps(todo))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
@@ -314,7 +346,8 @@ def test_every_architecture_trains_like_one_device(tmp_path: Path) -> None:
     names = {j.split("-")[0] for j in got}
     assert names == (set(families.FAMILIES) | set(TORCH_MODELS) if not os.environ.get("PARTITA_MATRIX_ONLY") else names)
     assert {j.split("-")[0] for j in got if j.endswith("-api")} == THROUGH_API & names
-    assert {j.split("-")[0] for j, r in got.items() if j.endswith("-dp2tp2")} == TENSOR_PARALLEL & names
+    assert {j.split("-")[0] for j, r in got.items() if j.endswith("-dp2tp2")} == names - EXPERT_PARALLEL
+    assert {j.split("-")[0] for j, r in got.items() if j.endswith("-tp2pp2")} == names - NOT_PIPELINED
     pipelined = {j.split("-")[0] for j, r in got.items() if r["num_stages"] > 1}
     assert pipelined == names - NOT_PIPELINED
     assert {j.split("-")[0] for j in got if j.endswith("-ep2")} == EXPERT_PARALLEL & names
@@ -332,6 +365,16 @@ def test_every_architecture_trains_like_one_device(tmp_path: Path) -> None:
         name = job["id"].split("-")[0]
         extra = got[job["id"]]["losses"][0] - got[f"{name}-dp4z3"]["losses"][0]
         assert 0.5 * AUX_COEF < extra < 5 * AUX_COEF, extra
+
+
+def check_tp_shards(todo: list[dict[str, Any]]) -> None:
+    """Every tp stage splits something (heads / MLP, ``tp_layouts.py``): ``Stage.tp_shards_nothing`` is false,
+    except the one stage that holds only convolutions (ConvNet's tp2 x pp2 stage 0), whose plan states it."""
+    stated = {("convnet-tp2pp2", 0)}
+    for job in todo:
+        for s in Plan.from_json(job["plan"], job["id"]).stages:
+            if s.tp > 1:
+                assert s.tp_shards_nothing == ((job["id"], s.index) in stated), (job["id"], s.index, s.param_placements)
 
 
 def _bad(rows: list[dict[str, Any]]) -> list[str]:

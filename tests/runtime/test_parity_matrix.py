@@ -44,6 +44,7 @@ from torch import nn
 
 from partita.models import families, resolve_model
 from partita.plan import Plan
+from tests.runtime.plans import image_inputs
 from tests.runtime.test_model_matrix import make_plan, plan_layers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,10 +86,7 @@ class RootCNN(nn.Module):
         return self.fc(h.mean(dim=(2, 3))) * self.scale
 
 
-def _images(batch: int, seq: int, device: str) -> dict[str, Any]:
-    if device == "meta":
-        return {"images": torch.zeros(batch, 3, 8, 8, device=device), "labels": torch.zeros(batch, dtype=torch.long)}
-    return {"images": torch.randn(batch, 3, 8, 8), "labels": torch.randint(0, 10, (batch,))}
+_images = image_inputs(8)  # 8 x 8 RGB images, 10 classes
 
 
 def rootcnn() -> tuple[nn.Module, Any]:

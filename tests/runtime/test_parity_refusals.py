@@ -22,6 +22,7 @@ from partita.backends.torch import parallel
 from partita.cli import main
 from partita.errors import ModelError, PlanError
 from partita.models import resolve_model
+from tests.runtime.plans import image_inputs
 
 
 class BNNet(nn.Module):
@@ -35,10 +36,7 @@ class BNNet(nn.Module):
         return self.fc(torch.relu(self.norm(self.conv(images))).mean(dim=(2, 3)))
 
 
-def _images(batch: int, seq: int, device: str) -> dict[str, Any]:
-    if device == "meta":
-        return {"images": torch.zeros(batch, 3, 8, 8, device=device), "labels": torch.zeros(batch, dtype=torch.long)}
-    return {"images": torch.randn(batch, 3, 8, 8), "labels": torch.randint(0, 10, (batch,))}
+_images = image_inputs(8)  # 8 x 8 RGB images, 10 classes
 
 
 def bnnet() -> tuple[nn.Module, Any]:
@@ -112,3 +110,27 @@ def test_a_tp_degree_that_shards_nothing_is_stated() -> None:
     assert not sharded.stages[0].tp_shards_nothing
     assert "tp shards nothing" not in " ".join(_stage_layout_rows(sharded)[0])
     assert not make_plan(layers, "dp4z3").stages[0].tp_shards_nothing  # tp = 1: nothing to say
+
+
+@pytest.mark.slow  # traces and prices DeepSeek-V3 at seq 64 (about 8 s idle)
+def test_sequence_parallel_refuses_low_rank_attention(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: Any
+) -> None:
+    """DeepSeek-V3 at tp=2 with sequence parallelism (the parity check the issue asked of ``tp.py``'s new gradient
+    sum there): the old compile wrote the plan and the program died at its first step inside torch ("aten.mm got
+    mixed torch.Tensor and DTensor": the gathered hidden states met the plain ``q_a_proj``). Its low-rank attention
+    does not fit the runtime's sequence parallelism (``sequence_parallel._check_gathered_inputs``): refused with
+    one paragraph at compile (exit 2), nothing written, naming the module and tensor parallelism alone as the fix.
+    (Llama, Qwen2/3 and GPT-2 blocks still take it: ``test_sequence_parallel_multiprocess.py`` runs Llama's.)"""
+    from partita.models import families
+
+    monkeypatch.setenv("PARTITA_CACHE_DIR", str(tmp_path / "cache"))
+    spec = str(families.write_config(tmp_path / "ds", families.tiny("deepseek_v3")))
+    out = tmp_path / "out"
+    layout = ["--tp", "2", "--pp", "1", "--dp", "1", "--micro-batch", "4", "--dtype", "f32", "--sequence-parallel"]
+    # at seq 64 the layer ILP splits the heads (q_b_proj / kv_b_proj column-parallel)
+    rc = main(["compile", spec, "--cluster", "2xCPU", "--global-batch", "4", "--seq", "64", *layout, "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "self_attn.q_b_proj does not fit" in err and "drop --sequence-parallel" in err and "Traceback" not in err
+    assert not out.exists()  # nothing written half-way

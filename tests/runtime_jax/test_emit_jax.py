@@ -107,3 +107,27 @@ def test_partial_parameter_placement_is_refused() -> None:
     st = dataclasses.replace(plan.stages[0], param_placements={"params.fc1.kernel": ("R", "P")})
     with pytest.raises(PlanError, match="cannot lay out"):
         emit_jax(dataclasses.replace(plan, stages=(st,)), "jax-mlp")
+
+
+def test_a_tp_degree_that_shards_nothing_is_stated_and_checked() -> None:
+    """Issue 31: the JAX program states ``Stage.tp_shards_nothing`` as the torch program does, and its set-up
+    (``train.check_tp_shards_nothing``, called by ``StageRun``) refuses a program that lays a parameter out
+    on tp all the same; a stage that shards something says nothing."""
+    from jax.sharding import PartitionSpec as P
+
+    from partita.backends.jax.train import check_tp_shards_nothing
+
+    plan = make_plan("jax-mlp", "tp")
+    bare = dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], param_placements={}),))
+    assert bare.stages[0].tp_shards_nothing and not plan.stages[0].tp_shards_nothing
+    text = emit_jax(bare, "jax-mlp")
+    assert "# plan.json: tp_shards_nothing." in text and "tp_shards_nothing=True," in text
+    assert "tp_shards_nothing" not in emit_jax(plan, "jax-mlp")
+    ns: dict = {}
+    exec(compile(text, "program_jax.py", "exec"), ns)  # noqa: S102 - our emitted source
+    assert ns["STAGES"][0]["tp_shards_nothing"] is True
+    specs = ns["PARAM_SPECS"]
+    assert all("tp" not in tuple(s) for s in specs.values()), specs  # the emitted layouts agree: nothing on tp
+    check_tp_shards_nothing(0, specs)
+    with pytest.raises(PlanError, match="tp shards nothing in stage 0"):
+        check_tp_shards_nothing(0, {**specs, "params.fc1.kernel": P(None, "tp")})

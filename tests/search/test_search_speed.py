@@ -108,11 +108,16 @@ def _every_layout(graph: Graph, cl, tr) -> list[tuple]:  # noqa: ANN001
         if got is None:
             continue
         per_combo, combos, stack = got
+        # the search's rule (issue 31): a stage where tp places nothing is no tp layout
+        if tp > 1 and not search.mask_tp_shards_nothing(stack, dev, tp, b):
+            continue
         opt = Option(0, tp, tp, ((dev, dp, b),), (), per_combo, combos, stack)
         for c, (z, r) in enumerate(combos):
             cand = Candidate(
                 dp, b, m, SCHEDULE, 1, tuple(StagePick(a, e, opt, c) for a, e in megatron_split(graph, pp)), search
             )
+            if not np.isfinite(max(cand.stage_times)):
+                continue
             mem = max(cand.memory(i) for i in range(pp))
             out.append(((tp, pp, dp, b, z, r), cand.step_time, mem <= cap))
     return out

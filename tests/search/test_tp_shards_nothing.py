@@ -123,3 +123,53 @@ def test_a_hand_layout_that_shards_nothing_is_stated(
         Plan.from_dict(d)
     d["stages"][0].pop("tp_shards_nothing")  # a plan written before the field reads as before
     assert Plan.from_dict(d).stages[0].tp_shards_nothing
+
+
+def test_hand_best_and_the_megatron_grid_skip_a_tp_that_shards_nothing(monkeypatch: Any) -> None:
+    """The yardstick (``hand_best``) and the Megatron-grid baseline apply the search's rule: a tp > 1 layout
+    with a stage that places nothing on tp is no choice. ``evaluate_config`` states it per stage
+    (``Evaluation.tp_shards_nothing``, with a note). On the old code hand_best priced the tp 2 and 4 layouts
+    too, and the grid took a tp layout that shards nothing when it priced fastest (forced here: every
+    tp > 1 point said to shard nothing and priced at half its step)."""
+    import dataclasses
+
+    from partita.search.entry import baselines
+    from partita.search.entry.evaluate import evaluate_config, tp_style_of
+    from partita.search.entry.hand_best import _layouts, best_hand_layout
+
+    s = _search("without_head")
+    cluster = parse_shorthand("4xCPU")
+    style = {"tp_style": tp_style_of(s.graph)}  # the torch program's roles, as compile and evaluate price it
+    ev = evaluate_config(s.graph, cluster, s.training, tp=2, pp=1, dp=2, micro_batch=BATCH // 2, **style)
+    assert ev.tp_shards_nothing == (True,) and any("tp=2 shards nothing in stage(s) 0" in n for n in ev.notes)
+    one = evaluate_config(s.graph, cluster, s.training, tp=1, pp=1, dp=4, micro_batch=BATCH // 4, **style)
+    assert one.tp_shards_nothing == (False,) and not any("shards nothing" in n for n in one.notes)
+    h = _search("with_head")  # tp shards the head at tp 2: nothing to say
+    assert evaluate_config(
+        h.graph, cluster, h.training, tp=2, pp=1, dp=2, micro_batch=BATCH // 2, **style
+    ).tp_shards_nothing == (False,)
+
+    rec = best_hand_layout(s.graph, cluster, s.training)
+    assert rec is not None and rec["tp"] == 1
+    assert {t for t, *_ in _layouts(s.graph, cluster, s.training, 32)} == {1, 2, 4}  # tp 2 / 4 can be built ...
+    with monkeypatch.context() as m:  # ... and the old code priced them: the rule off, more layouts priced
+        m.setattr(Search, "mask_tp_shards_nothing", lambda self, *a: True)
+        old = best_hand_layout(s.graph, cluster, s.training)
+    assert old is not None and old["num_priced"] > rec["num_priced"], (old["num_priced"], rec["num_priced"])
+
+    real = baselines.evaluate_config
+    said = {"nothing": True}
+
+    def tp_looks_fast(*args: Any, **kw: Any) -> Any:
+        got = real(*args, **kw)
+        if kw["tp"] == 1:
+            return got
+        nothing = tuple(said["nothing"] for _ in got.stage_times_s)
+        return dataclasses.replace(got, predicted_step_time_s=got.predicted_step_time_s / 2, tp_shards_nothing=nothing)
+
+    monkeypatch.setattr(baselines, "evaluate_config", tp_looks_fast)
+    best, _ = baselines.megatron_grid(s.graph, cluster, s.training)
+    assert best is not None and best.tp == 1, best
+    said["nothing"] = False  # the same points, sharding something: the fast tp layout wins
+    best, _ = baselines.megatron_grid(s.graph, cluster, s.training)
+    assert best is not None and best.tp > 1, best

@@ -339,8 +339,14 @@ def _source(
             f"        pin_layer_boundaries={st.index in pinned},",
             f"        layers={json.dumps(list(st.layers))},",
             f"        input_spec={_spec_src(in_spec)},  # plan: {placements_to_str(st.input_placement)}",
-            "    ),",
         ]
+        if st.tp_shards_nothing:  # plan.json's stage field (issue 31): said here and checked at set-up
+            lines += [
+                f"        # plan.json: tp_shards_nothing. The plan places nothing of this stage on tp: each of the {st.tp}",
+                "        # tp ranks holds and computes the whole stage on the same batch (no tp collectives).",
+                "        tp_shards_nothing=True,",
+            ]
+        lines.append("    ),")
     lines += [
         "]",
         "",

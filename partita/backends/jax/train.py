@@ -51,6 +51,7 @@ from jax.sharding import PartitionSpec as P
 
 from partita.backends.jax import fidelity as fid
 from partita.backends.jax import parallel as jp
+from partita.errors import PlanError
 
 # XLA's CPU all-reduce combiner merges neighbouring all-reduces of a compiled function by adjacency, which
 # neither the plan nor its cost model (one latency per collective) knows: the programs keep every all-reduce
@@ -127,6 +128,19 @@ def _flat_psum(local: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
     return out
 
 
+def check_tp_shards_nothing(index: int, specs: Mapping[str, P]) -> None:
+    """The program's side of ``Stage.tp_shards_nothing`` (plan.json), as the torch program checks it: the
+    plan says tp shards nothing in stage ``index``, so no parameter's layout names the ``tp`` axis.
+    PlanError if one does (plan and program disagree)."""
+    on_tp = [f for f, spec in specs.items() if _axis_dim(spec, "tp") is not None]
+    if on_tp:
+        raise PlanError(
+            f"the plan says tp shards nothing in stage {index} (tp_shards_nothing), yet the program lays out "
+            f"{', '.join(on_tp[:3])} on tp: plan and program disagree.",
+            "recompile the plan with this Partita version; do not edit plan.json or the program by hand.",
+        )
+
+
 class StageRun:
     """One stage's mesh, layouts and the pieces of its step (module docstring)."""
 
@@ -139,6 +153,8 @@ class StageRun:
         fq = prog.param_fqns
         self.spec = {f: _without(program.param_specs[f], "dp") for f in fq}  # compute layout (no dp)
         self.zspec = {f: program.opt_state_specs.get(f, program.param_specs[f]) for f in fq}
+        if self.cfg.get("tp_shards_nothing"):
+            check_tp_shards_nothing(index, {f: program.param_specs[f] for f in fq})
         self.param_sh = {f: self.sh(program.param_specs[f]) for f in fq}
         self.opt_param_sh = {f: self.sh(self.zspec[f]) for f in fq}
         self.grad_sh = self.opt_param_sh if self.zero >= 1 else self.param_sh

@@ -454,6 +454,10 @@ class _Hooks:
                 res = out.redistribute(mesh, [Shard(SEQ_DIM)]).to_local()
             else:
                 res = out.redistribute(mesh, [Replicate()]).to_local()
+            # to_local() returns a view made inside a custom autograd Function, which autograd forbids
+            # modifying in place; these outputs rejoin the residual stream, where a model may (Falcon's
+            # ``mlp_output += attention_output`` raised at tp=2): a plain copy, as one device has
+            res = res.clone()
             self.mark(parent, res, sharded=False)  # whole again (ROW_SP: rows, whole features)
             return res
 

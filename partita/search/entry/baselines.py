@@ -3,7 +3,8 @@
 Used by the planner tests and ``bench/hetero.py``:
 
 * :func:`megatron_grid`: every ``dp x tp x pp x micro-batch`` that divides (devices, blocks, batch)
-  on one device type, each priced by ``evaluate_config``; the fastest that fits wins;
+  on one device type, each priced by ``evaluate_config``; the fastest that fits wins, among those where
+  every stage places something on tp when tp > 1 (``Evaluation.tp_shards_nothing``, as the search);
 * :func:`heterogeneity_unaware`: plan as if every GPU were the slowest type, then price that plan's
   stages on the devices its ranks really land on (a stage waits for its slowest replica);
 * :func:`largest_homogeneous_subset`: the Megatron grid on the device type with most devices;
@@ -85,6 +86,8 @@ def megatron_grid(
                             except ConfigError:
                                 continue
                             count += 1
+                            if any(ev.tp_shards_nothing):
+                                continue  # tp places nothing on some stage: no tp layout (issue 31, as the search)
                             if ev.fits and (
                                 best is None or ev.predicted_step_time_s < best.evaluation.predicted_step_time_s
                             ):

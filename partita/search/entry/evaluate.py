@@ -80,6 +80,9 @@ class Evaluation:
     mfu: float = 0.0  # model FLOPs / (step x peak of the devices used)
     mfu_cluster: float = 0.0  # model FLOPs / (step x peak of every device in the cluster)
     notes: tuple[str, ...] = ()  # what the prediction assumes that a reader may not expect
+    # per stage: tp > 1 places nothing of the stage on tp (``plan.Stage.tp_shards_nothing``: the search does not
+    # offer such a stage; a hand layout states it, and the baselines that compete with the search skip it)
+    tp_shards_nothing: tuple[bool, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -507,6 +510,16 @@ def evaluate_config(
     opt = Option(0, tp, tp, ((dev, dp_all, micro_batch),), (), per_combo, combos, stack)
     picks = tuple(StagePick(a, b, opt, 0) for a, b in megatron_split(graph, pp))
     cand = Candidate(dp_all, micro_batch, m, schedule, v, picks, search)
+    nothing = tuple(False for _ in picks)
+    if tp > 1:  # per stage: do its layers' solutions place anything on tp (issue 31)?
+        on_tp = search.units_shard_on_tp(dev, tp, micro_batch)
+        nothing = tuple(not any(on_tp[p.k : p.j]) for p in picks)
+        if any(nothing):
+            which = ", ".join(str(i) for i, x in enumerate(nothing) if x)
+            notes.append(
+                f"tp={tp} shards nothing in stage(s) {which}: every tp rank holds and computes the whole stage "
+                "(the search does not offer such a stage; a smaller tp or a larger micro-batch or sequence may split it)."
+            )
     mem = tuple(cand.memory(i) for i in range(pp))
     by_category = tuple(memory_by_category(cand, i) for i in range(pp))
     if sequence_parallel:
@@ -561,6 +574,7 @@ def evaluate_config(
         flops / step / (used * dev.flops(training.dtype)),
         flops / step / cluster.peak_flops(training.dtype),
         tuple(notes),
+        nothing,
     )
 
 

@@ -7,7 +7,7 @@ is called once per compile (``driver.Traced.plan``) to give the report a yardsti
 pick by hand (issue 18): every ``tp`` (power of two, within a node, dividing the heads and block
 weight dims) x ``pp`` (dividing the blocks) x ``dp`` with ``dp * tp * pp`` = every device of the
 cluster's first device type, every micro-batch (power of two dividing the replica's batch),
-with the fastest ZeRO stage and recompute policy (the same on every stage) that fits memory, on
+every stage of it placing something on tp where tp > 1 (``Stage.tp_shards_nothing``, as the search), with the fastest ZeRO stage and recompute policy (the same on every stage) that fits memory, on
 the 1F1B schedule in the plan's precision. The record it returns goes into ``plan.search``
 (``"best_hand_layout"``): the layout, its step time, its largest memory per device, the devices
 it uses, and how many layouts were priced. When no layout over all devices fits, it says so and
@@ -89,6 +89,10 @@ def best_hand_layout(
         if got is None:
             continue
         per_combo, combos, stack = got
+        # issue 31: a stage where tp places nothing is no tp layout (every tp rank computes it whole); the
+        # search does not offer one (Search.mask_tp_shards_nothing: such ranges priced inf), nor does this
+        if tp > 1 and not search.mask_tp_shards_nothing(stack, dev, tp, b):
+            continue
         opt = Option(0, tp, tp, ((dev, dp, b),), (), per_combo, combos, stack)
         for c in range(len(combos)):
             cand = Candidate(dp, b, m, SCHEDULE, 1, tuple(StagePick(i, i + 1, opt, c) for i in range(pp)), search)
@@ -96,6 +100,8 @@ def best_hand_layout(
             if not np.isfinite(mem):
                 continue
             bound = m * max(cand.stage_times) + max(cand.tails)
+            if not np.isfinite(bound):
+                continue  # a stage that shards nothing on tp (masked above) or does not run
             picks.append((bound, len(picks), cand, mem, *combos[c]))
     if not picks:
         return None

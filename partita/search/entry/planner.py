@@ -326,14 +326,12 @@ class Search:
             np.copyto(stack[len(per_combo) - 1], worst.time[:, :, None], where=ok)
         return per_combo, combos, stack if stack is not None else np.stack([])  # (no combo: numpy's error)
 
-    def mask_tp_shards_nothing(self, stack: np.ndarray, dev: DeviceType, tp: int, b: int) -> bool:
-        """Set ``stack[:, k, j]`` to inf where no layer of units ``[k, j)`` places anything on tp
-        (``plan.shards_on_tp`` of its solution: every tp rank would hold and compute the whole range);
-        False when that is every range. The emitter realizes such a stage, but tp does nothing there, so
-        the search does not offer it (a hand layout says it: ``Stage.tp_shards_nothing``)."""
+    def units_shard_on_tp(self, dev: DeviceType, tp: int, b: int) -> list[bool]:
+        """Per unit: does any of its layers' solutions at ``tp`` place something on tp (``plan.shards_on_tp``)?
+        Once per (device, tp, micro-batch): options are priced per configuration and schedule."""
         key = (dev.name, tp, b)
         sharded = self._tp_sharded.get(key)
-        if sharded is None:  # per unit, once per table (options are priced per configuration and schedule)
+        if sharded is None:
             sharded = self._tp_sharded[key] = [
                 any(
                     got is not None and shards_on_tp(got[1].param_placements, got[1].tp_plan, got[1].op_strategies)
@@ -341,6 +339,14 @@ class Search:
                 )
                 for a, b1 in self.units
             ]
+        return sharded
+
+    def mask_tp_shards_nothing(self, stack: np.ndarray, dev: DeviceType, tp: int, b: int) -> bool:
+        """Set ``stack[:, k, j]`` to inf where no layer of units ``[k, j)`` places anything on tp
+        (``plan.shards_on_tp`` of its solution: every tp rank would hold and compute the whole range);
+        False when that is every range. The emitter realizes such a stage, but tp does nothing there, so
+        the search does not offer it (a hand layout says it: ``Stage.tp_shards_nothing``)."""
+        sharded = self.units_shard_on_tp(dev, tp, b)
         count = np.concatenate([[0], np.cumsum(sharded)])
         none = (count[None, :] - count[:, None])[:-1] <= 0  # [U, U + 1]: range [k, j) shards nothing
         stack[:, none] = np.inf

@@ -125,6 +125,7 @@ def _stage(plan: Plan, graph: Graph, i: int) -> Stage:
             )
         roles[path] = _SP_ROLE[role]
     _check_blocks(graph, blocks, s.tp_plan)
+    _check_gathered_inputs(graph, blocks, s.tp_plan)
     roles.update({b: "sequence_parallel" for b in blocks})
     facts = records.GraphFacts(graph)
     m, seq = plan.num_micro_batches, int(plan.training.get("seq_len", 1))
@@ -174,6 +175,38 @@ def _check_blocks(graph: Graph, blocks: Sequence[str], tp_plan: Any) -> None:
             "drop --sequence-parallel, or use a layout whose tp splits the blocks (a larger model, micro-batch or "
             "sequence makes the layer ILP split them).",
         )
+
+
+def _check_gathered_inputs(graph: Graph, blocks: Sequence[str], tp_plan: Any) -> None:
+    """The runtime gathers each column parent's hidden states once, as a Replicate DTensor that only its
+    column modules read (``backends/torch/tp.py``, ``_gather_rows``). So under sequence parallelism every column
+    module of a parent reads those hidden states (a tensor made outside the parent), and nothing else in the
+    parent reads them. DeepSeek-V3's MLA breaks both: its low-rank ``q_a_proj`` / ``kv_a_proj_with_mqa`` (plain,
+    replicated) read the hidden states and its column ``q_b_proj`` / ``kv_b_proj`` read their outputs; the program
+    died inside torch ("mixed torch.Tensor and DTensor"). ConfigError naming the module, before anything runs."""
+    made_by = {t: n.module for n in graph.nodes for t in n.outputs}
+    params = {t for t, ten in graph.tensors.items() if ten.role in (Role.PARAMETER, Role.BUFFER)}
+    index = {lay.name: lay for lay in graph.layers}
+    for b in blocks:
+        columns = [p for p, r in tp_plan.items() if r == "colwise" and _in_block(p, [b])]
+        for parent in sorted({c.rpartition(".")[0] for c in columns}):
+            mine = [c for c in columns if c.rpartition(".")[0] == parent]
+            nodes = [graph.node(n) for n in index[b].nodes if _in_block(graph.node(n).module, [parent])]
+
+            def outside(t: str, parent: str = parent) -> bool:
+                return t not in params and _in_block(made_by.get(t, ""), [parent]) is None
+
+            hidden = {t for n in nodes if _in_block(n.module, mine) for t in n.inputs if outside(t)}
+            bad = [c for c in mine if not any(_in_block(n.module, [c]) and set(n.inputs) & hidden for n in nodes)]
+            bad += sorted({n.module for n in nodes if not _in_block(n.module, mine) and set(n.inputs) & hidden})
+            if bad or not hidden:
+                raise ConfigError(
+                    f"sequence parallelism gathers the hidden states of {parent} once, for its column-parallel "
+                    f"modules alone, and in this model {bad[0] if bad else parent} does not fit that: each column "
+                    "module must read those hidden states, and no other module of the parent may (DeepSeek-V3's "
+                    "low-rank attention projects them with plain q_a_proj / kv_a_proj_with_mqa first).",
+                    "drop --sequence-parallel for this model (tensor parallelism alone splits its heads).",
+                )
 
 
 def _memory(plan: Plan, graph: Graph, s: Stage, blocks: Sequence[str], size: tuple[int, int]) -> dict[str, Any]:
