@@ -72,9 +72,36 @@ def backend_for(device_type: str, backend: str) -> str:
     return table.get(device_type, "")
 
 
-def build_mesh(device_type: str, ranks: Sequence[int], dp: int, tp: int) -> DeviceMesh:
-    """A ``("dp", "tp")`` mesh over one stage's ranks. Every rank builds every stage's mesh, in order."""
-    return DeviceMesh(device_type, torch.tensor(list(ranks)).reshape(dp, tp), mesh_dim_names=("dp", "tp"))
+def build_mesh(device_type: str, ranks: Sequence[int], dp: int, tp: int, cp: int = 1) -> DeviceMesh:
+    """A ``("dp", "tp")`` mesh over one stage's ranks, ``("dp", "cp", "tp")`` with context parallelism
+    (``Stage.cp``: tp fastest, then cp). Every rank builds every stage's mesh, in order."""
+    if cp == 1:
+        return DeviceMesh(device_type, torch.tensor(list(ranks)).reshape(dp, tp), mesh_dim_names=("dp", "tp"))
+    shape = (dp, cp, tp)
+    return DeviceMesh(device_type, torch.tensor(list(ranks)).reshape(shape), mesh_dim_names=("dp", "cp", "tp"))
+
+
+def build_meshes(device_type: str, stages: Sequence[Mapping[str, Any]]) -> list[DeviceMesh]:
+    """Every stage's mesh, in order (``PROGRAM["stages"]``: ``cp`` present only when > 1)."""
+    return [build_mesh(device_type, s["ranks"], s["dp"], s["tp"], s.get("cp", 1)) for s in stages]
+
+
+def replica_mesh(device_type: str, stages: Sequence[Mapping[str, Any]], rank: int) -> DeviceMesh | None:
+    """The 1-D ``("dp_cp",)`` mesh of ``rank``'s cp stage: the ``dp * cp`` ranks at its tp coordinate,
+    over which parameters are replicated (gradient sync, FSDP2); None for a stage without cp. Every rank
+    makes every cp stage's groups (``dist.new_group`` is collective), in order. A group of its own, not a
+    flattened mesh axis (``DeviceMesh._flatten`` is private) nor the default group: its collectives are
+    counted under their own name, ``dp_cp``."""
+    mine = None
+    for s in stages:
+        cp, tp, ranks = s.get("cp", 1), s["tp"], list(s["ranks"])
+        if cp == 1:
+            continue
+        for j in range(tp):
+            group = dist.new_group(ranks[j::tp])
+            if rank in ranks[j::tp]:
+                mine = DeviceMesh.from_group(group, device_type, mesh_dim_names=("dp_cp",))
+    return mine
 
 
 # ---- architecture adapters ----------------------------------------------------------------
@@ -96,8 +123,10 @@ def _gpt2_embed(root: nn.Module, ids: Any, ctx: StageContext) -> Any:
 
 
 def _llama_block(root: nn.Module, block: nn.Module, x: Any, ctx: StageContext) -> Any:
-    # under sequence parallelism a block after the stage's first gets 1/tp of the rows (tp.SEQ_SPLIT)
-    pos = torch.arange(x.shape[1] * getattr(block, "partita_seq_split", 1), device=ctx.device).unsqueeze(0)
+    # under sequence parallelism a block after the stage's first gets 1/tp of the rows (tp.SEQ_SPLIT);
+    # under context parallelism the rank holds sequence shard ctx.seq_shard: global positions
+    n = x.shape[1] * getattr(block, "partita_seq_split", 1)
+    pos = (torch.arange(n, device=ctx.device) + ctx.seq_shard * n).unsqueeze(0)
     cos, sin = root.model.rotary_emb(torch.ones(1, device=ctx.device), pos)
     return block(x, attention_mask=None, position_embeddings=(cos, sin), position_ids=pos)
 
@@ -142,6 +171,7 @@ def layer_paths(model: nn.Module, name: str) -> tuple[str, ...]:
 @dataclass
 class StageContext:
     device: torch.device
+    seq_shard: int = 0  # context parallelism: which 1/cp of the sequence this rank holds (context_parallel.py)
 
 
 class StageModule(nn.Module):

@@ -214,7 +214,8 @@ def _rehearse_rank(program: Any, rank: int) -> RankResult:
     try:
         cpu = torch.device("cpu")
         # as train._train: every rank builds every stage's mesh, in order, then the pp group
-        meshes = [tpar.build_mesh("cpu", s["ranks"], s["dp"], s["tp"]) for s in stages]
+        meshes = tpar.build_meshes("cpu", stages)
+        replicas = tpar.replica_mesh("cpu", stages, rank)  # cp stages: the dp x cp groups
         me = next(s for s in stages if rank in s["ranks"])
         pp_group = None
         if prog["runner"] == "torch_pipeline":
@@ -235,11 +236,11 @@ def _rehearse_rank(program: Any, rank: int) -> RankResult:
         _, y1 = torch_train.make_batch(handle, {**training, "global_batch": 1}, 0, 0)
         loss_fn = torch_train.make_loss(
             int(training["global_batch"]) * torch_train.num_targets(y1, torch_train.shift_labels(handle)),
-            torch_train.shift_labels(handle),
+            torch_train.shift_labels(handle) and me.get("cp", 1) == 1,  # cp: labels shifted before the split
         )
         mesh = meshes[me["index"]]
         rt = torch_train.StageRuntime(prog, me, rank, cpu, mesh, loss_fn, boundary, (x0.shape[1:], x0.dtype))
-        rt.pp_group = pp_group
+        rt.pp_group, rt.replicas = pp_group, replicas
 
         @contextlib.contextmanager
         def allocate() -> Iterator[None]:  # to_empty allocates fake tensors (FACTS.md's recipe)
@@ -268,7 +269,7 @@ def _rehearse_rank(program: Any, rank: int) -> RankResult:
                 torch_shim.pipeline_static_meta(runner.schedule, (x,), (out,))
             opt = torch_train.make_optimizer(rt.module.parameters(), training)
             result = _measure(rt, me, runner, opt, handle, model, prog, (tied, tied_group, tied_n))
-        axes = fidelity.axis_names(mesh, pp_group, tied_group)
+        axes = fidelity.axis_names(mesh, pp_group, tied_group, replicas)
         rec, peak, cats = result
         return RankResult(
             rank=rank,
@@ -385,7 +386,7 @@ def roles(program: Mapping[str, Any]) -> dict[int, list[int]]:
             if share in seen:
                 continue
             seen.add(share)
-            picks.append(s["ranks"][i * s["tp"]])
+            picks.append(s["ranks"][i * s.get("cp", 1) * s["tp"]])  # cp ranks of a replica: same shapes
         out[int(s["index"])] = picks
     return out
 
