@@ -472,23 +472,29 @@ def check_schedule(plan: Plan) -> None:
 
 
 def check_cp(plan: Plan, model_spec: str) -> None:
-    """Refuse (PlanError) a context-parallel plan this runtime does not build: cp with tensor parallelism or
-    with pipelining (the sequence split is written for one stage of dp x cp ranks: boundaries of S / cp
-    tokens and sequence-parallel tp are not built), with selective recompute (``search/program/
-    context_parallel.check``), and for a model outside ``context_parallel.ARCHS``."""
+    """Refuse (PlanError) a context-parallel plan this runtime does not build (:func:`check_cp_layout`)."""
     cps = [s for s in plan.stages if s.cp > 1]
-    if not cps:
+    if cps:
+        cp_records.check(plan)  # selective recompute
+        tps = [s.tp for s in plan.stages]
+        check_cp_layout(model_spec, cp=cps[0].cp, tp=max(tps), pp=plan.num_stages)
+
+
+def check_cp_layout(model_spec: str, *, cp: int, tp: int, pp: int) -> None:
+    """Refuse (PlanError) context parallelism where the program does not build it: with tensor parallelism
+    or pipelining (the sequence split is written for one stage of dp x cp ranks: pipeline boundaries of
+    S / cp tokens and tensor-parallel attention over a split sequence are not built), and for a model
+    outside ``context_parallel.ARCHS``. ``driver.compile_layout`` calls it before tracing."""
+    if cp == 1:
         return
-    cp_records.check(plan)
-    tp = [s.index for s in cps if s.tp > 1]
-    if plan.num_stages > 1 or tp:
-        what = f"tensor parallelism (stage(s) {tp} have tp > 1)" if tp else f"pipelining ({plan.num_stages} stages)"
+    if pp > 1 or tp > 1:
+        what = f"tensor parallelism (tp={tp})" if tp > 1 else f"pipelining ({pp} stages)"
         raise PlanError(
-            f"this plan combines context parallelism (cp={cps[0].cp}) with {what}, which the PyTorch program does "
-            "not build yet: its sequence split is written for one stage of dp x cp ranks (no pipeline boundaries "
-            "of S / cp tokens, no tensor-parallel attention over a split sequence).",
-            "compile with --cp and --dp only (one stage, --tp 1, --pp 1), or without --cp; `partita evaluate --cp` "
-            "prices the other layouts.",
+            f"context parallelism (cp={cp}) with {what} is not built by the PyTorch program yet: its sequence "
+            "split is written for one stage of dp x cp ranks (no pipeline boundaries of S / cp tokens, no "
+            "tensor-parallel attention over a split sequence).",
+            "compile with --cp and --dp only (--tp 1, --pp 1), or without --cp; `partita evaluate --cp` prices "
+            "the other layouts.",
         )
     model = _meta_model(model_spec)
     arch = type(model).__name__ if model is not None else None
@@ -496,7 +502,7 @@ def check_cp(plan: Plan, model_spec: str) -> None:
 
     if arch is not None and arch not in ARCHS:
         raise PlanError(
-            f"context parallelism (cp={cps[0].cp}) is built for {', '.join(ARCHS)} (its attention interface and "
+            f"context parallelism (cp={cp}) is built for {', '.join(ARCHS)} (its attention interface and "
             f"rotary positions), and {model_spec} is a {arch}.",
             "compile this model without --cp.",
         )
