@@ -453,7 +453,8 @@ def full_grads(module: nn.Module) -> dict[str, torch.Tensor]:
 def check_dp_units(module: nn.Module, dp: int, zero: int) -> None:
     """Every parameter the stage's forward reads belongs to exactly one data-parallel unit (issue 31):
     it is among the stage module's parameters (the optimizer's, and what the dp gradient sync and the
-    FSDP2 units of ``module`` cover), and under ZeRO (dp > 1) it is an FSDP2-managed DTensor on ``dp``.
+    FSDP2 units of ``module`` cover), and under ZeRO (dp > 1) it is an FSDP2-managed DTensor on ``dp`` (``dp_cp``
+    under context parallelism: ``dp`` is then the number of dp x cp replicas).
     PlanError naming the parameters otherwise: their replicas would train apart silently."""
     share = getattr(module, "share_own", None)
     if share is not None:  # a generic stage: the root's own parameters as the forward will read them
@@ -466,7 +467,7 @@ def check_dp_units(module: nn.Module, dp: int, zero: int) -> None:
         unsynced = [
             n
             for n, p in module.named_parameters()
-            if not (isinstance(p, DTensor) and "dp" in (p.device_mesh.mesh_dim_names or ()))
+            if not (isinstance(p, DTensor) and {"dp", "dp_cp"} & set(p.device_mesh.mesh_dim_names or ()))
         ]
     if outside or unsynced:
         names = sorted(outside + unsynced)

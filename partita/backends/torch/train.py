@@ -423,7 +423,8 @@ def _train(
     rt.pp_group, rt.replicas = pp_group, replicas
     # setup_stage on meta, to_empty(device), each parameter's local shard filled (the rehearsal's path too)
     rt.module = materialize.setup_stage(built, setup_stage[me["index"]], rt, device)
-    tpar.check_dp_units(rt.module, me["dp"], me["zero_stage"])  # every parameter in one dp unit (issue 31)
+    # every parameter in one dp unit (issue 31); under cp the units are over the dp x cp replicas
+    tpar.check_dp_units(rt.module, me["dp"] * me.get("cp", 1), me["zero_stage"])
     tpar.refuse_batch_stats(model, any(s["dp"] > 1 for s in stages) or int(program["num_micro_batches"]) > 1)
     runner = make_runner(rt)
     opt = make_optimizer(rt.module.parameters(), training)
