@@ -5,7 +5,8 @@ nothing is communicated: every rank role is played in its own process (one
 ``python -m partita.backends.torch.rehearse DIR RANK...`` imports once and forks a child per role,
 as many at once as there are CPUs or ``PARTITA_REHEARSE_JOBS``: :func:`run_roles`) on a fake
 process group (``dist.init_process_group("fake")``, world size = the plan's) with fake tensors. A *role* is a rank whose step can differ from its stage's first rank: tp rank 0 of the first replica
-of each distinct batch share. The other tp ranks of a replica run the same SPMD step on shards no
+of each distinct batch share (cp rank 0 of it in a context-parallel stage: its other cp ranks run the same
+shapes and collectives on their slice of the sequence). The other tp ranks of a replica run the same SPMD step on shards no
 larger (torch's chunking gives rank 0 the largest) and, in a pipeline of stages of different shapes
 (``P2PPipeline``), receive as tp rank 0 does but send nothing: a subset of its collectives, no more
 memory, the same FLOPs. The mixtral-8x7b plan's tp rank 1 rehearsed exactly tp rank 0's peak, categories
