@@ -322,7 +322,8 @@ def _setup_stage(plan: Plan, s: Stage, facts: StageFacts) -> str:
             "    for block in module.blocks():",
             f"        rt.fsdp_modules.append(fully_shard(block, mesh={dp_mesh}, reshard_after_forward={reshard}{mp}))",
             f"    rt.fsdp_modules.append(fully_shard(module, mesh={dp_mesh}, reshard_after_forward={reshard}{mp}))",
-            "    # FSDP2 averages gradients over its mesh; losses are pre-weighted by batch share, so torch_train multiplies",
+            f"    # FSDP2 averages gradients over {'dp' if s.cp == 1 else 'dp_cp'}; losses are pre-weighted by batch share, "
+            "so torch_train multiplies",
             f"    # the sharded gradients by {replicas} after backward (set_gradient_divide_factor(1) needs PREMUL_SUM: no gloo).",
         ]
     elif replicas > 1:
