@@ -645,7 +645,9 @@ def compile_layout(
         from partita.backends.torch.emit import check_cp_layout
 
         tps = layout["tp"] if isinstance(layout["tp"], (tuple, list)) else (layout["tp"],)
-        check_cp_layout(model, cp=layout["cp"], tp=max(tps), pp=layout["pp"])
+        check_cp_layout(
+            model, cp=layout["cp"], tp=max(tps), pp=layout["pp"], zero=layout["zero_stage"], schedule=layout["schedule"]
+        )
     training = choose_precision(cl, training)  # the search's and evaluate's rule
     traced = trace_model(model, batch=TRACE_BATCH, seq=training.seq_len)
     plan = Plan.from_json(hand_plan(traced.graph, cl, training, **layout).to_json())  # as plan.json holds it

@@ -1004,9 +1004,9 @@ NEW_CASES: list[Case] = [
     Case("compile-cp", "training", "compile --cp 2 of a model whose attention the cp program does not set",
          (*_compile("4xCPU", "gpt2-tiny", "--dp", "2", "--cp", "2"),),
          ("is built for LlamaForCausalLM", "compile this model without --cp"), before="new option"),
-    Case("compile-cp-pp", "training", "compile --cp 2 --pp 2 (cp with pipelining is priced, not emitted)",
-         (*_compile("4xCPU", "llama-tiny", "--pp", "2", "--cp", "2"),),
-         ("with pipelining (2 stages) is not built", "--tp 1, --pp 1"), before="new option"),
+    Case("compile-cp-pp", "training", "compile --cp 2 --pp 2 --zero 2 (cp in a send/recv pipeline: not emitted)",
+         (*_compile("4xCPU", "llama-tiny", "--pp", "2", "--zero", "2", "--cp", "2"),),
+         ("in a pipeline that runs on explicit send/recv", "ZeRO-0/1"), before="new option"),
     _plan_case("plan-cp-not-dividing-seq", "a stage's cp not dividing the sequence (cp: 3)",
                lambda d: d["stages"][0].update(cp=3), ("cp=3, which does not divide training.seq_len",), "new option"),
 ]  # fmt: skip

@@ -8,12 +8,13 @@ on 4 gloo ranks like one device, per parameter, and its rehearsal matches the pl
 * ``test_compile_cp_trains_like_one_device`` (one ``torchrun`` launch of ``model_matrix_worker.py``, 2 steps
   per job): the directory ``partita compile llama-tiny --cluster 4xCPU --dp 2 --cp 2 --global-batch 8 --seq 16
   --dtype f32`` writes (ZeRO-0), and ``hand_plan(cp=)`` layouts of the same trace: dp 2 x cp 2 at ZeRO-1 with
-  full recompute, and dp 1 x cp 4 at ZeRO-3. Losses within 1e-4 of the seeded single-device run; every
+  full recompute, dp 1 x cp 4 at ZeRO-3, and cp 2 x pp 2 (1F1B on ``torch.distributed.pipelining``, boundaries
+  of S / cp tokens between ranks of the same cp coordinate). Losses within 1e-4 of the seeded single-device run; every
   parameter's step-1 gradient and step-2 value at ``backends/torch/parity.py``'s f32 tolerances; the
   collectives counted on the first and last step equal the plan's records (``kind@axis``: counts, bytes within
   2%), among them the K/V all-gathers and dK/dV reduce-scatters on ``cp`` and the gradient sync on ``dp_cp``.
-* ``test_rehearse_cp_plan_matches`` (``partita rehearse`` of the compiled directory): collectives, memory and
-  FLOPs match the plan, the cp and dp_cp groups named.
+* ``test_rehearse_cp_plan_matches`` (``partita rehearse`` of the compiled directory and of the cp 2 x pp 2 one):
+  collectives, memory and FLOPs match the plan, the cp, dp_cp (and pp) groups named.
 """
 
 from __future__ import annotations
@@ -44,7 +45,27 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _hand(graph: object, dp: int, cp: int, zero: int, recompute: str) -> Plan:
+@pytest.fixture(scope="module")
+def graph() -> object:
+    from partita.driver import trace_model
+
+    return trace_model("llama-tiny", seq=SEQ).graph
+
+
+@pytest.fixture(scope="module")
+def pipelined(graph: object, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """cp 2 x pp 2 (1F1B on torch.distributed.pipelining), written as ``partita compile`` writes it."""
+    from partita.backends.torch.emit import emit_torch
+
+    out = tmp_path_factory.mktemp("cp") / "cp2pp2"
+    out.mkdir()
+    plan = _hand(graph, 1, 2, 0, "none", pp=2)
+    (out / "plan.json").write_text(plan.to_json())
+    (out / "program_torch.py").write_text(emit_torch(plan, "llama-tiny"))
+    return out
+
+
+def _hand(graph: object, dp: int, cp: int, zero: int, recompute: str, pp: int = 1) -> Plan:
     from partita.cluster import parse_cluster
     from partita.search.entry.hand_plan import hand_plan
     from partita.search.pricing.config import TrainingConfig
@@ -55,7 +76,7 @@ def _hand(graph: object, dp: int, cp: int, zero: int, recompute: str) -> Plan:
         parse_cluster("4xCPU"),
         training,
         tp=1,
-        pp=1,
+        pp=pp,
         dp=dp,
         micro_batch=1,
         zero_stage=zero,
@@ -89,17 +110,15 @@ def test_emitted_program_writes_the_plans_cp() -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_compile_cp_trains_like_one_device(compiled: Path, tmp_path: Path) -> None:
-    from partita.driver import trace_model
-
-    graph = trace_model("llama-tiny", seq=SEQ).graph
+def test_compile_cp_trains_like_one_device(compiled: Path, pipelined: Path, graph: object, tmp_path: Path) -> None:
     plans = {
         "llama-dp2cp2": read_plan(compiled / "plan.json"),
         "llama-dp2cp2-z1-full": _hand(graph, 2, 2, 1, "full"),
         "llama-cp4-z3": _hand(graph, 1, 4, 3, "none"),
+        "llama-cp2pp2": read_plan(pipelined / "plan.json"),
     }
     for p in plans.values():
-        assert [(s.cp, s.tp, len(s.ranks)) for s in p.stages] in ([(2, 1, 4)], [(4, 1, 4)])
+        assert [(s.cp, s.tp, len(s.ranks)) for s in p.stages] in ([(2, 1, 4)], [(4, 1, 4)], [(2, 1, 2)] * 2)
     jobs = [
         {"id": k, "spec": "llama-tiny", "plan": p.to_json(), "steps": 2, "parity": True, "count": True}
         for k, p in plans.items()
@@ -122,16 +141,20 @@ def test_compile_cp_trains_like_one_device(compiled: Path, tmp_path: Path) -> No
         assert not bad, (job_id, bad[:5])
         assert {x["tensor"] for x in r["parity"]} == {"grad@1", "param@2"}
         assert len({x["name"] for x in r["parity"]}) == 21  # every parameter of the tiny Llama
-        assert r["collective_mismatches"] == {"stage0": []}, (job_id, r["collective_mismatches"])
-        counted = r["collectives"]["stage0"]
-        assert {"all_gather@cp", "reduce_scatter@cp"} <= set(counted), (job_id, counted)
-        assert any(k.endswith("@dp_cp") for k in counted), (job_id, counted)
+        stages = [f"stage{i}" for i in range(plans[job_id].num_stages)]
+        assert r["collective_mismatches"] == {k: [] for k in stages}, (job_id, r["collective_mismatches"])
+        for k in stages:
+            counted = r["collectives"][k]
+            assert {"all_gather@cp", "reduce_scatter@cp"} <= set(counted), (job_id, counted)
+            assert any(c.endswith("@dp_cp") for c in counted), (job_id, counted)
+            assert ("p2p@pp" in counted) == (len(stages) > 1), (job_id, counted)
 
 
 @pytest.mark.slow
-def test_rehearse_cp_plan_matches(compiled: Path, capsys: pytest.CaptureFixture) -> None:
-    assert main(["rehearse", str(compiled)]) == 0
-    out = capsys.readouterr().out
-    assert "rehearsal: the program matches the plan" in out
-    for name in ("all_gather@cp", "reduce_scatter@cp", "all_reduce@dp_cp"):
-        assert name in out
+def test_rehearse_cp_plan_matches(compiled: Path, pipelined: Path, capsys: pytest.CaptureFixture) -> None:
+    for where, names in ((compiled, ()), (pipelined, ("p2p@pp",))):
+        assert main(["rehearse", str(where)]) == 0
+        out = capsys.readouterr().out
+        assert "rehearsal: the program matches the plan" in out, out
+        for name in ("all_gather@cp", "reduce_scatter@cp", "all_reduce@dp_cp", *names):
+            assert name in out

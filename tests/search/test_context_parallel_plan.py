@@ -158,15 +158,16 @@ def test_emitters_refuse_a_cp_plan_they_do_not_build(g, backend: str) -> None:  
     ("model", "extra", "said"),
     [
         ("gpt2-tiny", ("--dp", "2"), "is built for LlamaForCausalLM"),
-        ("llama-tiny", ("--pp", "2"), "with pipelining (2 stages) is not built by the PyTorch program"),
+        ("llama-tiny", ("--pp", "2", "--zero", "2"), "in a pipeline that runs on explicit send/recv"),
         ("llama-tiny", ("--tp", "2"), "with tensor parallelism (tp=2) is not built by the PyTorch program"),
     ],
 )
 def test_compile_cp_refuses_what_the_program_does_not_build(
     tmp_path: Path, capsys: pytest.CaptureFixture, model: str, extra: tuple[str, ...], said: str
 ) -> None:
-    """``compile --cp 2`` runs for one stage of dp x cp ranks of a Llama (``tests/runtime/
-    test_context_parallel_program.py``); other models and cp with pp or tp are refused before tracing."""
+    """``compile --cp 2`` runs for dp x cp ranks of a Llama (``tests/runtime/
+    test_context_parallel_program.py``, with pp on torch.distributed.pipelining too); other models, cp with tp
+    and cp in a send/recv pipeline are refused before tracing."""
     out = tmp_path / "out"
     rc = main(["compile", model, "--cluster", "4xCPU", *extra, "--cp", "2", "--out", str(out)])
     err = capsys.readouterr().err

@@ -477,26 +477,36 @@ def check_cp(plan: Plan, model_spec: str) -> None:
     cps = [s for s in plan.stages if s.cp > 1]
     if cps:
         cp_records.check(plan)  # selective recompute
-        tps = [s.tp for s in plan.stages]
-        check_cp_layout(model_spec, cp=cps[0].cp, tp=max(tps), pp=plan.num_stages)
+        tp, zero = max(s.tp for s in plan.stages), max(s.zero_stage for s in plan.stages)
+        check_cp_layout(model_spec, cp=cps[0].cp, tp=tp, pp=plan.num_stages, zero=zero, schedule=plan.schedule)
+        if plan.num_stages > 1 and _runner_kind(plan) != "torch_pipeline":
+            raise PlanError(_CP_P2P.format(cp=cps[0].cp), _CP_P2P_FIX)
 
 
-def check_cp_layout(model_spec: str, *, cp: int, tp: int, pp: int) -> None:
-    """Refuse (PlanError) context parallelism where the program does not build it: with tensor parallelism
-    or pipelining (the sequence split is written for one stage of dp x cp ranks: pipeline boundaries of
-    S / cp tokens and tensor-parallel attention over a split sequence are not built), and for a model
-    outside ``context_parallel.ARCHS``. ``driver.compile_layout`` calls it before tracing."""
+_CP_P2P = (
+    "context parallelism (cp={cp}) in a pipeline that runs on explicit send/recv (stages of different shapes, "
+    "ZeRO-2/3 or a schedule beyond GPipe / 1F1B) is not built by the PyTorch program: it hands each rank's "
+    "S / cp tokens on through torch.distributed.pipelining only, between ranks of the same (dp, cp, tp) coordinate."
+)
+_CP_P2P_FIX = "compile with equal stages, ZeRO-0/1 and --schedule 1f1b or gpipe, or without --cp."
+
+
+def check_cp_layout(model_spec: str, *, cp: int, tp: int, pp: int, zero: int = 0, schedule: str = "1f1b") -> None:
+    """Refuse (PlanError) context parallelism where the program does not build it: with tensor parallelism (no
+    tensor-parallel attention over a split sequence), in a pipeline that does not run on
+    ``torch.distributed.pipelining`` (ZeRO-2/3, schedules beyond GPipe / 1F1B: :data:`_CP_P2P`), and for a
+    model outside ``context_parallel.ARCHS``. ``driver.compile_layout`` calls it before tracing."""
     if cp == 1:
         return
-    if pp > 1 or tp > 1:
-        what = f"tensor parallelism (tp={tp})" if tp > 1 else f"pipelining ({pp} stages)"
+    if tp > 1:
         raise PlanError(
-            f"context parallelism (cp={cp}) with {what} is not built by the PyTorch program yet: its sequence "
-            "split is written for one stage of dp x cp ranks (no pipeline boundaries of S / cp tokens, no "
-            "tensor-parallel attention over a split sequence).",
-            "compile with --cp and --dp only (--tp 1, --pp 1), or without --cp; `partita evaluate --cp` prices "
-            "the other layouts.",
+            f"context parallelism (cp={cp}) with tensor parallelism (tp={tp}) is not built by the PyTorch program "
+            "yet: its attention gathers keys and values over the cp ranks of a replica, not over tensor-parallel "
+            "heads of a split sequence.",
+            "compile with --cp and --tp 1, or without --cp; `partita evaluate --cp` prices the other layouts.",
         )
+    if pp > 1 and (zero >= 2 or schedule not in ("gpipe", "1f1b")):
+        raise PlanError(_CP_P2P.format(cp=cp), _CP_P2P_FIX)
     model = _meta_model(model_spec)
     arch = type(model).__name__ if model is not None else None
     from partita.backends.torch.context_parallel import ARCHS

@@ -220,12 +220,13 @@ def _rehearse_rank(program: Any, rank: int) -> RankResult:
         me = next(s for s in stages if rank in s["ranks"])
         pp_group = None
         if prog["runner"] == "torch_pipeline":
-            for c in range(me["dp"] * me["tp"]):
+            for c in range(len(me["ranks"])):
                 g = dist.new_group([s["ranks"][c] for s in stages])
                 if rank in [s["ranks"][c] for s in stages]:
                     pp_group = g
         handle = resolve_model(prog["model"])
         x0, _ = torch_train.make_batch(handle, {**training, "global_batch": 1}, 0, 0)
+        x0 = torch_train.local_sample(x0, me)  # cp: S / cp tokens per rank
         # train._train's setup path (materialize.build_stage, materialize.setup_stage): meta build, boundary
         # shapes on meta, other stages' layers dropped, the program's setup_stage on meta, to_empty, the
         # tied parameters tied again; to_empty runs under the fake mode here and nothing is filled

@@ -397,14 +397,15 @@ def _train(
     replicas = tpar.replica_mesh(device.type, stages, rank)  # cp stages: the dp x cp groups
     me = next(s for s in stages if rank in s["ranks"])
     pp_group = None
-    if program["runner"] == "torch_pipeline":  # ranks at the same (dp, tp) coordinate of every stage
-        for c in range(me["dp"] * me["tp"]):
+    if program["runner"] == "torch_pipeline":  # ranks at the same (dp, cp, tp) coordinate of every stage
+        for c in range(len(me["ranks"])):
             g = dist.new_group([s["ranks"][c] for s in stages])
             if rank in [s["ranks"][c] for s in stages]:
                 pp_group = g
 
     handle = resolve_model(program["model"])
     x0, _ = make_batch(handle, {**training, "global_batch": 1}, args.data_seed, 0)
+    x0 = local_sample(x0, me)  # under cp each rank holds S / cp tokens: boundaries are shaped for them
     # meta build, boundary shapes from meta tensors; the stage is set up below (materialize.py)
     cut = stage_cuts(program)  # model chunks (interleaved 1F1B, ZB-V): boundaries per virtual stage
     built = materialize.build_stage(handle, args.seed, cut, me["layers"], x0)
@@ -512,6 +513,13 @@ def _train(
         "num_params_local": sum(p.numel() for p in rt.module.parameters()),
     }
     return _report(program, args, losses, times, counts, start, extra)
+
+
+def local_sample(x0: torch.Tensor, me: Mapping[str, Any]) -> torch.Tensor:
+    """One sample as this rank's stage holds it: its first ``S / cp`` tokens under context parallelism
+    (``PROGRAM["stages"][i]["cp"]``; the shapes pipeline boundaries and examples are declared with), else ``x0``."""
+    cp = int(me.get("cp", 1))
+    return x0 if cp == 1 else x0[:, : x0.shape[1] // cp]
 
 
 def stage_cuts(program: Mapping[str, Any]) -> list[list[str]]:
