@@ -511,9 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--virtual-stages", type=int, default=None, help="model chunks per stage (interleaved_1f1b; default 2)"
     )
     hand.add_argument("--sequence-parallel", action="store_true", help=_SP_HELP)
-    hand.add_argument(
-        "--cp", type=int, default=None, help=_CP_HELP + "; compile: one stage of dp x cp ranks of a Llama"
-    )
+    hand.add_argument("--cp", type=int, default=None, help=_CP_HELP + "; compile: Llama, tp 1")
     s.set_defaults(fn=cmd_compile)
 
     s = sub.add_parser("evaluate", help="predict a fixed Megatron-style configuration")

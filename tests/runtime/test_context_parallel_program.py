@@ -4,7 +4,7 @@ on 4 gloo ranks like one device, per parameter, and its rehearsal matches the pl
 * ``test_emitted_program_writes_the_plans_cp`` (no processes): the program a cp plan emits carries the plan's
   cp degree literally: the stage's ``cp`` in ``PROGRAM``, the mesh ``(dp, cp, tp)``, ``split_sequence`` on
   ``mesh["cp"]`` with the plan's sequence length, FSDP2 over ``rt.replicas`` (the ``dp_cp`` group) at ZeRO > 0;
-  a cp = 1 plan's program has none of it.
+  a cp = 1 plan's program has none of it; ``partita.parallelize`` refuses a cp plan.
 * ``test_compile_cp_trains_like_one_device`` (one ``torchrun`` launch of ``model_matrix_worker.py``, 2 steps
   per job): the directory ``partita compile llama-tiny --cluster 4xCPU --dp 2 --cp 2 --global-batch 8 --seq 16
   --dtype f32`` writes (ZeRO-0), and ``hand_plan(cp=)`` layouts of the same trace: dp 2 x cp 2 at ZeRO-1 with
@@ -106,6 +106,20 @@ def test_emitted_program_writes_the_plans_cp() -> None:
         assert (fsdp in src) == (zero == 3)
         plain = emit_torch(dataclasses.replace(plan, stages=(dataclasses.replace(stage, dp=4, cp=1),)), "llama-tiny")
         assert "cpr." not in plain and '"cp"' not in plain and "'cp'" not in plain
+
+
+def test_parallelize_refuses_a_cp_plan(tmp_path: Path) -> None:
+    """``partita.parallelize`` on a live module does not split the sequence: a cp plan is refused, one paragraph."""
+    from partita.backends.torch import parallelize
+    from partita.errors import PlanError
+    from partita.plan import Stage
+
+    layers = ["embed", "model.layers.0", "model.layers.1", "head"]
+    stage = Stage(0, tuple(layers), "CPU", (0, 1, 2, 3), dp=2, tp=1, cp=2)
+    training = {"global_batch": BATCH, "seq_len": SEQ, "dtype": "f32"}
+    plan = Plan({"name": "llama-tiny", "layers": layers}, {"name": "4xCPU"}, training, (stage,), "1f1b", 1, 1)
+    with pytest.raises(PlanError, match="cp=2 ranks .context parallelism., which partita.parallelize does not"):
+        parallelize.build(None, plan, None, seq_len=SEQ, where=tmp_path)  # type: ignore[arg-type]
 
 
 @pytest.mark.multiprocess

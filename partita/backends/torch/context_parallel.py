@@ -23,8 +23,10 @@ The emitted program (``backends/torch/emit.py``) calls :func:`split_sequence` in
 ``setup_stage`` with the stage mesh's ``cp`` axis: it installs the attention, sets the model's
 ``_attn_implementation`` and the stage's sequence shard (``parallel.StageContext.seq_shard``: the rotary
 embedding's global positions), and returns the :class:`SequenceSplit` that ``train.forward_backward``
-applies to every micro-batch (inputs split, labels shifted then split). Tested against one device
-through the emitted program in ``tests/runtime/test_context_parallel_program.py``.
+applies to every micro-batch (inputs split, labels shifted then split); in a pipeline each stage does so
+and boundaries carry the rank's ``S / cp`` tokens to the rank of the same cp coordinate
+(``train.local_sample``). Tested against one device through the emitted program in
+``tests/runtime/test_context_parallel_program.py``.
 """
 
 from __future__ import annotations

@@ -60,6 +60,13 @@ What torch cannot express, and what the program does instead (also written into 
   last W (FSDP2's post-backward called then, as pipelining's REDUCE_GRAD does). Refused with ZeRO-2/3
   (dp > 1: per-micro-batch syncs would run after B, before W) and with activation recompute (W would
   recompute each block again).
+
+Context parallelism (``Stage.cp > 1``, issue 36): the stage's mesh is ``(dp, cp, tp)``, its
+``setup_stage`` calls ``cpr.split_sequence(module, rt.mesh["cp"], seq_len=S)`` (``backends/torch/
+context_parallel.py``: attention with K/V all-gathered over cp, global rotary positions, labels shifted
+before the split), and parameters are replicated over ``dp x cp``: the ZeRO-0 all-reduce and FSDP2 run
+over ``rt.replicas`` (the ``dp_cp`` group). Built for Llama models at tp 1, alone or in a pipeline on
+``torch.distributed.pipelining``; :func:`check_cp` refuses the rest.
 """
 
 from __future__ import annotations
