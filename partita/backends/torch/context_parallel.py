@@ -97,6 +97,11 @@ def attention(
     if dropout:
         raise RuntimeError("context-parallel attention runs without attention dropout (set attention_dropout=0)")
     s = query.shape[2]
+    kind = query.device.type
+    if torch.is_autocast_enabled(kind):  # SDPA would cast its inputs to the autocast dtype: gather them in it
+        # (the rotary embedding leaves K in f32 under autocast; the plan prices K and V in the compute dtype)
+        low = torch.get_autocast_dtype(kind)
+        key, value = key.to(low), value.to(low)
     k, v = gather_sequence(key, group), gather_sequence(value, group)
     q_pos = torch.arange(s, device=query.device) + dist.get_rank(group) * s
     mask = q_pos[:, None] >= torch.arange(k.shape[2], device=query.device)[None, :]

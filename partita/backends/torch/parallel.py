@@ -77,8 +77,20 @@ def build_mesh(device_type: str, ranks: Sequence[int], dp: int, tp: int, cp: int
     (``Stage.cp``: tp fastest, then cp). Every rank builds every stage's mesh, in order."""
     if cp == 1:
         return DeviceMesh(device_type, torch.tensor(list(ranks)).reshape(dp, tp), mesh_dim_names=("dp", "tp"))
-    shape = (dp, cp, tp)
-    return DeviceMesh(device_type, torch.tensor(list(ranks)).reshape(shape), mesh_dim_names=("dp", "cp", "tp"))
+    # With cp the mesh is made from groups of its own (DeviceMesh.from_group): DeviceMesh would reuse the default
+    # group for an axis spanning every rank (dp 1 x cp N), and the cp axis' K/V all-gathers would then share
+    # their group, and its name, with the world-wide all-reduces the plan records on dp_cp (f16's overflow check).
+    grid = torch.tensor(list(ranks)).reshape(dp, cp, tp)
+    mine: list[Any] = []
+    for d in range(3):
+        rows = grid.movedim(d, -1).reshape(-1, grid.shape[d]).tolist()
+        for row in rows:
+            g = dist.new_group(row)
+            if dist.get_rank() in row:
+                mine.append(g)
+    if len(mine) != 3:  # a rank outside this stage: it only took part in making the groups
+        return None  # type: ignore[return-value]
+    return DeviceMesh.from_group(mine, device_type, mesh=grid, mesh_dim_names=("dp", "cp", "tp"))
 
 
 def build_meshes(device_type: str, stages: Sequence[Mapping[str, Any]]) -> list[DeviceMesh]:
