@@ -13,8 +13,8 @@ on 4 gloo ranks like one device, per parameter, and its rehearsal matches the pl
   parameter's step-1 gradient and step-2 value at ``backends/torch/parity.py``'s f32 tolerances; the
   collectives counted on the first and last step equal the plan's records (``kind@axis``: counts, bytes within
   2%), among them the K/V all-gathers and dK/dV reduce-scatters on ``cp`` and the gradient sync on ``dp_cp``.
-* ``test_rehearse_cp_plan_matches`` (``partita rehearse`` of the compiled directory and of the cp 2 x pp 2 one):
-  collectives, memory and FLOPs match the plan, the cp, dp_cp (and pp) groups named.
+* ``test_rehearse_cp_plan_matches`` (``partita rehearse`` of the compiled directory, of the cp 2 x pp 2 one and
+  of dp 1 x cp 4 in f16): collectives, memory and FLOPs match the plan, the cp, dp_cp (and pp) groups named.
 """
 
 from __future__ import annotations
@@ -52,25 +52,28 @@ def graph() -> object:
     return trace_model("llama-tiny", seq=SEQ).graph
 
 
-@pytest.fixture(scope="module")
-def pipelined(graph: object, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """cp 2 x pp 2 (1F1B on torch.distributed.pipelining), written as ``partita compile`` writes it."""
+def _write(plan: Plan, out: Path) -> Path:
+    """``plan`` and its program, as ``partita compile`` writes them."""
     from partita.backends.torch.emit import emit_torch
 
-    out = tmp_path_factory.mktemp("cp") / "cp2pp2"
     out.mkdir()
-    plan = _hand(graph, 1, 2, 0, "none", pp=2)
     (out / "plan.json").write_text(plan.to_json())
     (out / "program_torch.py").write_text(emit_torch(plan, "llama-tiny"))
     return out
 
 
-def _hand(graph: object, dp: int, cp: int, zero: int, recompute: str, pp: int = 1) -> Plan:
+@pytest.fixture(scope="module")
+def pipelined(graph: object, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """cp 2 x pp 2 (1F1B on torch.distributed.pipelining)."""
+    return _write(_hand(graph, 1, 2, 0, "none", pp=2), tmp_path_factory.mktemp("cp") / "cp2pp2")
+
+
+def _hand(graph: object, dp: int, cp: int, zero: int, recompute: str, pp: int = 1, dtype: str = "f32") -> Plan:
     from partita.cluster import parse_cluster
     from partita.search.entry.hand_plan import hand_plan
     from partita.search.pricing.config import TrainingConfig
 
-    training = TrainingConfig(global_batch=BATCH, seq_len=SEQ, dtype="f32")
+    training = TrainingConfig(global_batch=BATCH, seq_len=SEQ, dtype=dtype)
     plan = hand_plan(
         graph,  # type: ignore[arg-type]
         parse_cluster("4xCPU"),
@@ -165,8 +168,14 @@ def test_compile_cp_trains_like_one_device(compiled: Path, pipelined: Path, grap
 
 
 @pytest.mark.slow
-def test_rehearse_cp_plan_matches(compiled: Path, pipelined: Path, capsys: pytest.CaptureFixture) -> None:
-    for where, names in ((compiled, ()), (pipelined, ("p2p@pp",))):
+def test_rehearse_cp_plan_matches(
+    compiled: Path, pipelined: Path, graph: object, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    # dp 1 x cp 4 in f16: its cp axis spans every rank and its loss-scale overflow check is a world-wide
+    # all-reduce the plan records on dp_cp (they once shared the default group and name), and K (f32 after
+    # the rotary embedding under autocast) was once gathered in f32: 1.5x the priced bytes
+    f16 = _write(_hand(graph, 1, 4, 0, "none", dtype="f16"), tmp_path / "cp4f16")
+    for where, names in ((compiled, ()), (pipelined, ("p2p@pp",)), (f16, ())):
         assert main(["rehearse", str(where)]) == 0
         out = capsys.readouterr().out
         assert "rehearsal: the program matches the plan" in out, out
