@@ -34,7 +34,7 @@ import warnings  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
-from partita.cli_checks import LIMITS, TIME_BUDGET_S, _check_arguments, _internal_error, _paragraph, _refuse_cp  # noqa: E402, F401
+from partita.cli_checks import LIMITS, TIME_BUDGET_S, _check_arguments, _internal_error, _paragraph  # noqa: E402, F401
 from partita.errors import ConfigError, InternalError, PartitaError  # noqa: E402
 from partita.outputs import _check_cache_dir, _check_out_dir, _check_writable_target, os_error_text  # noqa: E402
 from partita.progress import wanted as _progress_wanted  # noqa: E402
@@ -171,7 +171,6 @@ def cmd_compile(args: argparse.Namespace) -> int:
     cluster = args.cluster or DEFAULT_CLUSTER
     _check_writable_target(args.out, "--out", want_dir=True)
     _check_out_dir(args.out, args.force)
-    _refuse_cp(args.cp)
     layout = _hand_layout(args)
     if layout is not None:
         from partita.driver import compile_layout
@@ -207,7 +206,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 
 _LAYOUT_FLAGS = ("tp", "pp", "dp", "micro_batch")
-_LAYOUT_OPTIONS = ("zero", "recompute", "schedule", "virtual_stages")
+_LAYOUT_OPTIONS = ("zero", "recompute", "schedule", "virtual_stages", "cp")
 
 
 def _degrees(text: str) -> int | tuple[int, ...]:
@@ -245,6 +244,7 @@ def _hand_layout(args: argparse.Namespace) -> dict[str, Any] | None:
         "sequence_parallel": args.sequence_parallel,
         # model chunks per rank group: interleaved 1F1B's v (2 unless given); the hand plan checks the rest
         "num_virtual": args.virtual_stages or (2 if args.schedule == "interleaved_1f1b" else 1),
+        "cp": args.cp or 1,  # context parallelism (backends/torch/context_parallel.py; emit.check_cp)
     }
 
 
@@ -512,7 +512,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--virtual-stages", type=int, default=None, help="model chunks per stage (interleaved_1f1b; default 2)"
     )
     hand.add_argument("--sequence-parallel", action="store_true", help=_SP_HELP)
-    hand.add_argument("--cp", type=int, default=None, help=_CP_HELP + "; compile refuses cp > 1 (not emitted yet)")
+    hand.add_argument("--cp", type=int, default=None, help=_CP_HELP + "; compile: Llama, tp 1")
     s.set_defaults(fn=cmd_compile)
 
     s = sub.add_parser("evaluate", help="predict a fixed Megatron-style configuration")

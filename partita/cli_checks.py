@@ -108,17 +108,3 @@ def _short_path(filename: str) -> str:
     if "partita" not in parts:
         return parts[-1]
     return "/".join(parts[len(parts) - 1 - parts[::-1].index("partita") :])
-
-
-def _refuse_cp(cp: int | None) -> None:
-    """`partita compile --cp N` (N > 1) is refused before anything is traced or written (issue 36): the Plan
-    carries a cp degree per stage and its collective records (``search/program/context_parallel.py``), but no
-    emitter builds the cp mesh axis and the sequence split yet, so a program would not train what the plan says."""
-    if cp is not None and cp > 1:
-        raise ConfigError(
-            f"--cp {cp}: context parallelism is priced (`partita evaluate --cp`) and its runtime scheme exists "
-            "(backends/torch/context_parallel.py), but `partita compile` cannot emit it yet: the emitted program "
-            "would not split the sequence over a cp mesh axis, so it would not train the plan it was given.",
-            f"price the layout with `partita evaluate MODEL --cluster ... --cp {cp}`, and compile without --cp "
-            "(or --cp 1).",
-        )

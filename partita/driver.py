@@ -636,6 +636,13 @@ def compile_layout(
         keys = ("tp", "dp", "zero_stage", "recompute", "schedule", "num_virtual")
         sequence_parallel.check(**{k: layout[k] for k in keys})
 
+    if layout.get("cp", 1) > 1:  # what the program does not build with cp, refused before tracing
+        from partita.backends.torch.emit import check_cp_layout
+
+        tps = layout["tp"] if isinstance(layout["tp"], (tuple, list)) else (layout["tp"],)
+        check_cp_layout(
+            model, cp=layout["cp"], tp=max(tps), pp=layout["pp"], zero=layout["zero_stage"], schedule=layout["schedule"]
+        )
     training = choose_precision(cl, training)  # the search's and evaluate's rule
     traced = trace_model(model, batch=TRACE_BATCH, seq=training.seq_len)
     plan = Plan.from_json(hand_plan(traced.graph, cl, training, **layout).to_json())  # as plan.json holds it

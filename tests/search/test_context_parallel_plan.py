@@ -139,20 +139,39 @@ def test_without_cp_the_records_are_records_complete(g) -> None:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("backend", ["torch", "jax"])
-def test_emitters_refuse_a_cp_plan(g, backend: str) -> None:  # noqa: ANN001
+def test_emitters_refuse_a_cp_plan_they_do_not_build(g, backend: str) -> None:  # noqa: ANN001
+    """JAX builds no cp; the PyTorch program builds it for Llama only (``context_parallel.ARCHS``): a GPT-2 plan
+    is refused by both, each with one paragraph."""
     if backend == "torch":
         from partita.backends.torch.emit import emit_torch as emit
+
+        match = "cp=2. is built for LlamaForCausalLM .* gpt2-tiny is a GPT2LMHeadModel"
     else:
         from partita.backends.jax.emit import emit_jax as emit
-    with pytest.raises(PlanError, match="cp=2 ranks .context parallelism."):
+
+        match = "cp=2 ranks .context parallelism., which the JAX emitter does not build"
+    with pytest.raises(PlanError, match=match):
         emit(_plan(g), "gpt2-tiny")
 
 
-def test_compile_cp_is_refused_before_anything_is_written(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize(
+    ("model", "extra", "said"),
+    [
+        ("gpt2-tiny", ("--dp", "2"), "is built for LlamaForCausalLM"),
+        ("llama-tiny", ("--pp", "2", "--zero", "2"), "in a pipeline that runs on explicit send/recv"),
+        ("llama-tiny", ("--tp", "2"), "with tensor parallelism (tp=2) is not built by the PyTorch program"),
+    ],
+)
+def test_compile_cp_refuses_what_the_program_does_not_build(
+    tmp_path: Path, capsys: pytest.CaptureFixture, model: str, extra: tuple[str, ...], said: str
+) -> None:
+    """``compile --cp 2`` runs for dp x cp ranks of a Llama (``tests/runtime/
+    test_context_parallel_program.py``, with pp on torch.distributed.pipelining too); other models, cp with tp
+    and cp in a send/recv pipeline are refused before tracing."""
     out = tmp_path / "out"
-    rc = main(["compile", "gpt2-tiny", "--cluster", "4xCPU", "--dp", "2", "--cp", "2", "--out", str(out)])
+    rc = main(["compile", model, "--cluster", "4xCPU", *extra, "--cp", "2", "--out", str(out)])
     err = capsys.readouterr().err
-    assert rc == 2 and "--cp 2: context parallelism is priced" in err and "Traceback" not in err
+    assert rc == 2 and said in " ".join(err.split()) and "Traceback" not in err
     assert not out.exists() or not any(out.iterdir())
 
 

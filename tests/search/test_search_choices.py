@@ -55,21 +55,20 @@ def memo() -> IntraOpMemo:
 
 @pytest.fixture(scope="module")
 def long_plans(llama: Graph, memo: IntraOpMemo) -> tuple[Plan, Plan]:
-    """At 65,536 tokens on 64 H100: the search with the torch emitter's cp switch flipped, and as it is today."""
+    """At 65,536 tokens on 64 H100: the default search (cp offered: the torch program builds it), and the
+    search at cp 1 only."""
     cl = parse_cluster(H100_64)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(realizable.CP_EMITTED, "torch", True)  # the one line the lead flips when cp is emitted
-        flipped = plan_graph(llama, cl, LONG, options=OPTS, memo=memo)
-    today = plan_graph(llama, cl, LONG, options=OPTS, memo=memo)
+    flipped = plan_graph(llama, cl, LONG, options=OPTS, memo=memo)
+    today = plan_graph(llama, cl, LONG, options=dataclasses.replace(OPTS, cp_degrees=()), memo=memo)
     return flipped, today
 
 
 @pytest.mark.slow  # a Llama-7B search of its own (module fixture: ~7 CPU s with its workers)
 def test_search_picks_cp_for_a_64k_llama_7b_on_64_h100(llama: Graph, long_plans: tuple[Plan, Plan]) -> None:
     """Every cp the switch offers at 65,536 tokens (2, 4, 8: at least 8,192 tokens per rank) is searched;
-    the fastest is a cp > 1 plan; its record's cp 1 step is the search without cp (today's plan), and it
-    is no slower than bench/context_parallel.py's 1.20x hand layout (tp 8 x dp 2 x cp 4, no recompute),
-    which lies in the searched space."""
+    the fastest is a cp > 1 plan the torch program builds (tp 1: ``realizable.cp_plan_refusal``); its
+    record's cp 1 step is the search without cp, and it is no slower than a hand layout of the searched
+    space (dp 16 x cp 4, ZeRO-3, no recompute)."""
     flipped, today = long_plans
     rec = flipped.search["context_parallel"]
     assert rec["degrees"] == [1, 2, 4, 8]
@@ -83,21 +82,22 @@ def test_search_picks_cp_for_a_64k_llama_7b_on_64_h100(llama: Graph, long_plans:
     wide = plan_text(flipped, width=1000)
     assert "context parallelism" in wide and rec["why"] in wide and f", cp {cp}" in wide  # the stage table's mesh
     assert html.escape(rec["why"]) in why_html(flipped)
-    assert today.search["context_parallel"]["why"] in plan_text(today, width=1000)
     hand = evaluate_config(
         llama,
         parse_cluster(H100_64),
         LONG,
-        tp=8,
+        tp=1,
         pp=1,
-        dp=2,
+        dp=16,
         cp=4,
         micro_batch=1,
-        zero_stage=1,
+        zero_stage=3,
         recompute="none",
         tp_style=tp_style_of(llama),
     )
-    assert hand.fits and flipped.predicted["step_time_s"] <= hand.predicted_step_time_s * (1 + 1e-9)
+    assert realizable.cp_plan_refusal(flipped) is None and all(s.tp == 1 for s in flipped.stages)
+    if hand.fits:
+        assert flipped.predicted["step_time_s"] <= hand.predicted_step_time_s * (1 + 1e-9)
     # the Plan the program would run: devices dp x cp x tp per stage, the whole sequence, a valid round trip
     assert sum(s.dp * s.cp * s.tp for s in flipped.stages) <= 64 and flipped.training["seq_len"] == 65536
     if sum(s.dp * s.cp * s.tp for s in flipped.stages) == 64:  # every device used: the two MFUs are one
@@ -106,16 +106,22 @@ def test_search_picks_cp_for_a_64k_llama_7b_on_64_h100(llama: Graph, long_plans:
     assert Plan.from_json(flipped.to_json()).to_json() == flipped.to_json()  # validated on reading
 
 
-@pytest.mark.slow  # a Llama-7B search of its own (module fixture: ~7 CPU s with its workers)
-def test_cp_is_not_offered_until_the_emitter_builds_it(long_plans: tuple[Plan, Plan]) -> None:
-    _, today = long_plans
-    assert {s.cp for s in today.stages} == {1}
-    assert today.search["context_parallel"]["why"].startswith("cp not offered: the torch program does not split")
+def test_cp_is_offered_only_where_the_program_builds_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch program builds cp for Llama models (backends/torch/context_parallel.ARCHS) at tp 1, pipelined
+    on torch.distributed.pipelining only; the search offers nothing else (design rule 1)."""
+    from partita.backends.torch import context_parallel as cp_runtime
+
+    assert realizable.CP_ARCHS == cp_runtime.ARCHS
+    assert realizable.cp_degrees("torch", 65536, "LlamaForCausalLM") == (2, 4, 8)
+    assert realizable.cp_degrees("torch", 65536, "GPT2LMHeadModel") == ()
+    assert "not GPT2LMHeadModel" in (realizable.cp_refusal("torch", 65536, "GPT2LMHeadModel") or "")
+    assert realizable.cp_degrees("jax", 65536) == ()
+    assert "jax program does not split" in (realizable.cp_refusal("jax", 65536) or "")
+    monkeypatch.setitem(realizable.CP_EMITTED, "torch", False)
     assert realizable.cp_degrees("torch", 65536) == ()
 
 
-def test_the_switch_offers_cp_only_at_long_sequences(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(realizable.CP_EMITTED, "torch", True)
+def test_the_switch_offers_cp_only_at_long_sequences() -> None:
     assert realizable.cp_degrees("torch", 131072) == (2, 4, 8, 16)
     assert realizable.cp_degrees("torch", 65536) == (2, 4, 8)
     assert realizable.cp_degrees("torch", 8192) == () == realizable.cp_degrees("torch", 2048)

@@ -8,6 +8,10 @@ activation layouts to pin inside tensor-parallel stages; the pipeline dispatch o
 collectives the plan predicts -- handed to ``backends/jax/train.py``, which builds the meshes and
 jitted steps (its docstring says how each decision becomes JAX).
 
+Context parallelism (``Stage.cp > 1``, issue 36) is refused with one paragraph
+(``search/program/context_parallel.refuse_emit``): this emitter builds no cp mesh axis, sequence
+split or K/V all-gather; the PyTorch emitter builds them (``backends/torch/context_parallel.py``).
+
 Activation pins come from the plan's op strategies: for every module that owns parameters, the
 layout its output leaves with (the producing op's strategy) and, where the consumers want another,
 the layout they read (the plan's resharding collective). That needs the plan's IR: the model is

@@ -19,15 +19,19 @@ dispatches on the CUDA SDPA kernels (flash, efficient, cuDNN) only, so on CPU an
 intercept the attention (``_context_parallel/_attention.py``: no entry for
 ``_scaled_dot_product_flash_attention_for_cpu``).
 
-Status (issue 36): this module and its gloo test (``tests/runtime/test_context_parallel_multiprocess.py``:
-a tiny Llama at dp 2 x cp 2 against one device, per parameter) are the runtime's scheme. The Plan carries
-``Stage.cp`` and the records of these collectives (``search/program/context_parallel.py``), but the
-emitter does not call this module yet: it refuses a plan with ``cp > 1``, and ``partita compile --cp``
-is refused.
+The emitted program (``backends/torch/emit.py``) calls :func:`split_sequence` in a cp stage's
+``setup_stage`` with the stage mesh's ``cp`` axis: it installs the attention, sets the model's
+``_attn_implementation`` and the stage's sequence shard (``parallel.StageContext.seq_shard``: the rotary
+embedding's global positions), and returns the :class:`SequenceSplit` that ``train.forward_backward``
+applies to every micro-batch (inputs split, labels shifted then split); in a pipeline each stage does so
+and boundaries carry the rank's ``S / cp`` tokens to the rank of the same cp coordinate
+(``train.local_sample``). Tested against one device through the emitted program in
+``tests/runtime/test_context_parallel_program.py``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -93,6 +97,11 @@ def attention(
     if dropout:
         raise RuntimeError("context-parallel attention runs without attention dropout (set attention_dropout=0)")
     s = query.shape[2]
+    kind = query.device.type
+    if torch.is_autocast_enabled(kind):  # SDPA would cast its inputs to the autocast dtype: gather them in it
+        # (the rotary embedding leaves K in f32 under autocast; the plan prices K and V in the compute dtype)
+        low = torch.get_autocast_dtype(kind)
+        key, value = key.to(low), value.to(low)
     k, v = gather_sequence(key, group), gather_sequence(value, group)
     q_pos = torch.arange(s, device=query.device) + dist.get_rank(group) * s
     mask = q_pos[:, None] >= torch.arange(k.shape[2], device=query.device)[None, :]
@@ -132,3 +141,41 @@ def shift_then_shard(labels: torch.Tensor, rank: int, cp: int) -> torch.Tensor:
     position :data:`IGNORE_INDEX`, then split (module docstring)."""
     shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
     return shard_sequence(shifted, rank, cp)
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceSplit:
+    """Rank ``index``'s slice of every micro-batch of a cp stage (``cp`` ranks, sequences of ``seq_len``)."""
+
+    index: int
+    cp: int
+    seq_len: int
+
+    def inputs(self, x: torch.Tensor) -> torch.Tensor:
+        return shard_sequence(x, self.index, self.cp)
+
+    def labels(self, y: torch.Tensor) -> torch.Tensor:
+        return shift_then_shard(y, self.index, self.cp)
+
+
+ARCHS = ("LlamaForCausalLM",)  # models whose attention and rotary positions this module sets (parallel.ADAPTERS)
+
+
+def split_sequence(module: Any, mesh: Any, seq_len: int) -> SequenceSplit:
+    """Set ``module`` (a ``parallel.StageModule``) up for context parallelism over the 1-D ``mesh`` (the
+    stage mesh's ``cp`` axis): :func:`install` with its group, the model's attention switched to
+    :data:`ATTENTION`, the rotary embedding's positions offset to this rank's shard; return the split
+    ``train.forward_backward`` applies to each micro-batch."""
+    if getattr(module, "arch", "") not in ARCHS:
+        from partita.errors import PlanError
+
+        raise PlanError(
+            f"context parallelism is built for {', '.join(ARCHS)} (its attention interface and rotary "
+            f"positions), and this stage holds a {getattr(module, 'arch', type(module).__name__)}.",
+            "recompile the plan without --cp for this model.",
+        )
+    install(mesh.get_group())
+    module.config._attn_implementation = ATTENTION
+    index = mesh.get_local_rank()
+    module.ctx.seq_shard = index
+    return SequenceSplit(index, mesh.size(), seq_len)

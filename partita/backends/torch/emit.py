@@ -60,6 +60,13 @@ What torch cannot express, and what the program does instead (also written into 
   last W (FSDP2's post-backward called then, as pipelining's REDUCE_GRAD does). Refused with ZeRO-2/3
   (dp > 1: per-micro-batch syncs would run after B, before W) and with activation recompute (W would
   recompute each block again).
+
+Context parallelism (``Stage.cp > 1``, issue 36): the stage's mesh is ``(dp, cp, tp)``, its
+``setup_stage`` calls ``cpr.split_sequence(module, rt.mesh["cp"], seq_len=S)`` (``backends/torch/
+context_parallel.py``: attention with K/V all-gathered over cp, global rotary positions, labels shifted
+before the split), and parameters are replicated over ``dp x cp``: the ZeRO-0 all-reduce and FSDP2 run
+over ``rt.replicas`` (the ``dp_cp`` group). Built for Llama models at tp 1, alone or in a pipeline on
+``torch.distributed.pipelining``; :func:`check_cp` refuses the rest.
 """
 
 from __future__ import annotations
@@ -129,6 +136,7 @@ def _stage_dict(plan: Plan, s: Stage) -> dict[str, Any]:
         "layers": list(s.layers),
         "ranks": list(s.ranks),
         "dp": s.dp,
+        **({"cp": s.cp} if s.cp > 1 else {}),  # context parallelism (written only when used: older programs unchanged)
         "tp": s.tp,
         "device_type": s.device_type,
         "kind": kind,
@@ -243,13 +251,35 @@ def _tp_lines(s: Stage, facts: StageFacts) -> list[str]:
     return lines
 
 
+def _mesh_text(s: Stage) -> tuple[str, str]:
+    """``(dp=2, tp=1)`` and ``2x1, ("dp", "tp")``; with the cp axis when ``s.cp > 1``."""
+    if s.cp == 1:
+        return f"(dp={s.dp}, tp={s.tp})", f'{s.dp}x{s.tp}, ("dp", "tp")'
+    return f"(dp={s.dp}, cp={s.cp}, tp={s.tp})", f'{s.dp}x{s.cp}x{s.tp}, ("dp", "cp", "tp")'
+
+
+def _cp_lines(plan: Plan, s: Stage) -> list[str]:
+    """A cp stage's sequence split (``backends/torch/context_parallel.py``), written into ``setup_stage``."""
+    seq = int(plan.training["seq_len"])
+    return [
+        f'    # Context parallel over mesh["cp"] ({s.cp} ranks): each rank holds {seq // s.cp} consecutive tokens of its',
+        f"    # replica's {seq}-token sequences (cp rank r: tokens r*{seq // s.cp} ..); labels are shifted over the whole",
+        "    # sequence before the split, rotary positions are global, and attention all-gathers K and V over cp",
+        "    # (their gradients reduce-scattered in backward). torch_train applies rt.sequence to every micro-batch.",
+        f'    rt.sequence = cpr.split_sequence(module, rt.mesh["cp"], seq_len={seq})',
+    ]
+
+
 def _setup_stage(plan: Plan, s: Stage, facts: StageFacts) -> str:
+    mesh, shape = _mesh_text(s)
     lines = [
-        f"# ---- stage {s.index}: ranks {list(s.ranks)} as mesh (dp={s.dp}, tp={s.tp}) on {s.device_type} ----",
+        f"# ---- stage {s.index}: ranks {list(s.ranks)} as mesh {mesh} on {s.device_type} ----",
         f"def setup_stage_{s.index}(model, rt):",
-        f'    """Layers {", ".join(s.layers)}; mesh rt.mesh = DeviceMesh({list(s.ranks)} as {s.dp}x{s.tp}, ("dp", "tp"))."""',
+        f'    """Layers {", ".join(s.layers)}; mesh rt.mesh = DeviceMesh({list(s.ranks)} as {shape})."""',
         f'    module = tpar.split_stage(model, {list(s.layers)!r}, PROGRAM["layers"], rt.device)',
     ]
+    if s.cp > 1:
+        lines += _cp_lines(plan, s)
     recipe = plan.training.get("fp8")
     if recipe:
         lines += [
@@ -284,7 +314,9 @@ def _setup_stage(plan: Plan, s: Stage, facts: StageFacts) -> str:
             f"    tpar.apply_autocast(module, {dtype!r})  # plan dtype {dtype}: f32 master parameters, "
             f"torch.autocast({dtype}) compute, activations leave in {dtype}"
         )
-    if s.dp > 1 and s.zero_stage > 0:
+    replicas, dp_mesh = s.dp * s.cp, 'rt.mesh["dp"]' if s.cp == 1 else "rt.replicas"
+    over = f'mesh["dp"] ({s.dp} replicas)' if s.cp == 1 else f'rt.replicas ("dp_cp": {s.dp} dp x {s.cp} cp ranks)'
+    if replicas > 1 and s.zero_stage > 0:
         reshard = s.zero_stage == 3
         note = {
             1: "ZeRO-1: optimizer state on the dp shard; parameters gathered for the whole step, gradients\n"
@@ -293,21 +325,30 @@ def _setup_stage(plan: Plan, s: Stage, facts: StageFacts) -> str:
             3: "ZeRO-3: parameters, gradients and optimizer state sharded; parameters re-gathered for backward",
         }[s.zero_stage]
         lines += [
-            f'    # {note}; FSDP2 over mesh["dp"] ({s.dp} replicas), one unit per block + the stage root.',
+            f"    # {note}; FSDP2 over {over}, one unit per block + the stage root.",
             "    for block in module.blocks():",
-            f'        rt.fsdp_modules.append(fully_shard(block, mesh=rt.mesh["dp"], reshard_after_forward={reshard}{mp}))',
-            f'    rt.fsdp_modules.append(fully_shard(module, mesh=rt.mesh["dp"], reshard_after_forward={reshard}{mp}))',
-            "    # FSDP2 averages gradients over dp; losses are pre-weighted by batch share, so torch_train multiplies",
-            f"    # the sharded gradients by {s.dp} after backward (set_gradient_divide_factor(1) needs PREMUL_SUM: no gloo).",
+            f"        rt.fsdp_modules.append(fully_shard(block, mesh={dp_mesh}, reshard_after_forward={reshard}{mp}))",
+            f"    rt.fsdp_modules.append(fully_shard(module, mesh={dp_mesh}, reshard_after_forward={reshard}{mp}))",
+            f"    # FSDP2 averages gradients over {'dp' if s.cp == 1 else 'dp_cp'}; losses are pre-weighted by batch share, "
+            "so torch_train multiplies",
+            f"    # the sharded gradients by {replicas} after backward (set_gradient_divide_factor(1) needs PREMUL_SUM: no gloo).",
         ]
-    elif s.dp > 1:
+    elif replicas > 1:
         shr = list(shares(s, plan.micro_batch_size))
         lines.append(
             f"    # Data parallel, ZeRO-0, {s.dp} replicas with batch shares {shr}: torch_train all-reduces (SUM) each"
         )
-        lines.append(
-            '    # gradient over mesh["dp"] after backward; losses are weighted by share, so the sum is the mean.'
-        )
+        if s.cp == 1:
+            lines.append(
+                '    # gradient over mesh["dp"] after backward; losses are weighted by share, so the sum is the mean.'
+            )
+        else:
+            lines.append(
+                f'    # gradient over rt.replicas ("dp_cp": the {replicas} dp x cp ranks, parameters replicated on both) after'
+            )
+            lines.append(
+                "    # backward; each rank's loss is its targets' share of the global mean, so the sum is the mean."
+            )
     elif s.zero_stage > 0:
         lines.append(f"    # ZeRO-{s.zero_stage} asked with dp = 1: nothing to shard over, no fully_shard.")
     lines.append("    return module")
@@ -438,10 +479,57 @@ def check_schedule(plan: Plan) -> None:
         )
 
 
+def check_cp(plan: Plan, model_spec: str) -> None:
+    """Refuse (PlanError) a context-parallel plan this runtime does not build (:func:`check_cp_layout`)."""
+    cps = [s for s in plan.stages if s.cp > 1]
+    if cps:
+        cp_records.check(plan)  # selective recompute
+        tp, zero = max(s.tp for s in plan.stages), max(s.zero_stage for s in plan.stages)
+        check_cp_layout(model_spec, cp=cps[0].cp, tp=tp, pp=plan.num_stages, zero=zero, schedule=plan.schedule)
+        if plan.num_stages > 1 and _runner_kind(plan) != "torch_pipeline":
+            raise PlanError(_CP_P2P.format(cp=cps[0].cp), _CP_P2P_FIX)
+
+
+_CP_P2P = (
+    "context parallelism (cp={cp}) in a pipeline that runs on explicit send/recv (stages of different shapes, "
+    "ZeRO-2/3 or a schedule beyond GPipe / 1F1B) is not built by the PyTorch program: it hands each rank's "
+    "S / cp tokens on through torch.distributed.pipelining only, between ranks of the same (dp, cp, tp) coordinate."
+)
+_CP_P2P_FIX = "compile with equal stages, ZeRO-0/1 and --schedule 1f1b or gpipe, or without --cp."
+
+
+def check_cp_layout(model_spec: str, *, cp: int, tp: int, pp: int, zero: int = 0, schedule: str = "1f1b") -> None:
+    """Refuse (PlanError) context parallelism where the program does not build it: with tensor parallelism (no
+    tensor-parallel attention over a split sequence), in a pipeline that does not run on
+    ``torch.distributed.pipelining`` (ZeRO-2/3, schedules beyond GPipe / 1F1B: :data:`_CP_P2P`), and for a
+    model outside ``context_parallel.ARCHS``. ``driver.compile_layout`` calls it before tracing."""
+    if cp == 1:
+        return
+    if tp > 1:
+        raise PlanError(
+            f"context parallelism (cp={cp}) with tensor parallelism (tp={tp}) is not built by the PyTorch program "
+            "yet: its attention gathers keys and values over the cp ranks of a replica, not over tensor-parallel "
+            "heads of a split sequence.",
+            "compile with --cp and --tp 1, or without --cp; `partita evaluate --cp` prices the other layouts.",
+        )
+    if pp > 1 and (zero >= 2 or schedule not in ("gpipe", "1f1b")):
+        raise PlanError(_CP_P2P.format(cp=cp), _CP_P2P_FIX)
+    model = _meta_model(model_spec)
+    arch = type(model).__name__ if model is not None else None
+    from partita.backends.torch.context_parallel import ARCHS
+
+    if arch is not None and arch not in ARCHS:
+        raise PlanError(
+            f"context parallelism (cp={cp}) is built for {', '.join(ARCHS)} (its attention interface and "
+            f"rotary positions), and {model_spec} is a {arch}.",
+            "compile this model without --cp.",
+        )
+
+
 def emit_torch(plan: Plan, model_spec: str) -> str:
     """The source of one Python module that trains ``plan`` for ``model_spec`` under torchrun."""
-    cp_records.refuse_emit(plan, "PyTorch")
     check_schedule(plan)
+    check_cp(plan, model_spec)
     if plan.training.get("fp8"):  # search/pricing/fp8.py: what the program builds with fp8 (tp = 1)
         from partita.search.pricing import fp8 as fp8_pricing
 
@@ -459,7 +547,7 @@ def emit_torch(plan: Plan, model_spec: str) -> str:
         prog["runner"], prog["chunks"] = kind, vchunks.chunk_table(chunked)
         prog["layers"] = [name for s in chunked.stages for name in s.layers]  # model order
     stage_lines = "\n".join(
-        f"Stage {s.index}: ranks {list(s.ranks)}, mesh (dp={s.dp}, tp={s.tp}) {s.device_type}, layers "
+        f"Stage {s.index}: ranks {list(s.ranks)}, mesh {_mesh_text(s)[0]} {s.device_type}, layers "
         f"{', '.join(s.layers)}; ZeRO-{s.zero_stage}, recompute {s.recompute}, batch shares "
         f"{list(shares(s, plan.micro_batch_size))}"
         for s in plan.stages
@@ -469,6 +557,11 @@ def emit_torch(plan: Plan, model_spec: str) -> str:
         header = header.replace(
             "from torch.distributed.fsdp import fully_shard",
             "import torch\nfrom torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard",
+        )
+    if any(s.cp > 1 for s in plan.stages):
+        header = header.replace(
+            "from partita.backends.torch import parallel as tpar",
+            "from partita.backends.torch import context_parallel as cpr\nfrom partita.backends.torch import parallel as tpar",
         )
     if plan.training.get("fp8"):
         header = header.replace(

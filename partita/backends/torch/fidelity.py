@@ -128,10 +128,13 @@ class CollectiveCounter(TorchDispatchMode):
         return summarize(self.events, axes or {})
 
 
-def axis_names(mesh: Any, pp_group: Any = None, tied_group: Any = None) -> dict[str, str]:
-    """Process group name -> the axis name the plan's records use (``world``, ``dp``, ``tp``, ``pp``,
-    ``tied``), for this rank's stage mesh and groups. DeviceMesh reuses the default group for an axis
-    that spans every rank, so a one-stage plan's world-wide all-reduces carry that axis's name."""
+def axis_names(mesh: Any, pp_group: Any = None, tied_group: Any = None, replicas: Any = None) -> dict[str, str]:
+    """Process group name -> the axis name the plan's records use (``world``, ``dp``, ``cp``, ``tp``,
+    ``dp_cp``, ``pp``, ``tied``), for this rank's stage mesh and groups. DeviceMesh reuses the default
+    group for an axis that spans every rank, so a one-stage plan's world-wide all-reduces carry that
+    axis's name. ``replicas``: a cp stage's ``("dp_cp",)`` mesh (``parallel.replica_mesh``, a group of its
+    own); when it spans every rank, the world-wide all-reduces (gradient clipping) are named ``dp_cp``,
+    as the plan's records name them (``search/program/context_parallel.complete``)."""
     import torch.distributed as dist
 
     world: Any = dist.group.WORLD
@@ -140,6 +143,10 @@ def axis_names(mesh: Any, pp_group: Any = None, tied_group: Any = None) -> dict[
         name = mesh.get_group(d).group_name  # names it (the first such axis; search/records.world_axis)
         if out.get(name, "world") == "world":
             out[name] = d
+    if replicas is not None:
+        out[replicas.get_group().group_name] = "dp_cp"
+        if replicas.size() == dist.get_world_size() and out[world.group_name] == "world":
+            out[world.group_name] = "dp_cp"
     if pp_group is not None:
         out[pp_group.group_name] = "pp"
     if tied_group is not None:

@@ -72,9 +72,48 @@ def backend_for(device_type: str, backend: str) -> str:
     return table.get(device_type, "")
 
 
-def build_mesh(device_type: str, ranks: Sequence[int], dp: int, tp: int) -> DeviceMesh:
-    """A ``("dp", "tp")`` mesh over one stage's ranks. Every rank builds every stage's mesh, in order."""
-    return DeviceMesh(device_type, torch.tensor(list(ranks)).reshape(dp, tp), mesh_dim_names=("dp", "tp"))
+def build_mesh(device_type: str, ranks: Sequence[int], dp: int, tp: int, cp: int = 1) -> DeviceMesh:
+    """A ``("dp", "tp")`` mesh over one stage's ranks, ``("dp", "cp", "tp")`` with context parallelism
+    (``Stage.cp``: tp fastest, then cp). Every rank builds every stage's mesh, in order."""
+    if cp == 1:
+        return DeviceMesh(device_type, torch.tensor(list(ranks)).reshape(dp, tp), mesh_dim_names=("dp", "tp"))
+    # With cp the mesh is made from groups of its own (DeviceMesh.from_group): DeviceMesh would reuse the default
+    # group for an axis spanning every rank (dp 1 x cp N), and the cp axis' K/V all-gathers would then share
+    # their group, and its name, with the world-wide all-reduces the plan records on dp_cp (f16's overflow check).
+    grid = torch.tensor(list(ranks)).reshape(dp, cp, tp)
+    mine: list[Any] = []
+    for d in range(3):
+        rows = grid.movedim(d, -1).reshape(-1, grid.shape[d]).tolist()
+        for row in rows:
+            g = dist.new_group(row)
+            if dist.get_rank() in row:
+                mine.append(g)
+    if len(mine) != 3:  # a rank outside this stage: it only took part in making the groups
+        return None  # type: ignore[return-value]
+    return DeviceMesh.from_group(mine, device_type, mesh=grid, mesh_dim_names=("dp", "cp", "tp"))
+
+
+def build_meshes(device_type: str, stages: Sequence[Mapping[str, Any]]) -> list[DeviceMesh]:
+    """Every stage's mesh, in order (``PROGRAM["stages"]``: ``cp`` present only when > 1)."""
+    return [build_mesh(device_type, s["ranks"], s["dp"], s["tp"], s.get("cp", 1)) for s in stages]
+
+
+def replica_mesh(device_type: str, stages: Sequence[Mapping[str, Any]], rank: int) -> DeviceMesh | None:
+    """The 1-D ``("dp_cp",)`` mesh of ``rank``'s cp stage: the ``dp * cp`` ranks at its tp coordinate,
+    over which parameters are replicated (gradient sync, FSDP2); None for a stage without cp. Every rank
+    makes every cp stage's groups (``dist.new_group`` is collective), in order. A group of its own, not a
+    flattened mesh axis (``DeviceMesh._flatten`` is private) nor the default group: its collectives are
+    counted under their own name, ``dp_cp``."""
+    mine = None
+    for s in stages:
+        cp, tp, ranks = s.get("cp", 1), s["tp"], list(s["ranks"])
+        if cp == 1:
+            continue
+        for j in range(tp):
+            group = dist.new_group(ranks[j::tp])
+            if rank in ranks[j::tp]:
+                mine = DeviceMesh.from_group(group, device_type, mesh_dim_names=("dp_cp",))
+    return mine
 
 
 # ---- architecture adapters ----------------------------------------------------------------
@@ -96,8 +135,10 @@ def _gpt2_embed(root: nn.Module, ids: Any, ctx: StageContext) -> Any:
 
 
 def _llama_block(root: nn.Module, block: nn.Module, x: Any, ctx: StageContext) -> Any:
-    # under sequence parallelism a block after the stage's first gets 1/tp of the rows (tp.SEQ_SPLIT)
-    pos = torch.arange(x.shape[1] * getattr(block, "partita_seq_split", 1), device=ctx.device).unsqueeze(0)
+    # under sequence parallelism a block after the stage's first gets 1/tp of the rows (tp.SEQ_SPLIT);
+    # under context parallelism the rank holds sequence shard ctx.seq_shard: global positions
+    n = x.shape[1] * getattr(block, "partita_seq_split", 1)
+    pos = (torch.arange(n, device=ctx.device) + ctx.seq_shard * n).unsqueeze(0)
     cos, sin = root.model.rotary_emb(torch.ones(1, device=ctx.device), pos)
     return block(x, attention_mask=None, position_embeddings=(cos, sin), position_ids=pos)
 
@@ -142,6 +183,7 @@ def layer_paths(model: nn.Module, name: str) -> tuple[str, ...]:
 @dataclass
 class StageContext:
     device: torch.device
+    seq_shard: int = 0  # context parallelism: which 1/cp of the sequence this rank holds (context_parallel.py)
 
 
 class StageModule(nn.Module):
@@ -423,7 +465,8 @@ def full_grads(module: nn.Module) -> dict[str, torch.Tensor]:
 def check_dp_units(module: nn.Module, dp: int, zero: int) -> None:
     """Every parameter the stage's forward reads belongs to exactly one data-parallel unit (issue 31):
     it is among the stage module's parameters (the optimizer's, and what the dp gradient sync and the
-    FSDP2 units of ``module`` cover), and under ZeRO (dp > 1) it is an FSDP2-managed DTensor on ``dp``.
+    FSDP2 units of ``module`` cover), and under ZeRO (dp > 1) it is an FSDP2-managed DTensor on ``dp`` (``dp_cp``
+    under context parallelism: ``dp`` is then the number of dp x cp replicas).
     PlanError naming the parameters otherwise: their replicas would train apart silently."""
     share = getattr(module, "share_own", None)
     if share is not None:  # a generic stage: the root's own parameters as the forward will read them
@@ -436,7 +479,7 @@ def check_dp_units(module: nn.Module, dp: int, zero: int) -> None:
         unsynced = [
             n
             for n, p in module.named_parameters()
-            if not (isinstance(p, DTensor) and "dp" in (p.device_mesh.mesh_dim_names or ()))
+            if not (isinstance(p, DTensor) and {"dp", "dp_cp"} & set(p.device_mesh.mesh_dim_names or ()))
         ]
     if outside or unsynced:
         names = sorted(outside + unsynced)

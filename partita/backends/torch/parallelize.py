@@ -249,6 +249,14 @@ def build(
     count_collectives: bool = False,
 ) -> ParallelModel:
     """This rank's :class:`ParallelModel` for ``plan`` (every rank of the launch must call it)."""
+    cps = sorted({s.cp for s in plan.stages if s.cp > 1})
+    if cps:  # the live-module path does not split the sequence (train.py's _train does)
+        raise PlanError(
+            f"this plan splits the sequence over cp={cps[0]} ranks (context parallelism), which "
+            "partita.parallelize does not build for a live module: it would not shard the sequence.",
+            "train the plan with its program (`partita compile ... --cp`, then `partita run DIR`), or pass a plan "
+            "without cp.",
+        )
     ns = _load_program(plan, handle.name, where)
     program, setup_stage, make_runner = ns["PROGRAM"], ns["SETUP_STAGE"], ns["make_runner"]
     stages = program["stages"]

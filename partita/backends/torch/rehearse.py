@@ -5,7 +5,8 @@ nothing is communicated: every rank role is played in its own process (one
 ``python -m partita.backends.torch.rehearse DIR RANK...`` imports once and forks a child per role,
 as many at once as there are CPUs or ``PARTITA_REHEARSE_JOBS``: :func:`run_roles`) on a fake
 process group (``dist.init_process_group("fake")``, world size = the plan's) with fake tensors. A *role* is a rank whose step can differ from its stage's first rank: tp rank 0 of the first replica
-of each distinct batch share. The other tp ranks of a replica run the same SPMD step on shards no
+of each distinct batch share (cp rank 0 of it in a context-parallel stage: its other cp ranks run the same
+shapes and collectives on their slice of the sequence). The other tp ranks of a replica run the same SPMD step on shards no
 larger (torch's chunking gives rank 0 the largest) and, in a pipeline of stages of different shapes
 (``P2PPipeline``), receive as tp rank 0 does but send nothing: a subset of its collectives, no more
 memory, the same FLOPs. The mixtral-8x7b plan's tp rank 1 rehearsed exactly tp rank 0's peak, categories
@@ -205,16 +206,18 @@ def _rehearse_rank(program: Any, rank: int) -> RankResult:
     try:
         cpu = torch.device("cpu")
         # as train._train: every rank builds every stage's mesh, in order, then the pp group
-        meshes = [tpar.build_mesh("cpu", s["ranks"], s["dp"], s["tp"]) for s in stages]
+        meshes = tpar.build_meshes("cpu", stages)
+        replicas = tpar.replica_mesh("cpu", stages, rank)  # cp stages: the dp x cp groups
         me = next(s for s in stages if rank in s["ranks"])
         pp_group = None
         if prog["runner"] == "torch_pipeline":
-            for c in range(me["dp"] * me["tp"]):
+            for c in range(len(me["ranks"])):
                 g = dist.new_group([s["ranks"][c] for s in stages])
                 if rank in [s["ranks"][c] for s in stages]:
                     pp_group = g
         handle = resolve_model(prog["model"])
         x0, _ = torch_train.make_batch(handle, {**training, "global_batch": 1}, 0, 0)
+        x0 = torch_train.local_sample(x0, me)  # cp: S / cp tokens per rank
         # train._train's setup path (materialize.build_stage, materialize.setup_stage): meta build, boundary
         # shapes on meta, other stages' layers dropped, the program's setup_stage on meta, to_empty, the
         # tied parameters tied again; to_empty runs under the fake mode here and nothing is filled
@@ -226,11 +229,11 @@ def _rehearse_rank(program: Any, rank: int) -> RankResult:
         _, y1 = torch_train.make_batch(handle, {**training, "global_batch": 1}, 0, 0)
         loss_fn = torch_train.make_loss(
             int(training["global_batch"]) * torch_train.num_targets(y1, torch_train.shift_labels(handle)),
-            torch_train.shift_labels(handle),
+            torch_train.shift_labels(handle) and me.get("cp", 1) == 1,  # cp: labels shifted before the split
         )
         mesh = meshes[me["index"]]
         rt = torch_train.StageRuntime(prog, me, rank, cpu, mesh, loss_fn, boundary, (x0.shape[1:], x0.dtype))
-        rt.pp_group = pp_group
+        rt.pp_group, rt.replicas = pp_group, replicas
 
         @contextlib.contextmanager
         def allocate() -> Iterator[None]:  # to_empty allocates fake tensors (FACTS.md's recipe)
@@ -260,7 +263,7 @@ def _rehearse_rank(program: Any, rank: int) -> RankResult:
             opt = torch_train.make_optimizer(rt.module.parameters(), training)
             labels = p2p_world.labeler(runner, prog)  # each p2p operation's schedule action, for pair_p2p
             result = _measure(rt, me, runner, opt, handle, model, prog, (tied, tied_group, tied_n), labels)
-        axes = fidelity.axis_names(mesh, pp_group, tied_group)
+        axes = fidelity.axis_names(mesh, pp_group, tied_group, replicas)
         rec, peak, cats = result
         return RankResult(
             rank=rank,
@@ -386,7 +389,7 @@ def roles(program: Mapping[str, Any]) -> dict[int, list[int]]:
             if share in seen:
                 continue
             seen.add(share)
-            picks.append(s["ranks"][i * s["tp"]])
+            picks.append(s["ranks"][i * s.get("cp", 1) * s["tp"]])  # cp ranks of a replica: same shapes
         out[int(s["index"])] = picks
     return out
 

@@ -256,11 +256,19 @@ class StageRuntime:
     pp_group: Any = None
     module: nn.Module | None = None
     fsdp_modules: list[Any] = dataclasses.field(default_factory=list)
+    replicas: Any = None  # cp stage: the ("dp_cp",) mesh its parameters are replicated over (parallel.replica_mesh)
+    sequence: Any = None  # cp stage: this rank's context_parallel.SequenceSplit (set by setup_stage)
 
     @property
     def coords(self) -> tuple[int, int]:
+        """(dp, tp) coordinates of this rank in its stage; the cp coordinate is :attr:`cp_index`."""
+        pos, cp = list(self.stage["ranks"]).index(self.rank), self.stage.get("cp", 1)
+        return pos // (cp * self.stage["tp"]), pos % self.stage["tp"]
+
+    @property
+    def cp_index(self) -> int:
         pos = list(self.stage["ranks"]).index(self.rank)
-        return pos // self.stage["tp"], pos % self.stage["tp"]
+        return (pos // self.stage["tp"]) % self.stage.get("cp", 1)
 
     def examples(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Zero tensors shaped like one micro-batch's input and output (pipelining shape declarations)."""
@@ -385,17 +393,19 @@ def _train(
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    meshes = [tpar.build_mesh(device.type, s["ranks"], s["dp"], s["tp"]) for s in stages]
+    meshes = tpar.build_meshes(device.type, stages)
+    replicas = tpar.replica_mesh(device.type, stages, rank)  # cp stages: the dp x cp groups
     me = next(s for s in stages if rank in s["ranks"])
     pp_group = None
-    if program["runner"] == "torch_pipeline":  # ranks at the same (dp, tp) coordinate of every stage
-        for c in range(me["dp"] * me["tp"]):
+    if program["runner"] == "torch_pipeline":  # ranks at the same (dp, cp, tp) coordinate of every stage
+        for c in range(len(me["ranks"])):
             g = dist.new_group([s["ranks"][c] for s in stages])
             if rank in [s["ranks"][c] for s in stages]:
                 pp_group = g
 
     handle = resolve_model(program["model"])
     x0, _ = make_batch(handle, {**training, "global_batch": 1}, args.data_seed, 0)
+    x0 = local_sample(x0, me)  # under cp each rank holds S / cp tokens: boundaries are shaped for them
     # meta build, boundary shapes from meta tensors; the stage is set up below (materialize.py)
     cut = stage_cuts(program)  # model chunks (interleaved 1F1B, ZB-V): boundaries per virtual stage
     built = materialize.build_stage(handle, args.seed, cut, me["layers"], x0)
@@ -403,17 +413,19 @@ def _train(
     tied_group, tied_n = _tied_group(model, tied, stages, rank)
     _, y1 = make_batch(handle, {**training, "global_batch": 1}, args.data_seed, 0)
     shift = shift_labels(handle)  # per-row target counts are fixed (hf.mask_tokens), so one row gives the total
-    loss_fn = make_loss(int(training["global_batch"]) * num_targets(y1, shift), shift)
+    # under context parallelism the labels are shifted before the sequence split (forward_backward)
+    loss_fn = make_loss(int(training["global_batch"]) * num_targets(y1, shift), shift and me.get("cp", 1) == 1)
     # + the MoE load-balancing loss per sequence when the config asks for it (models/moe_aux.py; one stage only)
     loss_fn = moe_aux.router_aux(model, int(training["global_batch"]), len(cut))(loss_fn)
     scaler = optim.LossScaler.from_training(training) if optim.loss_scaling(training) else None
     if scaler is not None:  # f16: dynamic loss scaling (optim.LossScaler); the schedule sees the scaled loss
         loss_fn = scaler.wrap(loss_fn)
     rt = StageRuntime(program, me, rank, device, meshes[me["index"]], loss_fn, boundary, (x0.shape[1:], x0.dtype))
-    rt.pp_group = pp_group
+    rt.pp_group, rt.replicas = pp_group, replicas
     # setup_stage on meta, to_empty(device), each parameter's local shard filled (the rehearsal's path too)
     rt.module = materialize.setup_stage(built, setup_stage[me["index"]], rt, device)
-    tpar.check_dp_units(rt.module, me["dp"], me["zero_stage"])  # every parameter in one dp unit (issue 31)
+    # every parameter in one dp unit (issue 31); under cp the units are over the dp x cp replicas
+    tpar.check_dp_units(rt.module, me["dp"] * me.get("cp", 1), me["zero_stage"])
     tpar.refuse_batch_stats(model, any(s["dp"] > 1 for s in stages) or int(program["num_micro_batches"]) > 1)
     runner = make_runner(rt)
     opt = make_optimizer(rt.module.parameters(), training)
@@ -447,7 +459,7 @@ def _train(
     rows = tdata.rank_rows(m, mb, lo, hi) if (first or last) else []  # this rank's share of the batch only
     log = StepLog(program, args, rank)
     losses, times, counts, norms, lrs, scales, skipped = [], [], [], [], [], [], []
-    axes = fidelity.axis_names(rt.mesh, pp_group, tied_group)  # group name -> the plan's axis names
+    axes = fidelity.axis_names(rt.mesh, pp_group, tied_group, replicas)  # group name -> the plan's axis names
     for step in range(start, args.steps):
         x, y = source.rows(step, rows) if rows else (None, None)
         n = hi - lo
@@ -503,6 +515,13 @@ def _train(
     return _report(program, args, losses, times, counts, start, extra)
 
 
+def local_sample(x0: torch.Tensor, me: Mapping[str, Any]) -> torch.Tensor:
+    """One sample as this rank's stage holds it: its first ``S / cp`` tokens under context parallelism
+    (``PROGRAM["stages"][i]["cp"]``; the shapes pipeline boundaries and examples are declared with), else ``x0``."""
+    cp = int(me.get("cp", 1))
+    return x0 if cp == 1 else x0[:, : x0.shape[1] // cp]
+
+
 def stage_cuts(program: Mapping[str, Any]) -> list[list[str]]:
     """The layers of each pipeline stage in model order, whose outputs are the boundary tensors: the
     virtual stages of a program with model chunks (``PROGRAM["chunks"]``, interleaved 1F1B and ZB-V:
@@ -524,14 +543,19 @@ def holds_ends(program: Mapping[str, Any], me: Mapping[str, Any]) -> tuple[bool,
 def forward_backward(runner: Any, rt: StageRuntime, me: Mapping[str, Any], xs: list, ys: list, tied: tuple) -> list:
     """One step's schedule (forward + backward over the micro-batches), then the gradient syncs the
     plan asks for: tp alignment, FSDP's dp mean undone (losses are pre-weighted), the dp
-    all-reduce at ZeRO-0, tied weights. Shared by this loop and ``parallelize_torch.ParallelModel``."""
+    all-reduce at ZeRO-0 (over dp x cp under context parallelism, whose sequence split runs first), tied
+    weights. Shared by this loop and ``parallelize_torch.ParallelModel``."""
+    if rt.sequence is not None:  # context parallelism: this rank's 1/cp of each sequence, labels shifted first
+        xs, ys = [rt.sequence.inputs(x) for x in xs], [rt.sequence.labels(y) for y in ys]
     local = runner.step(xs, ys)
     if me["tp"] > 1 and not rt.fsdp_modules:
         tpar.align_grads(rt.module)
+    replicas = me["dp"] * me.get("cp", 1)  # parameters are replicated over dp x cp (one group: rt.replicas)
     if rt.fsdp_modules:
-        tpar.scale_grads(rt.module, float(me["dp"]))
-    if me["zero_stage"] == 0 and me["dp"] > 1:
-        tpar.all_reduce_grads(rt.module, rt.mesh.get_group("dp"))
+        tpar.scale_grads(rt.module, float(replicas))
+    if me["zero_stage"] == 0 and replicas > 1:
+        group = rt.replicas.get_group() if me.get("cp", 1) > 1 else rt.mesh.get_group("dp")
+        tpar.all_reduce_grads(rt.module, group)
     tpar.sync_tied_grads(rt.module, *tied)
     return local
 
@@ -677,7 +701,7 @@ def _tied_holders(
 def _dump_grads(root: str, step: int, rt: StageRuntime, tied: list[list[str]]) -> None:
     canon = {n: names[0] for names in tied for n in names}
     grads = {canon.get(n, n): g for n, g in tpar.full_grads(rt.module).items()}
-    if rt.coords == (0, 0) and root:
+    if rt.coords == (0, 0) and rt.cp_index == 0 and root:
         os.makedirs(root, exist_ok=True)
         torch.save(grads, os.path.join(root, f"grads_step{step}_rank{rt.rank}.pt"))
 
@@ -686,7 +710,7 @@ def _dump_params(root: str, rt: StageRuntime, tied: list[list[str]]) -> None:
     """Full parameters by (canonical) FQN, written by each stage's rank at (dp, tp) = (0, 0)."""
     canon = {n: names[0] for names in tied for n in names}
     params = {canon.get(n, n): p for n, p in tpar.full_params(rt.module).items()}
-    if rt.coords == (0, 0) and root:
+    if rt.coords == (0, 0) and rt.cp_index == 0 and root:
         os.makedirs(root, exist_ok=True)
         torch.save(params, os.path.join(root, f"params_rank{rt.rank}.pt"))
 

@@ -60,9 +60,10 @@ def choose(
     recipe = training.fp8
     base_tr = dataclasses.replace(training, fp8=None) if recipe else training
     if options.cp_degrees is None:
-        degrees = realizable.cp_degrees(framework, training.seq_len)
+        model_class = graph.meta.get("model_class")
+        degrees = realizable.cp_degrees(framework, training.seq_len, model_class)
         long_seq = training.seq_len >= 2 * realizable.MIN_LOCAL_SEQ
-        cp_why = realizable.cp_refusal(framework, training.seq_len) if long_seq and not degrees else None
+        cp_why = realizable.cp_refusal(framework, training.seq_len, model_class) if long_seq and not degrees else None
     else:
         degrees, cp_why = tuple(sorted(set(options.cp_degrees))), None
     if not degrees and not recipe and cp_why is None:
@@ -71,7 +72,7 @@ def choose(
     errors: dict[str, ConfigError] = {}
     _attempt(plans, errors, "cp 1", lambda: run(base_tr))
     for c in degrees:
-        _attempt(plans, errors, f"cp {c}", functools.partial(_run_cp, graph, base_tr, c, run))
+        _attempt(plans, errors, f"cp {c}", functools.partial(_run_cp, graph, base_tr, c, run, options))
         if f"cp {c}" in plans:
             say(f"cp={c}: {_step(plans[f'cp {c}']):.4f} s")
     fp8_why = None
@@ -114,9 +115,20 @@ def _attempt(plans: dict[str, Plan], errors: dict[str, ConfigError], label: str,
         errors[label] = e
 
 
-def _run_cp(graph: Graph, training: TrainingConfig, cp: int, run: Run) -> Plan:
+def _run_cp(graph: Graph, training: TrainingConfig, cp: int, run: Run, options: SearchOptions) -> Plan:
+    """The search at ``cp``, inside what the program builds (``realizable``): tp 1; a pipelined winner on
+    explicit send/recv is searched again at ZeRO-0/1 with 1F1B (torch.distributed.pipelining's), and a
+    plan still refused is left out with the reason."""
     cpx.check(graph, training, cp)  # the sequence divides, there is attention to gather for
-    return run(training, cp=cp)
+    opts = dataclasses.replace(options, max_tp=min(options.max_tp, realizable.CP_MAX_TP))
+    plan = run(training, cp=cp, options=opts)
+    if realizable.cp_plan_refusal(plan) is not None:
+        zeros = tuple(z for z in opts.zero_stages if z <= 1) or (0,)
+        plan = run(training, cp=cp, options=dataclasses.replace(opts, zero_stages=zeros, schedules=("1f1b",)))
+    why = realizable.cp_plan_refusal(plan)
+    if why is not None:
+        raise ConfigError(f"{why}.", "search without cp, or with a cluster where equal stages fit.")
+    return plan
 
 
 def _step(plan: Plan) -> float:

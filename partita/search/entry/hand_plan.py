@@ -11,7 +11,7 @@ records, memory); no search builds it. ``cp``: context parallelism (issue 36): t
 by ``search/pipeline/cp_costs.ContextParallelCosts`` (what ``evaluate --cp`` prices), the plan laid out for
 ``dp * cp`` replicas of ``S / cp`` tokens (ranks ``(dp, cp, tp)``, tp fastest), then written back as stages of
 ``dp`` replicas with ``Stage.cp`` over the whole sequence and completed by ``search/program/context_parallel.py``
-(K/V all-gathers over ``cp``, dp records over ``dp_cp``). No emitter builds it yet (``compile --cp`` is refused).
+(K/V all-gathers over ``cp``, dp records over ``dp_cp``). The PyTorch program builds it for one stage of dp x cp ranks (``backends/torch/emit.check_cp``).
 """
 
 from __future__ import annotations

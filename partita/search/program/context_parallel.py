@@ -16,10 +16,11 @@ runs (all-gather K/V). Per step, on the stage's first rank, with ``m`` micro-bat
   computed for that view too, ``dp * cp`` replicas of ``S / cp`` tokens (``context_parallel.local_training``'s).
 
 Selective recompute with cp > 1 is refused: whether its checkpoint policy saves the K/V all-gathers
-(and so how many the program issues) is not established. ``search/entry/hand_plan.py`` (``cp=``) and the
-search (``search/entry/choices.py``, where ``search/program/realizable.py`` offers cp: not by default
-yet) write ``cp > 1`` (both through ``search/program/cp_layout.with_cp``), and ``partita compile --cp`` is refused (``cli.py``) until an emitter
-builds the scheme; these records are the contract that emitter is checked against. ``complete`` starts
+(and so how many the program issues) is not established. ``search/entry/hand_plan.py`` (``cp=``, from
+``partita compile --cp``) and the search (``search/entry/choices.py``, where ``search/program/realizable.py``
+offers cp) write ``cp > 1`` (both through ``search/program/cp_layout.with_cp``); the PyTorch program builds
+the scheme (``backends/torch/emit.py``) and counts its collectives against these records (``partita run``,
+``rehearse``). ``complete`` starts
 from the ILP's per-micro-batch records in ``Stage.collectives``, as ``records.complete`` does. Pure functions over the Plan and the IR: no torch.
 """
 
@@ -104,13 +105,14 @@ def complete(plan: Plan, graph: Graph, batch_scale: float = 1.0) -> Plan:
 
 
 def refuse_emit(plan: Plan, backend: str) -> None:
-    """Refuse (PlanError) to emit a plan with ``cp > 1`` for ``backend``: no emitter builds the cp mesh axis and
-    the sequence split yet, and a program without them would train a different model step than the plan's."""
+    """Refuse (PlanError) to emit a plan with ``cp > 1`` for ``backend`` (the JAX emitter: it builds no cp mesh
+    axis and sequence split, and a program without them would train a different model step than the plan's).
+    The PyTorch emitter builds cp (``backends/torch/emit.check_cp`` says for which layouts)."""
     cps = sorted({s.cp for s in plan.stages if s.cp > 1})
     if cps:
         raise PlanError(
             f"this plan splits the sequence over cp={cps[0]} ranks (context parallelism), which the {backend} "
-            "emitter does not build yet: the program would not shard the sequence or gather keys and values, "
+            "emitter does not build: the program would not shard the sequence or gather keys and values, "
             "and would not train the step the plan describes.",
-            "recompile the plan without context parallelism (cp 1); `partita evaluate --cp` prices it.",
+            "recompile the plan without context parallelism (cp 1), or use a PyTorch model, whose program builds it.",
         )

@@ -6,9 +6,11 @@ builds them, so the search asks here:
 
 * **cp** (context parallelism, ``search/pricing/context_parallel.py``): :data:`CP_EMITTED` says, per
   framework, whether its emitter writes a plan's ``Stage.cp`` (the sequence split over the cp axis,
-  K/V all-gathered for attention). Today no emitter does (``compile --cp`` is refused), so the default
-  search offers no cp. The torch emitter's cp (branch s39-36cp) flips ``"torch"`` to True: that one line
-  is the whole change the search needs.
+  K/V all-gathered for attention). The torch program does, for what ``backends/torch/emit.check_cp_layout``
+  accepts: Llama models (:data:`CP_ARCHS`), tp 1 (:data:`CP_MAX_TP`), and a pipeline only on
+  ``torch.distributed.pipelining`` (equal stages, ZeRO-0/1, GPipe / 1F1B: :func:`cp_plan_refusal`); the
+  JAX program does not. The search offers cp only there: each cp search runs at tp 1, and a cp plan the
+  program would refuse is searched again at ZeRO-0/1 with 1F1B, else left out with the reason.
   Where cp is offered, :func:`cp_degrees` gives the degrees: powers of two from 2 whose ranks keep at
   least :data:`MIN_LOCAL_SEQ` tokens each (Llama 3 trains at 131,072 tokens with cp 16: 8,192 per rank).
   Below that the search's time, not the price, is the reason: each degree is a search of its own
@@ -28,9 +30,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from partita.cluster import DeviceType
+from partita.plan import Plan
 
-# per framework: does its emitter build Stage.cp? torch: flip to True when backends/torch emits cp (s39-36cp)
-CP_EMITTED: dict[str, bool] = {"torch": False, "jax": False}
+# per framework: does its emitter build Stage.cp? (backends/torch/emit.check_cp / context_parallel.refuse_emit)
+CP_EMITTED: dict[str, bool] = {"torch": True, "jax": False}
+CP_ARCHS = ("LlamaForCausalLM",)  # backends/torch/context_parallel.ARCHS (a test checks they agree)
+CP_MAX_TP = 1  # the torch program's cp attention gathers K/V over a replica's cp ranks, not tp heads
 MIN_LOCAL_SEQ = 8192  # tokens per rank below which the default search offers no cp (module docstring)
 MAX_CP = 16  # Llama 3's largest (405B at 131,072 tokens)
 
@@ -42,9 +47,10 @@ def cp_emitted(framework: str) -> bool:
     return CP_EMITTED.get(framework, False)
 
 
-def cp_degrees(framework: str, seq_len: int) -> tuple[int, ...]:
-    """The cp degrees > 1 the default search offers for ``framework`` at ``seq_len`` (module docstring)."""
-    if not cp_emitted(framework):
+def cp_degrees(framework: str, seq_len: int, model_class: str | None = None) -> tuple[int, ...]:
+    """The cp degrees > 1 the default search offers for ``framework`` at ``seq_len`` (module docstring);
+    ``model_class`` (the graph's ``meta["model_class"]``, None: not known) outside :data:`CP_ARCHS`: none."""
+    if not cp_emitted(framework) or (model_class is not None and model_class not in CP_ARCHS):
         return ()
     out, c = [], 2
     while c <= MAX_CP and seq_len % c == 0 and seq_len // c >= MIN_LOCAL_SEQ:
@@ -53,15 +59,38 @@ def cp_degrees(framework: str, seq_len: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def cp_refusal(framework: str, seq_len: int) -> str | None:
+def cp_refusal(framework: str, seq_len: int, model_class: str | None = None) -> str | None:
     """Why the default search offers no cp (None where it offers some)."""
     if not cp_emitted(framework):
         return (
-            f"cp not offered: the {framework} program does not split the sequence yet (compile --cp is "
-            "refused); `partita evaluate --cp` prices it"
+            f"cp not offered: the {framework} program does not split the sequence (compile --cp is "
+            "refused there); `partita evaluate --cp` prices it"
+        )
+    if model_class is not None and model_class not in CP_ARCHS:
+        return (
+            f"cp not offered: the {framework} program builds context parallelism for {', '.join(CP_ARCHS)} "
+            f"(its attention and rotary positions), not {model_class}; `partita evaluate --cp` prices it"
         )
     if not cp_degrees(framework, seq_len):
         return f"cp not offered: {seq_len:,} tokens, fewer than {2 * MIN_LOCAL_SEQ:,} (cp 2 keeps {MIN_LOCAL_SEQ:,} per rank)"
+    return None
+
+
+def cp_plan_refusal(plan: Plan) -> str | None:
+    """Why the torch program would refuse this cp plan (``backends/torch/emit.check_cp``), or None."""
+    from partita.search.program import records
+
+    cp = max(s.cp for s in plan.stages)
+    if cp == 1:
+        return None
+    tp = max(s.tp for s in plan.stages)
+    if tp > CP_MAX_TP:
+        return f"cp {cp} with tp {tp}: the program builds cp at tp 1 only"
+    if plan.num_stages > 1 and records.runner_kind(plan) != "torch_pipeline":
+        return (
+            f"cp {cp} in a pipeline on explicit send/recv (schedule {plan.schedule}, ZeRO-2/3 or stages of "
+            "different shapes): the program pipelines cp on torch.distributed.pipelining only"
+        )
     return None
 
 
