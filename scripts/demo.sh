@@ -5,7 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-echo "compile cache: ${PARTITA_CACHE_DIR:-$HOME/.cache/partita} (PARTITA_CACHE_DIR moves it; --force recompiles)"
 partita compile --out out/default
 echo
 echo "The report is in out/default/report.txt; 'partita report out/default --html plan.html' writes the page."

@@ -4,6 +4,8 @@
 # pull a multi-GB CUDA build). Usage: scripts/install.sh [extras], e.g. scripts/install.sh test
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# pip prints its "new release" notice once per call: two calls printed it twice in a fresh clone (issue 35)
+export PIP_DISABLE_PIP_VERSION_CHECK=1
 extras="${1:-}"
 if ! python -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then

@@ -188,8 +188,14 @@ def test_searched_plan_carries_what_the_rehearsal_compares(tmp_path: Path, monke
     monkeypatch.setenv("PARTITA_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "plan"
     compile_to_dir("gpt2-tiny", "4xCPU", TrainingConfig(global_batch=8, seq_len=16), out)
-    res = rehearse.rehearse_dir(out)
+    said: list[str] = []
+    res = rehearse.rehearse_dir(out, progress=said.append)
     plan = Plan.from_json((out / "plan.json").read_text())
+    # issue 35 item 10: a line as each role ends, not one line and then minutes of silence
+    ranks = sorted(r for s in res["stages"] for r in s["ranks_rehearsed"])
+    assert said[0].startswith("rehearsing ranks") and len(said) == 1 + len(ranks), said
+    assert sorted(int(x.split()[1]) for x in said[1:]) == ranks
+    assert [x.rsplit("(", 1)[1] for x in said[1:]] == [f"{k} of {len(ranks)})" for k in range(1, len(ranks) + 1)]
     for s, st in zip(res["stages"], plan.stages):
         assert s["planned_memory_bytes"] == st.predicted["memory_bytes"] > 0
         assert s["planned_flops"] == st.predicted["flops"] > 0

@@ -558,7 +558,7 @@ def _rehearse(plan: Plan, plan_dir: Path, program: Mapping[str, Any], progress: 
     plan_roles = roles(program)
     if progress is not None:
         progress(f"rehearsing ranks {sorted(r for rs in plan_roles.values() for r in rs)} of {plan.world_size}")
-    got = run_roles(plan_dir, [r for rs in plan_roles.values() for r in rs])
+    got = run_roles(plan_dir, [r for rs in plan_roles.values() for r in rs], progress)
     # the program's stages are pipeline positions: a chunked plan's chunks of one rank group merged, their
     # records together (chunks.physical_plan), which is what one rank of the group issues
     view = physical_plan(plan)
@@ -581,7 +581,7 @@ def _rehearse(plan: Plan, plan_dir: Path, program: Mapping[str, Any], progress: 
 _MARK = "PARTITA_REHEARSAL "
 
 
-def run_roles(plan_dir: Path, ranks: Sequence[int]) -> dict[int, RankResult | str]:
+def run_roles(plan_dir: Path, ranks: Sequence[int], progress: Any = None) -> dict[int, RankResult | str]:
     """Every role in its own process: one fresh process
     (``python -m partita.backends.torch.rehearse DIR RANK...``) imports torch, the program and the
     model's library once, then forks a child per role (where ``fork`` exists), :func:`num_jobs` at a
@@ -590,35 +590,61 @@ def run_roles(plan_dir: Path, ranks: Sequence[int]) -> dict[int, RankResult | st
     and plans, which handed one rank's process-group names to the next (gpt3-13b: "could not resolve
     the process group 1" on the second role); forking after the imports, before any process group or
     tensor exists, gives each role that clean state without importing again (~10 s of CPU a role).
-    A string is the failure on that rank, in words."""
+    A string is the failure on that rank, in words. ``progress``: called with a line as each role
+    ends (``rank R rehearsed (K of N)``), as the child prints it: a 34-role rehearsal said nothing for
+    minutes (issue 35 item 10)."""
     import os
 
+    done = [0]
+
+    def ended(rank: int, result: RankResult | str) -> None:
+        done[0] += 1
+        if progress is not None:
+            how = "rehearsed" if isinstance(result, RankResult) else "failed"
+            progress(f"rank {rank} {how} ({done[0]} of {len(ranks)})")
+
     if hasattr(os, "fork"):
-        return _run_process(plan_dir, ranks)
+        return _run_process(plan_dir, ranks, ended)
     out: dict[int, RankResult | str] = {}
     for r in ranks:
-        out.update(_run_process(plan_dir, [r]))
+        out.update(_run_process(plan_dir, [r], ended))
     return out
 
 
-def _run_process(plan_dir: Path, ranks: Sequence[int]) -> dict[int, RankResult | str]:
+def _run_process(plan_dir: Path, ranks: Sequence[int], ended: Any = None) -> dict[int, RankResult | str]:
+    """One rehearsal process for ``ranks``; its marked lines read as it prints them (``ended(rank,
+    result)`` called for each), its stderr kept in a file (a pipe read only at the end could fill
+    and stall the child)."""
     import json
     import os
     import subprocess
     import sys
+    import tempfile
 
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     cmd = [sys.executable, "-m", "partita.backends.torch.rehearse", str(plan_dir), *map(str, ranks)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     out: dict[int, RankResult | str] = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith(_MARK):
-            d = json.loads(line[len(_MARK) :])
-            out[int(d["rank"])] = d["failure"] if "failure" in d else RankResult(**d)
+    last = ""
+    with tempfile.TemporaryFile("w+") as err:
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env) as proc:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if not line.startswith(_MARK):
+                    last = line.strip() or last
+                    continue
+                d = json.loads(line[len(_MARK) :])
+                rank = int(d["rank"])
+                out[rank] = d["failure"] if "failure" in d else RankResult(**d)
+                if ended is not None:
+                    ended(rank, out[rank])
+        err.seek(0)
+        stderr = err.read()
     for r in ranks:
         if r not in out:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+            tail = stderr.strip().splitlines()[-1:] or ([last] if last else []) or [f"exit {proc.returncode}"]
             out[r] = f"the rehearsal of rank {r} died (exit {proc.returncode}): {tail[0][:300]}"
+            if ended is not None:
+                ended(r, out[r])
     return out
 
 

@@ -22,6 +22,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -255,19 +256,23 @@ def _solve_mip(p: Problem, backend: str, time_limit_s: float) -> Solution:
     inf = solver.infinity()
     s = [[solver.BoolVar(f"s{v}_{k}") for k in range(len(c))] for v, c in enumerate(p.node_costs)]
     obj = solver.Objective()
+    # rows are built with RowConstraint + SetCoefficient, not the natural API (``solver.Add(sum(..) == x)``),
+    # whose Python expression walk cost about as much as HiGHS's solve (issue 35): the same rows, in the
+    # same order, with the same coefficients
     for v, c in enumerate(p.node_costs):
-        solver.Add(sum(s[v]) == 1)
+        _row(solver, 1.0, [(x, 1.0) for x in s[v]])
         for k, x in enumerate(s[v]):
             obj.SetCoefficient(x, float(c[k]) * _SCALE)
     for n, e in enumerate(p.edges):
         nu, nv = e.costs.shape
         ev = [[solver.NumVar(0.0, 1.0, f"e{n}_{i}_{j}") for j in range(nv)] for i in range(nu)]
+        costs = (e.costs * _SCALE).tolist()
         for i in range(nu):
-            solver.Add(sum(ev[i]) == s[e.u][i])
+            _row(solver, 0.0, [*((x, 1.0) for x in ev[i]), (s[e.u][i], -1.0)])
             for j in range(nv):
-                obj.SetCoefficient(ev[i][j], float(e.costs[i, j]) * _SCALE)
+                obj.SetCoefficient(ev[i][j], costs[i][j])
         for j in range(nv):
-            solver.Add(sum(ev[i][j] for i in range(nu)) == s[e.v][j])
+            _row(solver, 0.0, [*((ev[i][j], 1.0) for i in range(nu)), (s[e.v][j], -1.0)])
     if p.mem_budget is not None and p.node_mems is not None:
         ct = solver.Constraint(-inf, 1.0)
         for v, m in enumerate(p.node_mems):
@@ -290,6 +295,13 @@ def _solve_mip(p: Problem, backend: str, time_limit_s: float) -> Solution:
     gap = max(0.0, (objective - bound) / abs(objective)) if objective else 0.0
     stats = IlpStats(solver.NumVariables(), solver.NumConstraints(), name, objective, bound, gap, dt, backend)
     return Solution(choice, stats)
+
+
+def _row(solver: Any, rhs: float, terms: list[tuple[Any, float]]) -> None:
+    """The row ``sum(c * x for x, c in terms) == rhs``."""
+    ct = solver.RowConstraint(rhs, rhs, "")
+    for x, c in terms:
+        ct.SetCoefficient(x, c)
 
 
 def _solve_cpsat(p: Problem, time_limit_s: float) -> Solution:
