@@ -94,3 +94,23 @@ def test_the_searched_plan_is_priced_alike_by_evaluate(graph: Graph) -> None:
     ev = evaluate_config(graph, cl, TRAIN, **kw).predicted_step_time_s
     assert ev == pytest.approx(plan.predicted["step_time_s"], rel=1e-9)
     assert hand_plan(graph, cl, TRAIN, **kw).predicted["step_time_s"] == pytest.approx(ev, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"tp": 1, "pp": 2, "dp": 4, "micro_batch": 2, "schedule": "zbv"},
+        {"tp": 2, "pp": 2, "dp": 2, "micro_batch": 2, "schedule": "interleaved_1f1b", "num_virtual": 2},
+    ],
+    ids=["zbv", "interleaved"],
+)
+def test_chunked_schedules_priced_alike(graph: Graph, kw: dict) -> None:
+    """ZB-V (evaluate refused it with an internal message: 'zbv places exactly 2 stages per rank') and interleaved
+    1F1B: evaluate prices the chunk layout compile writes, step time and memory per device."""
+    cl = parse_cluster(CLUSTER)
+    ev = evaluate_config(graph, cl, TRAIN, **kw)
+    plan = hand_plan(graph, cl, TRAIN, **kw)
+    assert ev.predicted_step_time_s == pytest.approx(plan.predicted["step_time_s"], rel=1e-9)
+    assert ev.layout["num_virtual_stages"] == 2
+    if kw["schedule"] == "zbv":  # one record per rank group, as evaluate reports it
+        assert list(ev.memory_per_device) == pytest.approx(list(plan.predicted["memory_per_device"].values()), rel=1e-9)

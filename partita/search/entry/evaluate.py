@@ -56,6 +56,7 @@ from partita.search.pipeline.zero_bubble import RUNNABLE_ZERO, counts
 from partita.search.pricing import context_parallel as cpx
 from partita.search.pricing.config import SearchOptions, TrainingConfig
 from partita.search.pricing.precision import choose_precision, precision_note
+from partita.search.program import v_layout
 from partita.search.program.plan_build import Candidate
 from partita.search.program.records import NOT_BLOCKS
 from partita.search.program.sequence_parallel import activation_delta, check_strategies
@@ -531,8 +532,18 @@ def evaluate_config(
         schedule=schedule,
         num_virtual=v,
     )
-    mem = tuple(cand.memory(i) for i in range(pp))
-    by_category = tuple(memory_by_category(cand, i) for i in range(pp))
+    if isinstance(cand, v_layout.VCandidate):  # zbv: per rank group, its two chunks (v_layout.group_memory)
+        groups = [v_layout.group_memory(cand, i) for i in range(pp)]
+        mem = tuple(g["total"] for g in groups)
+        by_category = tuple(
+            {"parameters": g["parameters"], "gradients": g["gradients"]}
+            | {"optimizer_state": g["optimizer"], "activations": g["activations"]}
+            for g in groups
+        )
+        v = cand.v
+    else:
+        mem = tuple(cand.memory(i) for i in range(pp))
+        by_category = tuple(memory_by_category(cand, i) for i in range(pp))
     if sequence_parallel:
         saved = sequence_parallel_saved(cand, training)
         mem = tuple(x + d for x, d in zip(mem, saved))

@@ -80,11 +80,6 @@ def hand_plan(
             tp=tp, dp=dp, zero_stage=zero_stage, recompute=recompute, schedule=schedule, num_virtual=num_virtual
         )
     v = num_virtual if schedule == "interleaved_1f1b" else 1  # model chunks per rank group (chunk_layout.py)
-    if (schedule == "zbv" or v > 1) and graph.meta.get("no_chunks"):
-        raise ConfigError(
-            f"{schedule} needs several model chunks per rank, and {graph.meta['no_chunks']}.",
-            "use --schedule 1f1b or zb_h1 for this model.",
-        )
     if zero_stage and dp * cp == 1:
         notes.append(f"ZeRO-{zero_stage} with dp=1 shards nothing: priced as ZeRO-0.")
         zero_stage = 0
@@ -110,14 +105,8 @@ def hand_plan(
         schedule=schedule,
         num_virtual=v,
     )
-    if schedule == "zbv":  # issue 19: the V layout, each stage's blocks halved into its two chunks
-        vc = v_layout.v_candidate(cand, refine=False)
-        if vc is None:
-            raise ConfigError(
-                f"zbv cannot lay out pp={pp} stages of this model as {2 * pp} chunks in a V.",
-                "use fewer stages, or --schedule zb_h1.",
-            )
-        plan = v_layout.lay_out(search, build_plan(search, [vc], time.perf_counter() - t0), vc)
+    if isinstance(cand, v_layout.VCandidate):  # zbv: the V layout layout_candidate priced
+        plan = v_layout.lay_out(search, build_plan(search, [cand], time.perf_counter() - t0), cand)
     else:
         plan = chunk_layout.lay_out(search, build_plan(search, [cand], time.perf_counter() - t0))
     if sequence_parallel:

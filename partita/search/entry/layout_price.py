@@ -6,7 +6,9 @@
 arguments the planner's own ``Search.options_for`` passes (in-flight counts of the schedule, the
 micro-batch count that says whether gradients live at the activation peak, the schedule's p2p
 multiplier, a split backward's gradient copy), the blocks split by ``evaluate.megatron_split``, and the
-step is the planner's ``Candidate.step_time``. So one layout prints one step time whichever command
+step is the planner's ``Candidate.step_time``; under ``zbv`` it is the V layout the runtime runs
+(``search/program/v_layout.v_candidate`` of that candidate, each rank group's range halved into its two
+chunks), which ``partita compile --schedule zbv`` writes and ``partita evaluate --schedule zbv`` prices. So one layout prints one step time whichever command
 asks, and the search ranks it at that same number (``tests/search/test_one_price.py``).
 
 What the layout *is* priced as comes from the costs passed in: ``SolverCosts`` with the program's own
@@ -26,6 +28,7 @@ from partita.errors import ConfigError
 from partita.search.entry.planner import Option, Search
 from partita.search.pipeline import schedule as sched
 from partita.search.pipeline.zero_bubble import HeldCounts, in_flight_table
+from partita.search.program import v_layout
 from partita.search.program.plan_build import Candidate, StagePick
 
 
@@ -44,10 +47,18 @@ def layout_candidate(
     """The planner's Candidate of ``len(ranges)`` stages on ``dev``: stage ``i`` holds layers
     ``ranges[i]`` at tensor parallelism ``tps[i]`` over ``dp`` replicas of ``micro_batch`` samples,
     ``num_micro_batches`` per step under ``schedule`` (``num_virtual`` chunks per rank group when
-    interleaved). ``search.options`` names the one ZeRO stage and recompute asked for. ConfigError
-    when the model cannot run at a degree on ``dev``."""
+    interleaved; a ``v_layout.VCandidate`` under ``zbv``). ``search.options`` names the one ZeRO stage
+    and recompute asked for. ``search.units`` must be the graph's layers (``max_layer_units=0``).
+    ConfigError, in compile's words, when the model cannot run at a degree on ``dev`` or cannot be cut
+    into the model chunks the schedule needs."""
     pp, m = len(ranges), num_micro_batches
     v = num_virtual if schedule == "interleaved_1f1b" else 1
+    why = search.graph.meta.get("no_chunks")
+    if (schedule == "zbv" or v > 1) and why:
+        raise ConfigError(
+            f"{schedule} needs several model chunks per rank, and {why}.",
+            "use --schedule 1f1b or zb_h1 for this model.",
+        )
     split = sched.splits_backward(schedule)
     in_flight: Any
     if split:  # issue 19: each stage weighs its own deferred W (search/pipeline/zero_bubble.py)
@@ -66,4 +77,13 @@ def layout_candidate(
         per_combo, combos, stack = got
         options[t] = Option(0, t, t, devs, (), per_combo, combos, stack)
     picks = tuple(StagePick(a, b, options[t], 0) for (a, b), t in zip(ranges, tps))
-    return Candidate(dp, micro_batch, m, schedule, v, picks, search)
+    cand = Candidate(dp, micro_batch, m, schedule, v, picks, search)
+    if schedule != "zbv":
+        return cand
+    vc = v_layout.v_candidate(cand, refine=False)  # issue 19: each stage's blocks halved into its two chunks
+    if vc is None:
+        raise ConfigError(
+            f"zbv cannot lay out pp={pp} stages of this model as {2 * pp} chunks in a V.",
+            "use fewer stages, or --schedule zb_h1.",
+        )
+    return vc
