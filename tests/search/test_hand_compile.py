@@ -75,6 +75,10 @@ def test_evaluate_refuses_sequence_parallelism_where_compile_does(capsys: pytest
         (["--recompute", "full"], "no layout was given"),
         (["--tp", "2", "--sequence-parallel", "--recompute", "full"], "sequence parallelism cannot be built"),
         (["--sequence-parallel", "--dp", "2"], "sequence parallelism cannot be built"),
+        (
+            ["--dp", "8", "--schedule", "zbv"],
+            "it needs pp >= 2",
+        ),  # was 'cannot lay out pp=1 stages', fix 'use fewer stages'
     ],
 )
 def test_bad_layout_writes_nothing(tmp_path: Path, capsys, extra: list[str], words: str) -> None:  # noqa: ANN001

@@ -80,6 +80,11 @@ def layout_candidate(
     cand = Candidate(dp, micro_batch, m, schedule, v, picks, search)
     if schedule != "zbv":
         return cand
+    if pp < 2:
+        raise ConfigError(
+            "zbv runs two model chunks per rank group in a V across the pipeline: it needs pp >= 2 (got pp=1).",
+            "pass --pp 2 or more with --schedule zbv, or use --schedule 1f1b.",
+        )
     vc = v_layout.v_candidate(cand, refine=False)  # issue 19: each stage's blocks halved into its two chunks
     if vc is None:
         raise ConfigError(
