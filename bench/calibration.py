@@ -36,18 +36,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from partita.cluster import Cluster, parse_cluster, parse_shorthand
 from partita.driver import Traced, _write_outputs, trace_handle
 from partita.models import resolve_model
 from partita.plan import Plan
 from partita.profile.profiler import calibrated_cluster
 from partita.search.entry.evaluate import megatron_split
-from partita.search.entry.planner import Option, Search
-from partita.search.pipeline import schedule as sched
+from partita.search.entry.layout_price import layout_candidate
+from partita.search.entry.planner import Search
 from partita.search.pricing.config import SearchOptions, TrainingConfig
-from partita.search.program.plan_build import Candidate, StagePick, build_plan
+from partita.search.program.plan_build import Candidate, build_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "partita" / "data" / "profiles" / "cpu-4rank-example.json"
@@ -74,17 +72,14 @@ CASES: list[tuple[str, Any, int, int, int]] = [
 
 
 def fixed_candidate(search: Search, dp: int, tp: int, pp: int, b: int, schedule: str = "1f1b") -> Candidate:
-    """The Megatron-style candidate ``evaluate_config`` prices (even block split, ZeRO 0, no recompute)."""
+    """The Megatron-style candidate ``evaluate_config`` prices (even block split, ZeRO 0, no recompute):
+    ``layout_price.layout_candidate``, the one pricing of a hand layout."""
     dev = search.cluster.device_types()[0]
     m = search.training.global_batch // (b * dp)
-    in_flight = np.array([0.0] + [sched.in_flight(schedule, 0, s, m, 1) for s in range(1, pp + 1)])
-    got = search.arrays(((dev, dp, b),), dp, tp, in_flight, sched.p2p_multiplier(schedule, 1))
-    if got is None:
-        raise RuntimeError(f"tp={tp} is infeasible for {search.graph.name}")
-    per_combo, combos, stack = got
-    opt = Option(0, tp, tp, ((dev, dp, b),), (), per_combo, combos, stack)
-    picks = tuple(StagePick(a, c, opt, 0) for a, c in megatron_split(search.graph, pp))
-    return Candidate(dp, b, m, schedule, 1, picks, search)
+    split = megatron_split(search.graph, pp)
+    return layout_candidate(
+        search, dev, tps=(tp,) * pp, ranges=split, dp=dp, micro_batch=b, num_micro_batches=m, schedule=schedule
+    )
 
 
 def layout_of(plan: Plan) -> dict[str, int] | None:

@@ -525,7 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--micro-batch", type=int, default=1)
     s.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
     s.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
-    s.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"])
+    s.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"])
     s.add_argument("--virtual-stages", type=int, default=1, help="model chunks per stage (interleaved_1f1b)")
     s.add_argument("--sequence-parallel", action="store_true", help=_SP_HELP)
     s.add_argument("--cp", type=int, default=1, help=_CP_HELP)

@@ -48,6 +48,18 @@ def test_hand_layout_is_emitted_and_recorded(tmp_path: Path, capsys) -> None:  #
     assert plan["predicted"]["step_time_s"] == pytest.approx(ev.predicted_step_time_s, rel=1e-6)
 
 
+def test_evaluate_prices_zbv_as_compile_writes_it(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``evaluate --schedule zbv`` (not offered before issue 32's one-price work) prints compile's step time."""
+    layout = ["--pp", "2", "--dp", "4", "--micro-batch", "1", "--schedule", "zbv"]
+    assert main(["compile", *BASE, *layout, "--out", str(tmp_path / "o"), "--json"]) == 0
+    capsys.readouterr()
+    plan = json.loads((tmp_path / "o" / "plan.json").read_text())
+    assert main(["evaluate", *BASE, *layout, "--json"]) == 0
+    ev = json.loads(capsys.readouterr().out)
+    assert ev["predicted_step_time_s"] == pytest.approx(plan["predicted"]["step_time_s"], rel=1e-6)
+    assert ev["layout"]["schedule"] == plan["schedule"] == "zbv"
+
+
 def test_evaluate_refuses_sequence_parallelism_where_compile_does(capsys: pytest.CaptureFixture) -> None:
     assert main(["evaluate", *BASE, "--tp", "2", "--sequence-parallel", "--recompute", "full"]) == 2
     err = capsys.readouterr().err
@@ -63,6 +75,10 @@ def test_evaluate_refuses_sequence_parallelism_where_compile_does(capsys: pytest
         (["--recompute", "full"], "no layout was given"),
         (["--tp", "2", "--sequence-parallel", "--recompute", "full"], "sequence parallelism cannot be built"),
         (["--sequence-parallel", "--dp", "2"], "sequence parallelism cannot be built"),
+        (
+            ["--dp", "8", "--schedule", "zbv"],
+            "it needs pp >= 2",
+        ),  # was 'cannot lay out pp=1 stages', fix 'use fewer stages'
     ],
 )
 def test_bad_layout_writes_nothing(tmp_path: Path, capsys, extra: list[str], words: str) -> None:  # noqa: ANN001

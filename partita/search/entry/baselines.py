@@ -3,8 +3,9 @@
 Used by the planner tests and ``bench/hetero.py``:
 
 * :func:`megatron_grid`: every ``dp x tp x pp x micro-batch`` that divides (devices, blocks, batch)
-  on one device type, each priced by ``evaluate_config``; the fastest that fits wins, among those where
-  every stage places something on tp when tp > 1 (``Evaluation.tp_shards_nothing``, as the search);
+  on one device type, each priced by ``evaluate_config`` with the program Partita emits (``tp_style_of``:
+  the planner's costs, so grid and search price a layout alike, issue 32 item 5); the fastest that fits wins,
+  among those where every stage places something on tp when tp > 1 (``Evaluation.tp_shards_nothing``, as the search);
 * :func:`heterogeneity_unaware`: plan as if every GPU were the slowest type, then price that plan's
   stages on the devices its ranks really land on (a stage waits for its slowest replica);
 * :func:`largest_homogeneous_subset`: the Megatron grid on the device type with most devices;
@@ -24,7 +25,7 @@ from partita.device_reserve import tensor_cap
 from partita.errors import ConfigError
 from partita.ir import Graph
 from partita.plan import Plan
-from partita.search.entry.evaluate import Evaluation, block_kind, evaluate_config
+from partita.search.entry.evaluate import Evaluation, block_kind, evaluate_config, tp_style_of
 from partita.search.entry.planner import DEFAULT_OPTIONS, Option, Search, plan_graph, powers_of_two
 from partita.search.pipeline import schedule as sched
 from partita.search.pipeline.stage_cost import SolverCosts
@@ -55,7 +56,8 @@ def megatron_grid(
     costs: SolverCosts | None = None,
 ) -> tuple[GridPoint | None, int]:
     """Best fitting grid point and the number of points priced."""
-    costs = costs or SolverCosts(graph, cluster, training, tp_style="megatron")
+    # the program the planner emits (evaluate.tp_style_of): the grid's layouts priced as the search prices them
+    costs = costs or SolverCosts(graph, cluster, training, tp_style=tp_style_of(graph))
     n = cluster.num_devices
     gpn = cluster.gpus_per_node(cluster.device_types()[0].name)
     best, count = None, 0

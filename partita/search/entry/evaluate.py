@@ -39,7 +39,9 @@ from partita.cluster import Cluster
 from partita.device_reserve import tensor_cap
 from partita.errors import ConfigError
 from partita.ir import Graph, Prim, dim_size
-from partita.search.entry.planner import Option, Search
+from partita.plan import chunk_position
+from partita.search.entry.layout_price import layout_candidate
+from partita.search.entry.planner import Search
 from partita.search.pipeline import schedule as sched
 from partita.search.pipeline.cp_costs import ContextParallelCosts
 from partita.search.pipeline.stage_cost import (
@@ -51,12 +53,13 @@ from partita.search.pipeline.stage_cost import (
     static_memory,
 )
 from partita.search.pipeline.stage_ranges import grad_transient
-from partita.search.pipeline.zero_bubble import RUNNABLE_ZERO, HeldCounts, counts, in_flight_table
+from partita.search.pipeline.zero_bubble import RUNNABLE_ZERO, counts
 from partita.search.pricing import context_parallel as cpx
 from partita.search.pricing.config import SearchOptions, TrainingConfig
 from partita.search.pricing.precision import choose_precision, precision_note
+from partita.search.program import v_layout
 from partita.search.program.cp_layout import model_flops
-from partita.search.program.plan_build import Candidate, StagePick
+from partita.search.program.plan_build import Candidate
 from partita.search.program.records import NOT_BLOCKS
 from partita.search.program.sequence_parallel import activation_delta, check_strategies
 from partita.search.program.sequence_parallel import check as sequence_parallel_check
@@ -432,14 +435,18 @@ def evaluate_config(
     sequence_parallel: bool = False,
     costs: SolverCosts | None = None,
     factors: StageFactors | None = None,
-    tp_style: str = "megatron",
+    tp_style: str | None = None,
     cp: int = 1,
 ) -> Evaluation:
-    """Predicted step time and memory of one configuration (module docstring).
+    """Predicted step time and memory of one configuration (module docstring), priced by
+    ``layout_price.layout_candidate`` as ``partita compile`` and the search price it.
 
-    ``tp_style="megatron"`` (the default) prices ``tp`` as Megatron-LM's tensor parallelism: the
-    weights are split and activations stay whole on the tp group. ``"auto"`` lets the intra-op ILP
-    pick any sharding on the tp axis (what ``partita compile`` does). ``cp > 1``: context parallelism
+    ``tp_style`` None (the default) prices the program Partita emits for ``graph``
+    (:func:`tp_style_of`; ``costs.tp_style`` when ``costs`` are given): what ``partita evaluate``,
+    ``partita compile`` and the planner price, so all three print one number (issue 32 item 5).
+    ``"megatron"`` prices ``tp`` as Megatron-LM's tensor parallelism and kernels (the benches' rows that
+    ran Megatron-LM): the weights are split and activations stay whole on the tp group. ``"auto"`` lets
+    the intra-op ILP pick any sharding on the tp axis. ``cp > 1``: context parallelism
     (``search/pricing/context_parallel.py``): layers priced at ``S / cp`` by ``ContextParallelCosts``,
     ``dp * cp`` replicas for the gradient sync and ZeRO, ``dp * cp * tp * pp`` devices.
     """
@@ -471,6 +478,8 @@ def evaluate_config(
 
             notes.append("every stage: " + fp8.note(cluster, training.fp8))
     opts = SearchOptions(zero_stages=(zero_stage,), recompute=(recompute,), max_layer_units=0, max_tp=tp)
+    if tp_style is None:
+        tp_style = costs.tp_style if costs is not None else tp_style_of(graph)
     if costs is None:
         costs = (
             ContextParallelCosts(graph, cluster, training, cp, tp_style=tp_style)
@@ -494,34 +503,43 @@ def evaluate_config(
     dev = cluster.device_types()[0]
     m = full.global_batch // (micro_batch * dp)
     v = num_virtual if schedule == "interleaved_1f1b" else 1
-    if sched.splits_backward(
-        schedule
-    ):  # issue 19: per stage, its own deferred-W weight (search/pipeline/zero_bubble.py)
-        in_flight: Any = HeldCounts(lambda held: in_flight_table(held, schedule, m, v, pp))
-    else:
-        in_flight = np.array(sched.in_flight_by_stages_left(schedule, pp, m, v))
-    split = sched.splits_backward(schedule)  # W's gradient copy (stage_cost.static_memory)
-    got = search.arrays(
-        ((dev, dp_all, micro_batch),), dp_all, tp, in_flight, sched.p2p_multiplier(schedule, v), split_backward=split
+    cand = layout_candidate(  # the one pricing of a hand layout (compile's, the baselines', the benches')
+        search,
+        dev,
+        tps=(tp,) * pp,
+        ranges=megatron_split(graph, pp),
+        dp=dp_all,
+        micro_batch=micro_batch,
+        num_micro_batches=m,
+        schedule=schedule,
+        num_virtual=v,
     )
-    if got is None:
-        raise ConfigError(f"the model cannot run with tp={tp} on {dev.name}.", "use another tp.")
-    per_combo, combos, stack = got
-    opt = Option(0, tp, tp, ((dev, dp_all, micro_batch),), (), per_combo, combos, stack)
-    picks = tuple(StagePick(a, b, opt, 0) for a, b in megatron_split(graph, pp))
-    cand = Candidate(dp_all, micro_batch, m, schedule, v, picks, search)
-    nothing = tuple(False for _ in picks)
+    if isinstance(cand, v_layout.VCandidate):  # zbv: per rank group, its two chunks (v_layout.group_memory)
+        groups = [v_layout.group_memory(cand, i) for i in range(pp)]
+        mem = tuple(g["total"] for g in groups)
+        by_category = tuple(
+            {"parameters": g["parameters"], "gradients": g["gradients"]}
+            | {"optimizer_state": g["optimizer"], "activations": g["activations"]}
+            for g in groups
+        )
+        v = cand.v
+    else:
+        mem = tuple(cand.memory(i) for i in range(pp))
+        by_category = tuple(memory_by_category(cand, i) for i in range(pp))
+    nothing = tuple(False for _ in range(pp))
     if tp > 1:  # per stage: do its layers' solutions place anything on tp (issue 31)?
         on_tp = search.units_shard_on_tp(dev, tp, micro_batch)
-        nothing = tuple(not any(on_tp[p.k : p.j]) for p in picks)
+        chunks = cand.chunks if isinstance(cand, v_layout.VCandidate) else cand.stages
+        where = [
+            chunk_position("zbv", i, pp) if isinstance(cand, v_layout.VCandidate) else i for i in range(len(chunks))
+        ]
+        nothing = tuple(not any(any(on_tp[p.k : p.j]) for p, r in zip(chunks, where) if r == s) for s in range(pp))
         if any(nothing):
             which = ", ".join(str(i) for i, x in enumerate(nothing) if x)
             notes.append(
                 f"tp={tp} shards nothing in stage(s) {which}: every tp rank holds and computes the whole stage "
                 "(the search does not offer such a stage; a smaller tp or a larger micro-batch or sequence may split it)."
             )
-    mem = tuple(cand.memory(i) for i in range(pp))
-    by_category = tuple(memory_by_category(cand, i) for i in range(pp))
     if sequence_parallel:
         saved = sequence_parallel_saved(cand, training)
         mem = tuple(x + d for x, d in zip(mem, saved))

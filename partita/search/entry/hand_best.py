@@ -85,7 +85,9 @@ def best_hand_layout(
         search = searches[pp]
         m = training.global_batch // (b * dp)
         in_flight = np.array(sched.in_flight_by_stages_left(SCHEDULE, pp, m))
-        got = search.arrays(((dev, dp, b),), dp, tp, in_flight, sched.p2p_multiplier(SCHEDULE, 1))
+        # the arguments of layout_price.layout_candidate (evaluate's, compile's): m says whether the gradients
+        # live at the activation peak; all combos at once here (every ZeRO stage and recompute of the layout)
+        got = search.arrays(((dev, dp, b),), dp, tp, in_flight, sched.p2p_multiplier(SCHEDULE, 1), m)
         if got is None:
             continue
         per_combo, combos, stack = got

@@ -19,23 +19,19 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
-from typing import Any
-
-import numpy as np
 
 from partita.cluster import Cluster
 from partita.ir import Graph
 from partita.plan import Plan
 from partita.search.entry.evaluate import check_layout, megatron_split, stage_tps, tp_style_of
-from partita.search.entry.planner import Option, Search
-from partita.search.pipeline import schedule as sched
+from partita.search.entry.layout_price import layout_candidate
+from partita.search.entry.planner import Search
 from partita.search.pipeline.cp_costs import ContextParallelCosts
 from partita.search.pipeline.stage_cost import SolverCosts
-from partita.search.pipeline.zero_bubble import HeldCounts, in_flight_table
 from partita.search.pricing.config import SearchOptions, TrainingConfig
 from partita.search.program import chunk_layout, records, v_layout
 from partita.search.program.cp_layout import with_cp
-from partita.search.program.plan_build import Candidate, StagePick, build_plan
+from partita.search.program.plan_build import build_plan
 from partita.search.program.sequence_parallel import apply as sequence_parallel_apply
 from partita.search.program.sequence_parallel import check as sequence_parallel_check
 
@@ -84,11 +80,6 @@ def hand_plan(
             tp=tp, dp=dp, zero_stage=zero_stage, recompute=recompute, schedule=schedule, num_virtual=num_virtual
         )
     v = num_virtual if schedule == "interleaved_1f1b" else 1  # model chunks per rank group (chunk_layout.py)
-    if (schedule == "zbv" or v > 1) and graph.meta.get("no_chunks"):
-        raise ConfigError(
-            f"{schedule} needs several model chunks per rank, and {graph.meta['no_chunks']}.",
-            "use --schedule 1f1b or zb_h1 for this model.",
-        )
     if zero_stage and dp * cp == 1:
         notes.append(f"ZeRO-{zero_stage} with dp=1 shards nothing: priced as ZeRO-0.")
         zero_stage = 0
@@ -103,40 +94,19 @@ def hand_plan(
     search = Search(graph, cluster, costs.training, opts, costs, None)
     dev = cluster.device_types()[0]
     m = full.global_batch // (micro_batch * dp)
-    if sched.splits_backward(
-        schedule
-    ):  # issue 19: each stage weighs its own deferred W (search/pipeline/zero_bubble.py)
-        vv = sched.virtual_stages(schedule, v)
-        in_flight: Any = HeldCounts(lambda held: in_flight_table(held, schedule, m, vv, pp))
-    else:
-        in_flight = np.array(sched.in_flight_by_stages_left(schedule, pp, m, v))
-    mb = None if sched.splits_backward(schedule) else m  # stage_ranges.StageParts: gradients at the peak
-    split = sched.splits_backward(schedule)  # W's gradient copy (stage_cost.static_memory)
-    options = {}  # per degree, its stage option (the stage arrays of every layer range)
-    for t in sorted(set(tps)):
-        got = search.arrays(
-            ((dev, dp_cp, micro_batch),),
-            dp_cp,
-            t,
-            in_flight,
-            sched.p2p_multiplier(schedule, v),
-            mb,
-            split_backward=split,
-        )
-        if got is None:
-            raise ConfigError(f"the model cannot run with tp={t} on {dev.name}.", "use another tp.")
-        per_combo, combos, stack = got
-        options[t] = Option(0, t, t, ((dev, dp_cp, micro_batch),), (), per_combo, combos, stack)
-    picks = tuple(StagePick(a, b, options[t], 0) for (a, b), t in zip(megatron_split(graph, pp), tps))
-    cand = Candidate(dp_cp, micro_batch, m, schedule, v, picks, search)
-    if schedule == "zbv":  # issue 19: the V layout, each stage's blocks halved into its two chunks
-        vc = v_layout.v_candidate(cand, refine=False)
-        if vc is None:
-            raise ConfigError(
-                f"zbv cannot lay out pp={pp} stages of this model as {2 * pp} chunks in a V.",
-                "use fewer stages, or --schedule zb_h1.",
-            )
-        plan = v_layout.lay_out(search, build_plan(search, [vc], time.perf_counter() - t0), vc)
+    cand = layout_candidate(  # evaluate_config's pricing of the same layout (issue 32 item 5)
+        search,
+        dev,
+        tps=tps,
+        ranges=megatron_split(graph, pp),
+        dp=dp_cp,
+        micro_batch=micro_batch,
+        num_micro_batches=m,
+        schedule=schedule,
+        num_virtual=v,
+    )
+    if isinstance(cand, v_layout.VCandidate):  # zbv: the V layout layout_candidate priced
+        plan = v_layout.lay_out(search, build_plan(search, [cand], time.perf_counter() - t0), cand)
     else:
         plan = chunk_layout.lay_out(search, build_plan(search, [cand], time.perf_counter() - t0))
     if sequence_parallel:

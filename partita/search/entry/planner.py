@@ -342,10 +342,8 @@ class Search:
         return sharded
 
     def mask_tp_shards_nothing(self, stack: np.ndarray, dev: DeviceType, tp: int, b: int) -> bool:
-        """Set ``stack[:, k, j]`` to inf where no layer of units ``[k, j)`` places anything on tp
-        (``plan.shards_on_tp`` of its solution: every tp rank would hold and compute the whole range);
-        False when that is every range. The emitter realizes such a stage, but tp does nothing there, so
-        the search does not offer it (a hand layout says it: ``Stage.tp_shards_nothing``)."""
+        """``stack[:, k, j] = inf`` where units ``[k, j)`` place nothing on tp (every tp rank would compute the
+        whole range: not offered; a hand layout states it, ``Stage.tp_shards_nothing``); False: every range."""
         sharded = self.units_shard_on_tp(dev, tp, b)
         count = np.concatenate([[0], np.cumsum(sharded)])
         none = (count[None, :] - count[:, None])[:-1] <= 0  # [U, U + 1]: range [k, j) shards nothing
@@ -593,12 +591,8 @@ def _plan_one(
     by ``search/program/cp_layout.with_cp``), on the device ``types`` named (all when None)."""
     if costs is None and training.fp8 is None:  # fp16 when it lets GPUs without bf16 tensor cores contribute
         training = choose_precision(cluster, training, getattr(options, "allow_f16", True))
-    if cp > 1:  # what the cp records and layouts describe: no selective recompute, no zbv, one type per stage
-        recompute = tuple(r for r in options.recompute if r != "selective")
-        if not recompute:
-            raise ConfigError(f"cp={cp} with selective recompute only: cp plans recompute none or full.", "")
-        kept = tuple(x for x in options.schedules if x != "zbv") or ("1f1b",)
-        options = dataclasses.replace(options, recompute=recompute, schedules=kept, uneven_shares=False)
+    if cp > 1:
+        options = cp_layout.search_options(options, cp)  # what the cp records and layouts describe
         costs = ContextParallelCosts(graph, cluster, training, cp, memo=memo)
     elif costs is None and memo is not None:
         costs = SolverCosts(graph, cluster, training, memo=memo)

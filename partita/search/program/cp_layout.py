@@ -82,3 +82,15 @@ def ilp_records(search: Any, s: Stage, plan: Plan) -> tuple[Collective, ...]:
         for c in search.costs.solution(index[name], dev, s.tp, mb).collectives:
             out.append(c if c.phase == "optimizer" else dataclasses.replace(c, bytes=c.bytes * scale))
     return tuple(out)
+
+
+def search_options(options: Any, cp: int) -> Any:
+    """The search options of a cp search (``planner._plan_one``): what the cp records and layouts describe,
+    no selective recompute, no zbv, one device type per stage."""
+    from partita.errors import ConfigError
+
+    recompute = tuple(r for r in options.recompute if r != "selective")
+    if not recompute:
+        raise ConfigError(f"cp={cp} with selective recompute only: cp plans recompute none or full.", "")
+    kept = tuple(x for x in options.schedules if x != "zbv") or ("1f1b",)
+    return dataclasses.replace(options, recompute=recompute, schedules=kept, uneven_shares=False)
