@@ -12,11 +12,12 @@ program of gpt2-tiny (``P2PPipeline``: one layer a stage, 4 micro-batches):
   stage 2 two forwards of warm-up); stage 1 receiving micro-batch 1 before 0 is a wrong order under
   NCCL (pairs in order) and none under gloo (pairs by tag); stage 0's ``F0.3`` sending its output
   twice is a send without its receive;
-* a ZB-V program (2 rank groups x 2 chunks) is not in NCCL order: a strict xfail naming the finding
-  (``P2PPipeline`` issues its messages in its own action order on each side; the pair's orders differ);
+* a ZB-V program (2 rank groups x 2 chunks) is in NCCL order: once its two streams between one pair
+  of ranks shared the default group and were issued in different orders on the two sides (issue 33's
+  finding); ``P2PPipeline`` now gives each stream its own group, and the matcher pairs per group;
 * the matcher's rules themselves on hand-written worlds: sends are asynchronous (a head-to-head
-  exchange of sends then receives completes), a cycle of receives is a deadlock, and a rank that was
-  not rehearsed (a folded tp peer) is not checked.
+  exchange of sends then receives completes), a cycle of receives is a deadlock, a rank that was
+  not rehearsed (a folded tp peer) is not checked, and NCCL pairs per group (gloo per group and tag).
 
 Only the edited rank is rehearsed again: a rank's recorded operations depend on its own program alone.
 The 2-stage torch.distributed.pipelining (1F1B) case is ``tests/runtime/test_setup_path.py``'s; the
