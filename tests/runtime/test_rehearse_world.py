@@ -12,11 +12,12 @@ program of gpt2-tiny (``P2PPipeline``: one layer a stage, 4 micro-batches):
   stage 2 two forwards of warm-up); stage 1 receiving micro-batch 1 before 0 is a wrong order under
   NCCL (pairs in order) and none under gloo (pairs by tag); stage 0's ``F0.3`` sending its output
   twice is a send without its receive;
-* a ZB-V program (2 rank groups x 2 chunks) is not in NCCL order: a strict xfail naming the finding
-  (``P2PPipeline`` issues its messages in its own action order on each side; the pair's orders differ);
+* a ZB-V program (2 rank groups x 2 chunks) is in NCCL order: once its two streams between one pair
+  of ranks shared the default group and were issued in different orders on the two sides (issue 33's
+  finding); ``P2PPipeline`` now gives each stream its own group, and the matcher pairs per group;
 * the matcher's rules themselves on hand-written worlds: sends are asynchronous (a head-to-head
-  exchange of sends then receives completes), a cycle of receives is a deadlock, and a rank that was
-  not rehearsed (a folded tp peer) is not checked.
+  exchange of sends then receives completes), a cycle of receives is a deadlock, a rank that was
+  not rehearsed (a folded tp peer) is not checked, and NCCL pairs per group (gloo per group and tag).
 
 Only the edited rank is rehearsed again: a rank's recorded operations depend on its own program alone.
 The 2-stage torch.distributed.pipelining (1F1B) case is ``tests/runtime/test_setup_path.py``'s; the
@@ -127,9 +128,9 @@ def test_an_unpaired_send_in_the_generated_schedule_is_reported(
     """Stage 0's last forward (F0.3) sends its output twice; stage 1 receives it once."""
     real = torch_schedule.P2PPipeline._send
 
-    def twice(self: Any, t: Any, peers: Any, tag: int) -> list[Any]:
-        out = real(self, t, peers, tag)
-        return out + real(self, t, peers, tag) if tag == self._tag(1, M - 1, False) else out
+    def twice(self: Any, t: Any, peers: Any, stage: int, k: int, backward: bool) -> list[Any]:
+        out = real(self, t, peers, stage, k, backward)
+        return out + real(self, t, peers, stage, k, backward) if (stage, k, backward) == (1, M - 1, False) else out
 
     monkeypatch.setattr(torch_schedule.P2PPipeline, "_send", twice)
     got = {**world, 0: rehearse.rehearse_rank(_program(tmp_path), 0)}
@@ -144,13 +145,12 @@ def test_an_unpaired_send_in_the_generated_schedule_is_reported(
 
 
 @pytest.mark.slow  # ~9 s: two roles of a 4-chunk program
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 33 finding: P2PPipeline's ZB-V messages between two rank groups are "
-    "not in the same order on both sides (rank 1's B2.0 recv is its 3rd from rank 0, whose 3rd send "
-    "is F0.2's activation): NCCL, which ignores tags, would deliver an activation as a gradient",
-)
 def test_zero_bubble_v_program_is_in_nccl_order(tmp_path: Path) -> None:
+    """Issue 33's finding, fixed: on one group rank 1's B2.0 receive was its 3rd from rank 0, whose 3rd
+    send was F0.2's activation (NCCL, which ignores tags, would deliver an activation as a gradient).
+    ``P2PPipeline`` now gives each message stream (boundary, direction) its own group, each in
+    micro-batch order on both sides; the recorded operations name their group, and the matcher pairs
+    per group. The program's messages of the two rank groups fall in exactly the four streams."""
     layers = LAYERS["gpt2-tiny"]
     plan = make_plan(
         "gpt2-tiny",
@@ -165,7 +165,22 @@ def test_zero_bubble_v_program_is_in_nccl_order(tmp_path: Path) -> None:
     program = torch_launch.load_program(tmp_path)
     got = {r: rehearse.rehearse_rank(program, r) for r in (0, 1)}
     assert rehearse.pair_p2p(got, in_order=False) == {}  # gloo, by tag: pairs
-    assert rehearse.pair_p2p(got, in_order=True) == {}  # NCCL, in order: the finding
+    assert rehearse.pair_p2p(got, in_order=True) == {}  # NCCL, in order per group: the finding is gone
+    # the streams as the program ran them: per group, one direction, one boundary, micro-batches in order
+    streams: dict[str, set[tuple[int, str, str]]] = {}
+    for r in (0, 1):
+        for op, peer, _, _, label, group in got[r].p2p:
+            src = r if op == "send" else peer
+            kind, stage = label[0], int(label[1 : label.index(".")])
+            boundary = stage if op == "recv" and kind == "F" or op == "send" and kind == "B" else stage + 1
+            streams.setdefault(group, set()).add((src, kind, f"boundary into {boundary}"))
+    assert sorted(streams.values(), key=sorted) == sorted(
+        [{(0, "F", "boundary into 1")}, {(1, "B", "boundary into 1")}, {(1, "F", "boundary into 3")},
+         {(0, "B", "boundary into 3")}], key=sorted)  # fmt: skip
+    for r in (0, 1):
+        for group in streams:
+            micro = [int(row[4].split(".")[1].split()[0]) for row in got[r].p2p if row[5] == group]
+            assert micro == sorted(micro) and len(micro) == M, (r, group, micro)
 
 
 def _ops(*rows: tuple[str, int, str]) -> list[p2p_world.Op]:
@@ -188,6 +203,38 @@ def test_the_matchers_blocking_rules() -> None:
     # rank 2 was not rehearsed (a folded tp peer): its operations are not checked
     folded = {0: _ops(("send", 2, "a"), ("recv", 2, "b"), ("send", 1, "c")), 1: _ops(("recv", 0, "d"))}
     assert p2p_world.match_world(folded, stages) == {}
+
+
+def test_nccl_pairs_per_group_and_gloo_per_group_and_tag() -> None:
+    """Two streams between one pair of ranks, issued in different orders on the two sides (ZB-V's
+    finding): on one group NCCL pairs them in issue order (a wrong order); on a group each they pair;
+    a send and a receive on different groups never pair, under NCCL or gloo."""
+    stages = {0: 0, 1: 1}
+
+    def world(act: str, grad: str) -> dict[int, list[p2p_world.Op]]:
+        """Rank 0 sends F0.0, F0.2 (activations, group ``act``) then B3.0 (a gradient, group ``grad``);
+        rank 1 receives F1.0, B2.0, F1.2."""
+        sends = [("F0.0 send", 0, act), ("F0.2 send", 2, act), ("B3.0 send", 3, grad)]
+        recvs = [("F1.0 recv", 0, act), ("B2.0 recv", 3, grad), ("F1.2 recv", 2, act)]
+        return {
+            0: [p2p_world.Op("send", 1, 64, tag, label, g) for label, tag, g in sends],
+            1: [p2p_world.Op("recv", 0, 64, tag, label, g) for label, tag, g in recvs],
+        }
+
+    one = p2p_world.match_world(world("1", "1"), stages)
+    assert one[1] == [
+        "p2p: wrong order: rank 1 (stage 1) B2.0 recv from rank 0 (stage 0) receives, as message 2 between them, "
+        "what F0.2 send sent (tag 2 sent, 3 expected) (and 1 more pairs after it)"
+    ]
+    assert p2p_world.match_world(world("1", "1"), stages, in_order=False) == {}  # gloo: by tag
+    assert p2p_world.match_world(world("1", "2"), stages) == {}  # a group per stream: in order per group
+    crossed = {
+        0: [p2p_world.Op("send", 1, 64, 0, "F0.0 send", "1")],
+        1: [p2p_world.Op("recv", 0, 64, 0, "F1.0 recv", "2")],
+    }
+    for in_order in (True, False):
+        found = p2p_world.match_world(crossed, stages, in_order=in_order)
+        assert "ended its step without that send" in found[1][0], found
 
 
 @pytest.mark.slow

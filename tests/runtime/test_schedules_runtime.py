@@ -299,6 +299,44 @@ def test_chunked_program_names_schedule_placement_and_actions(schedule: str) -> 
         emit_torch(dataclasses.replace(z, stages=tuple(dataclasses.replace(s, zero_stage=2) for s in z.stages)), "x")
 
 
+@pytest.mark.parametrize(("name", "schedule"), [("v2", "interleaved_1f1b"), ("v2_dp", "zbv")])
+def test_each_message_stream_has_its_own_group(tmp_path: Path, name: str, schedule: str) -> None:
+    """P2PPipeline's groups, built from the emitted program's own PROGRAM["stages"] / ["chunks"] on a fake
+    process group: one per boundary between two rank groups and direction (NCCL pairs per communicator in
+    issue order, and two streams between one pair of ranks are issued in different orders on the two
+    sides), each joining the ranks of both rank groups; a boundary inside one rank group (ZB-V's turn)
+    has none. Every rank gets the same groups (``new_group`` is called alike everywhere)."""
+    import torch.distributed as dist
+
+    from partita.backends.torch import launch as torch_launch
+    from partita.backends.torch.schedule import stream_groups
+    from partita.frontends import torch_shim
+
+    plan = schedule_plan("gpt2-tiny", name, schedule)
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    (tmp_path / "program_torch.py").write_text(emit_torch(plan, "gpt2-tiny"))
+    prog = torch_launch.load_program(tmp_path).PROGRAM
+    chunks = prog["chunks"]
+    crossing = [v for v in range(1, len(chunks)) if chunks[v - 1]["position"] != chunks[v]["position"]]
+    assert crossing == ([1, 3] if schedule == "zbv" else [1, 2, 3])
+    seen = []
+    for rank in range(plan.world_size):
+        torch_shim.fake_process_group(rank, plan.world_size)
+        try:
+            got = stream_groups(prog["stages"], chunks)
+            assert set(got) == {(v, b) for v in crossing for b in (False, True)}
+            names = {key: g.group_name for key, g in got.items()}
+            assert len(set(names.values())) == len(names)  # a group each, none the default group
+            assert dist.group.WORLD.group_name not in names.values()
+            for (v, _), g in got.items():
+                a, b = (prog["stages"][chunks[u]["position"]]["ranks"] for u in (v - 1, v))
+                assert dist.get_process_group_ranks(g) == sorted({*a, *b})
+            seen.append(names)
+        finally:
+            dist.destroy_process_group()
+    assert all(x == seen[0] for x in seen)
+
+
 def test_chunked_plans_are_validated() -> None:
     """Chunks must repeat their rank group's ranks and mesh, and sit where the schedule places them."""
     good = schedule_plan("gpt2-tiny", "v2", "zbv")

@@ -3,7 +3,7 @@
 Each rehearsed role (``rehearse.rehearse_rank``) runs its own program on a fake process group, where a
 receive returns at once; alone, a rank cannot see that its peer never sends. So each role records, in
 issue order, every ``c10d`` send and receive its program's schedule issues (``rehearse.StepRecorder``:
-``[op, peer, bytes, tag, label]``), and :func:`match_world` plays those lists together, one cursor per
+``[op, peer, bytes, tag, label, group]``, the group as the program named it on the call), and :func:`match_world` plays those lists together, one cursor per
 rank, with the blocking rules the program runs under:
 
 * a send is asynchronous (``dist.isend`` in ``P2PPipeline``; the send half of a batch in
@@ -11,11 +11,12 @@ rank, with the blocking rules the program runs under:
   the rank goes on; the send waits, posted, for its receive;
 * a receive blocks its rank until the matching send is posted (``dist.recv`` in ``P2PPipeline``;
   ``_wait_batch_p2p`` right after the batch in torch's schedules);
-* on a GPU plan (``in_order``: NCCL, which matches point-to-point operations between two ranks in
-  issue order and ignores tags) sends and receives between two ranks pair in issue order, so a pair
-  whose tags or sizes differ is a message delivered to the wrong action: reported as a wrong order;
-  on a CPU plan (gloo, which matches a receive with the next send of its tag from its peer) they pair
-  per tag, in order, and only sizes must agree.
+* on a GPU plan (``in_order``: NCCL, which matches point-to-point operations between two ranks of one
+  communicator in issue order and ignores tags) sends and receives between two ranks on one process
+  group pair in issue order, so a pair whose tags or sizes differ is a message delivered to the wrong
+  action: reported as a wrong order (``P2PPipeline`` gives each message stream its own group for this
+  reason); on a CPU plan (gloo, which matches a receive with the next send of its tag from its peer on
+  the group) they pair per group and tag, in order, and only sizes must agree.
 
 What is left when no cursor moves is the finding, by name: a deadlock (each waiting rank, the action
 whose receive it waits at, and what its peer is doing), a receive whose peer ended its step without the
@@ -53,15 +54,18 @@ class Op:
     bytes: int
     tag: int
     label: str
+    group: str = ""  # the process group's name (NCCL pairs per communicator): "" where not recorded
 
 
 def ops_of(records: Sequence[Sequence[Any]]) -> list[Op]:
-    """A role's ``RankResult.p2p`` rows as :class:`Op` (rows without tag / label: 0 and ``OUTSIDE``)."""
+    """A role's ``RankResult.p2p`` rows as :class:`Op` (rows without tag / label / group: 0, ``OUTSIDE``,
+    "")."""
     out = []
     for row in records:
         op, peer, n = str(row[0]), int(row[1]), int(row[2])
         tag = int(row[3]) if len(row) > 3 else 0
-        out.append(Op(op, peer, n, tag, str(row[4]) if len(row) > 4 else OUTSIDE))
+        label = str(row[4]) if len(row) > 4 else OUTSIDE
+        out.append(Op(op, peer, n, tag, label, str(row[5]) if len(row) > 5 else ""))
     return out
 
 
@@ -137,9 +141,10 @@ def match_world(
 ) -> dict[int, list[str]]:
     """Play every rank's operations together (module docstring); per rank, what does not pair, in
     words (empty: every send met its receive, in order, and every rank ran to the end of its step).
-    ``in_order``: NCCL's matching (per pair, in issue order); else gloo's (per pair and tag)."""
+    ``in_order``: NCCL's matching (per pair and group, in issue order); else gloo's (per pair, group and
+    tag). A send and a receive on different groups never pair."""
     pc = {r: 0 for r in world}
-    # a channel: (src, dst) under NCCL, (src, dst, tag) under gloo; its sends in order, receives matched
+    # a channel: (src, dst, group) under NCCL, (src, dst, group, tag) under gloo; its sends in order
     posted: dict[tuple[int, ...], list[Op]] = collections.defaultdict(list)
     taken: dict[tuple[int, ...], int] = collections.defaultdict(int)
     wrong: dict[tuple[int, ...], list[str]] = collections.defaultdict(list)
@@ -153,10 +158,10 @@ def match_world(
                 if o.peer not in world:  # a rank not played (folded): not checked
                     pc[r] += 1
                 elif o.op == "send":
-                    posted[(r, o.peer) if in_order else (r, o.peer, o.tag)].append(o)
+                    posted[_channel(r, o.peer, o, in_order)].append(o)
                     pc[r] += 1
                 else:
-                    pair = (o.peer, r) if in_order else (o.peer, r, o.tag)
+                    pair = _channel(o.peer, r, o, in_order)
                     k = taken[pair]
                     if k >= len(posted[pair]):
                         break  # blocked until the peer posts its send
@@ -187,6 +192,10 @@ def match_world(
             for who in {a, b}:
                 out[who].append(why)
     return dict(out)
+
+
+def _channel(src: int, dst: int, o: Op, in_order: bool) -> tuple[Any, ...]:
+    return (src, dst, o.group) if in_order else (src, dst, o.group, o.tag)
 
 
 def _who(rank: int, stage_of: Mapping[int, int]) -> str:

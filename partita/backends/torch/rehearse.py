@@ -126,7 +126,7 @@ class StepRecorder(torch_shim.TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.events: list[tuple[str, str | None, int]] = []
-        self.p2p: list[list[Any]] = []  # [op, peer (global rank), bytes, tag, label], in issue order (pair_p2p)
+        self.p2p: list[list[Any]] = []  # [op, peer (global rank), bytes, tag, label, group], in order (pair_p2p)
         self.labels: p2p_world.Label | None = None  # the schedule action of a p2p operation (p2p_world)
         self.flops = 0
         self.entry_mode: Any = None
@@ -160,7 +160,7 @@ class StepRecorder(torch_shim.TorchDispatchMode):
 
 
 def _p2p_record(func: Any, args: Sequence[Any], ev: tuple[str, str | None, int], labels: Any = None) -> list[Any]:
-    """``[op, peer, bytes, tag, label]`` of a ``c10d.send`` / ``c10d.recv_`` (``(tensors, group, peer,
+    """``[op, peer, bytes, tag, label, group]`` of a ``c10d.send`` / ``c10d.recv_`` (``(tensors, group, peer,
     tag)``): the peer as a global rank (the op names it by its rank in the group), the label from the
     runner's schedule (``p2p_world``)."""
     op = "send" if "send" in str(func) else "recv"
@@ -173,7 +173,8 @@ def _p2p_record(func: Any, args: Sequence[Any], ev: tuple[str, str | None, int],
             peer = dist.get_global_rank(_resolve_process_group(ev[1]), peer)
         except (RuntimeError, ValueError, KeyError):
             pass
-    return [op, peer, int(ev[2]), tag, labels(op, peer, tag) if labels is not None else p2p_world.OUTSIDE]
+    label = labels(op, peer, tag) if labels is not None else p2p_world.OUTSIDE
+    return [op, peer, int(ev[2]), tag, label, str(ev[1] or "")]  # + the group's name: NCCL pairs per group
 
 
 def pair_p2p(results: Mapping[int, RankResult], *, in_order: bool = True) -> dict[int, list[str]]:

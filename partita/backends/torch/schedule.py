@@ -146,9 +146,24 @@ class P2PPipeline:
     holds the layers of all this position's chunks (one module, one optimizer, one gradient sync);
     an action of virtual stage ``s`` runs only ``s``'s layers (:func:`run_chunk`). A boundary between
     two chunks of this position (ZB-V's turn of the V) is a local hand-off: the output is detached into
-    the next chunk's leaf input, and its gradient handed back the same way. Messages carry the tag
-    ``2 * (micro * num_virtual + stage) (+ 1 backward)`` so the two boundaries between one pair of
-    ranks never mix.
+    the next chunk's leaf input, and its gradient handed back the same way.
+
+    Message streams: a boundary ``s -> s+1`` between two positions carries two streams, the
+    activations forward (``F{s}`` sends, ``F{s+1}`` receives) and the gradients backward (``B{s+1}``
+    sends, ``B{s}`` receives); each stream has its own process group (:attr:`streams`, keyed
+    ``(s+1, backward)``; every rank creates all of them in the same order, as ``new_group`` asks),
+    and every ``isend`` / ``recv`` names its stream's group. Why: NCCL pairs the point-to-point
+    operations of two ranks on one communicator in issue order and ignores tags, and two streams
+    between the same two ranks are not issued in the same order on both sides (ZB-V over 2 rank
+    groups, 4 micro-batches: rank 1's ``B2.0`` receive is its 3rd from rank 0, whose 3rd send is
+    ``F0.2``'s activation, of the same shape), so on one group a gradient would silently receive an
+    activation. Inside one stream both sides follow micro-batch order (a stage runs its F's, and its
+    B's, in micro-batch order, as ``pipeline_actions`` lists them; a hand-edited list that does not is a
+    wrong order the rehearsal reports, ``p2p_world``), and a stream runs one way, so each group's
+    messages pair in order on both sides, on NCCL as on gloo. A single global issue order
+    agreed by both sides would need the schedule to interleave the two ranks' actions, which the
+    action lists (the plan's) do not. Messages still carry the tag ``2 * (micro * num_virtual +
+    stage) (+ 1 backward)`` (gloo matches by tag; the rehearsal names actions from it).
     """
 
     def __init__(
@@ -207,6 +222,7 @@ class P2PPipeline:
         self.boundary = list(boundary)
         # per virtual stage of mine: peers (rank, lo, hi), lo/hi relative to my replica's sample range;
         # None where the neighbour is a chunk of this position (local hand-off) or absent
+        self.streams = stream_groups(stages, self.chunks)
         self.peers: dict[int, dict[str, list[tuple[int, int, int]] | None]] = {}
         for v in mine:
             prev = self.chunks[v - 1]["position"] if v > 0 else None
@@ -243,7 +259,7 @@ class P2PPipeline:
                 elif peers["fwd_recv"] is None:
                     x = handed.pop(("F", v, k)).requires_grad_()
                 else:
-                    x = self._recv(peers["fwd_recv"], self.boundary[v - 1], self._tag(v, k, False))
+                    x = self._recv(peers["fwd_recv"], self.boundary[v - 1], v, k, False)
                     x.requires_grad_(x.is_floating_point())
                 box = wsplit.SavedTensors() if self.split else None  # freed at W (wsplit: whoever holds the graph)
                 with box.hooks() if box is not None else contextlib.nullcontext():
@@ -255,7 +271,7 @@ class P2PPipeline:
                 elif peers["fwd_send"] is None:
                     handed[("F", v + 1, k)] = out.detach()
                 else:
-                    handles += self._send(out.detach(), peers["fwd_send"], self._tag(v + 1, k, False))
+                    handles += self._send(out.detach(), peers["fwd_send"], v + 1, k, False)
                 saved[(v, k)] = (x, out, box)
             elif kind == "B":
                 x, out, box = saved.pop((v, k))
@@ -264,7 +280,7 @@ class P2PPipeline:
                 elif peers["bwd_recv"] is None:
                     grad = handed.pop(("B", v, k))
                 else:
-                    grad = self._recv(peers["bwd_recv"], self.boundary[v], self._tag(v + 1, k, True))
+                    grad = self._recv(peers["bwd_recv"], self.boundary[v], v + 1, k, True)
                 # FSDP2 reduces after the position's last action (below) when self.reduce_at_end
                 zero_micro_batch(self.fsdp, self.zero, (v, k) == last_b and not self.reduce_at_end)
                 if self.split:
@@ -277,7 +293,7 @@ class P2PPipeline:
                     if peers["bwd_send"] is None:
                         handed[("B", v - 1, k)] = dx
                     else:
-                        handles += self._send(dx, peers["bwd_send"], self._tag(v, k, True))
+                        handles += self._send(dx, peers["bwd_send"], v, k, True)
             else:
                 deferred.pop((v, k)).run()
         if self.reduce_at_end and self.fsdp:  # ZeRO-1: one reduce-scatter per unit, after the last action
@@ -286,18 +302,41 @@ class P2PPipeline:
             h.wait()
         return losses
 
-    def _recv(self, peers: list[tuple[int, int, int]], meta: Any, tag: int) -> torch.Tensor:
+    def _recv(self, peers: list[tuple[int, int, int]], meta: Any, stage: int, k: int, backward: bool) -> torch.Tensor:
+        """Micro-batch ``k``'s message of the stream ``(stage, backward)`` from each of ``peers``."""
         shape, dtype = meta
         lo0, hi0 = self.range
+        tag, group = self._tag(stage, k, backward), self.streams[(stage, backward)]
         buf = torch.empty((hi0 - lo0, *shape), dtype=dtype, device=self.device)
         for peer, lo, hi in peers:
             piece = torch.empty((hi - lo, *shape), dtype=dtype, device=self.device)
-            dist.recv(piece, src=peer, tag=tag)
+            dist.recv(piece, src=peer, group=group, tag=tag)
             buf[lo:hi] = piece
         return buf
 
-    def _send(self, t: torch.Tensor, peers: list[tuple[int, int, int]], tag: int) -> list[Any]:
-        return [dist.isend(t[lo:hi].contiguous(), dst=peer, tag=tag) for peer, lo, hi in peers]
+    def _send(
+        self, t: torch.Tensor, peers: list[tuple[int, int, int]], stage: int, k: int, backward: bool
+    ) -> list[Any]:
+        """Micro-batch ``k``'s message of the stream ``(stage, backward)`` to each of ``peers`` (async)."""
+        tag, group = self._tag(stage, k, backward), self.streams[(stage, backward)]
+        return [dist.isend(t[lo:hi].contiguous(), dst=peer, group=group, tag=tag) for peer, lo, hi in peers]
+
+
+def stream_groups(stages: Sequence[dict[str, Any]], chunks: Sequence[dict[str, Any]]) -> dict[tuple[int, bool], Any]:
+    """One process group per message stream of the pipeline (:class:`P2PPipeline`'s docstring):
+    ``(stage, backward)`` -> the group of the ranks of both positions of the boundary ``stage - 1 ->
+    stage``, for every boundary between two positions, in model order, forward then backward. Every rank
+    calls this with the same arguments (the program's ``PROGRAM["stages"]`` and ``["chunks"]``), so the
+    ``new_group`` calls agree; a rank outside a group gets ``new_group``'s non-member value, never used."""
+    out: dict[tuple[int, bool], Any] = {}
+    for v in range(1, len(chunks)):
+        a, b = chunks[v - 1]["position"], chunks[v]["position"]
+        if a == b:  # two chunks of one position: a local hand-off
+            continue
+        ranks = sorted({*stages[a]["ranks"], *stages[b]["ranks"]})
+        for backward in (False, True):
+            out[(v, backward)] = dist.new_group(ranks)
+    return out
 
 
 def run_chunk(module: nn.Module, layers: Sequence[str], x: torch.Tensor) -> torch.Tensor:
