@@ -39,7 +39,7 @@ def fp8_site() -> Path:
             f"torchao is not installed in {FP8_SITE}: `bash scripts/install.sh test` installs it there "
             f"(it runs `{INSTALL}`; it needs the network or a package index)"
         )
-    versions = [p.name.split("-")[1] for p in FP8_SITE.glob("torchao-*.dist-info")]
+    versions = [p.name.removesuffix(".dist-info").split("-")[1] for p in FP8_SITE.glob("torchao-*.dist-info")]
     assert len(versions) == 1 and versions[0].startswith("0.18."), (
         f"{FP8_SITE} holds torchao {versions}, not {FP8_SPEC}: remove the directory and run `{INSTALL}`"
     )
