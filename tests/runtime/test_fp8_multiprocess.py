@@ -9,40 +9,65 @@ lands far inside ``2**-7`` (measured: 1.4e-4 relative) while a wrong scale (amax
 Every parameter's step-1 gradient and step-3 value is within fp8's tolerance of the bf16 run
 (``parity.TOLERANCE["fp8"]``: 4 E4M3 units), and the collectives counted equal the plan's records. That the program's set-up swaps the linears for
 ``Float8Linear`` is checked in one process by ``test_fp8_emit.py``.
+
+``partita rehearse`` of the same plan plays its ranks with the program's fp8 set-up: every collective and
+the FLOPs are the plan's. Its peak memory is not (a strict xfail below): the plan prices an fp8 stage's
+memory as the bf16 stage's, while the program also holds torchao's fp8 casts for the backward.
+
+torchao is never on this process's path: ``scripts/install.sh test`` installs it into ``build/fp8-site``
+and :func:`fp8_subprocess_path` hands that directory to the subprocesses (the torchrun ranks, the
+rehearsal's role processes) through ``PYTHONPATH``. The plan is compiled once for the module (~30 s) and
+``partita run`` is one torchrun launch.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-pytest.importorskip("torchao", reason="torchao is the optional [fp8] extra")
+from tests.runtime.test_fp8_emit import fp8_site, fp8_subprocess_path
+
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 FP8_LOSS_RTOL = 2.0**-7
 
 
-def test_fp8_hand_layout_trains_close_to_bf16_on_4_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.fixture(scope="module")
+def fp8_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``partita compile --precision fp8`` of the tiny Llama on 4 CPU ranks (dp 2 x pp 2, ZeRO-1): the plan
+    directory. Compiling needs no torchao (the program imports it in its set-up)."""
     from partita.cli import main
     from partita.models import families
 
-    spec = str(families.write_config(tmp_path / "llama", families.tiny("llama")) / "config.json")
-    out = tmp_path / "plan"
+    fp8_site()  # the skip naming the install command comes before 30 s of compiling
+    tmp = tmp_path_factory.mktemp("fp8")
+    spec = str(families.write_config(tmp / "llama", families.tiny("llama")) / "config.json")
+    out = tmp / "plan"
     layout = ["--tp", "1", "--pp", "2", "--dp", "2", "--micro-batch", "2", "--zero", "1"]
     args = ["compile", spec, "--cluster", "4xCPU", "--global-batch", "8", "--seq", "16", *layout]
     assert main([*args, "--precision", "fp8", "--fp8-recipe", "tensorwise", "--out", str(out), "--json"]) == 0
-    capsys.readouterr()
+    return out
+
+
+def test_fp8_hand_layout_trains_close_to_bf16_on_4_ranks(fp8_plan: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from partita.cli import main
+
+    out = fp8_plan
     plan = json.loads((out / "plan.json").read_text())
     assert plan["training"]["fp8"] == "tensorwise" and plan["training"]["dtype"] == "bf16"
     assert "fp8 (tensorwise)" in plan["predicted"]["precision"]["why"]
     src = (out / "program_torch.py").read_text()
     line = "module, config=Float8LinearConfig.from_recipe_name('tensorwise'), module_filter_fn=fp8.runs_in_fp8"
     assert src.count(line) == 2  # the plan's recipe, literally, in both stages
-    assert main(["run", str(out), "--steps", "3", "--reference", "--json"]) == 0
-    capsys.readouterr()
+    with fp8_subprocess_path():  # the torchrun ranks import torchao; the reference (bf16) runs here
+        code = main(["run", str(out), "--steps", "3", "--reference", "--json"])
+    printed = capsys.readouterr()
+    assert code == 0, (printed.out + printed.err)[-3000:]
     res = json.loads((out / "run_log.json").read_text())
     got, ref = res["losses"], res["reference_losses"]
     assert len(got) == 3
@@ -52,3 +77,43 @@ def test_fp8_hand_layout_trains_close_to_bf16_on_4_ranks(tmp_path: Path, capsys:
     assert all(not m for m in result["collective_mismatches"].values()), result["collective_mismatches"]
     parity = result["parity"]  # per parameter, against the bf16 run at fp8's tolerance (parity.TOLERANCE)
     assert parity["ok"] and parity["dtype"] == "fp8" and parity["num_compared"] > 0, parity["failing"]
+    assert "torchao" not in sys.modules  # the ranks imported it, this process did not
+
+
+@pytest.fixture(scope="module")
+def fp8_rehearsal(fp8_plan: Path) -> dict[str, Any]:
+    """``partita rehearse`` of the fp8 plan (``driver.rehearse``: its roles run in processes of their own,
+    which get build/fp8-site on their PYTHONPATH)."""
+    from partita.driver import rehearse
+
+    with fp8_subprocess_path():
+        res = rehearse(str(fp8_plan))
+    assert "torchao" not in sys.modules
+    return res
+
+
+def test_fp8_plan_rehearses_its_collectives_and_flops(fp8_rehearsal: dict[str, Any]) -> None:
+    """Both stages' roles run the program's fp8 set-up (a role whose set-up fails is a mismatch that says
+    so) and issue the plan's collectives (kind, count and bytes) at the plan's FLOPs."""
+    from partita.backends.torch import rehearse
+
+    stages = fp8_rehearsal["stages"]
+    assert [s["index"] for s in stages] == [0, 1]
+    for s in stages:
+        assert all(m.startswith("memory") for m in s["mismatches"]), s["mismatches"]
+        assert s["collectives"] == s["planned_collectives"], s["index"]
+        assert set(s["collectives"]) == {"all_gather@dp", "reduce_scatter@dp", "p2p@pp"}  # ZeRO-1 on dp 2, pp 2
+        assert s["flops"] == pytest.approx(s["planned_flops"], rel=rehearse.FLOPS_TOL), s["index"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the plan prices an fp8 stage's memory as bf16's; the program also holds torchao's fp8 casts "
+    "(tiny Llama: +34% on stage 0; the bf16 plan of the same layout is +26.5% there already)",
+)
+def test_fp8_plan_rehearses_its_peak_memory(fp8_rehearsal: dict[str, Any]) -> None:
+    from partita.backends.torch import rehearse
+
+    for s in fp8_rehearsal["stages"]:
+        assert s["peak_memory_bytes"] == pytest.approx(s["planned_memory_bytes"], rel=rehearse.MEMORY_TOL), s
+    assert fp8_rehearsal["match"]
