@@ -69,7 +69,7 @@ from partita.search.pipeline.step_bounds import (
 from partita.search.pipeline.zero_bubble import solve_zero_bubble
 from partita.search.pricing.config import SearchOptions, TrainingConfig, powers_of_two
 from partita.search.pricing.precision import choose_precision
-from partita.search.program import chunk_layout, records, v_layout
+from partita.search.program import chunk_layout, receive_buffers, records, v_layout
 from partita.search.program.plan_build import Candidate, StagePick, build_plan
 
 DEFAULT_OPTIONS = SearchOptions()
@@ -509,7 +509,11 @@ class Search:
                     StagePick(k, j, fam[o], fam[o].pick_at(k, j, n - i, cap)) for i, (k, j, o) in enumerate(sol.stages)
                 ]
                 cand = Candidate(dp, b, m, schedule, v, tuple(picks), self)
-                if (keep is None or keep(cand)) and (best is None or cand.step_time < best.step_time):
+                if (
+                    (keep is None or keep(cand))
+                    and buffers_fit(cand)
+                    and (best is None or cand.step_time < best.step_time)
+                ):
                     best = cand
                 tail = max(cand.tails)
                 if tail <= 0:
@@ -519,6 +523,19 @@ class Search:
             if best is not None:
                 out.append(best)
         return out
+
+
+def buffers_fit(cand: Candidate) -> bool:
+    """Does every stage of ``cand`` still fit with the receive buffers of its runner
+    (``search/program/receive_buffers.py``: the DP's range arrays cannot know the runner)? A stage of one
+    device class only (a mixed class's memory is its worst device's, each priced against its own cap)."""
+    if not receive_buffers.torch_pipeline(cand):
+        return True
+    return all(
+        cand.memory(i) <= tensor_cap(p.option.devices[0][0])
+        for i, p in enumerate(cand.stages)
+        if len(p.option.devices) == 1
+    )
 
 
 def plan_graph(
