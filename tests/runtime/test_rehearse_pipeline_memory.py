@@ -70,5 +70,5 @@ def test_pipelining_stage_memory_is_priced_as_held(
         assert abs(got - want) < 0.5 * nbytes, (cause, i, got, want, nbytes, s["memory_by_category"])
     if cause == "receive buffers":  # large beside the rest of the stage, in the plan's activations
         for i, st in enumerate(plan.stages):
-            assert size[i] > 0.15 * st.predicted["memory_bytes"]
+            assert size[i] > 0.1 * st.predicted["memory_bytes"]
             assert st.predicted["memory_by_category"]["activations"] > size[i]
