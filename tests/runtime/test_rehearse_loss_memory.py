@@ -27,7 +27,7 @@ def test_loss_backward_is_priced_at_two_logits_beside_the_saved_ones(
     monkeypatch.setenv("PARTITA_CACHE_DIR", str(tmp_path / "cache"))
     vocab, seq, mb = 8192, 64, 4
     cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps({"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 4, "vocab_size": vocab}))
+    cfg.write_text(json.dumps({"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": vocab}))
     out = tmp_path / "plan"
     args = ["compile", str(cfg), "--cluster", "1xCPU", "--seq", str(seq), "--tp", "1", "--pp", "1", "--dp", "1"]
     args += ["--micro-batch", str(mb), "--global-batch", str(mb), "--zero", "0", "--precision", "bf16"]
