@@ -45,6 +45,9 @@ ROWS: dict[str, tuple[str, str, int, int, dict[str, Any] | None]] = {
     "llama-8b-config-tp8-pp2": (
         "config:llama-8b", "16xH100-80G", 16, 2048, {"tp": 8, "pp": 2, "dp": 1, "micro_batch": 1},
     ),
+    # issue 33 item 2 (this session): two more searched plans on mixed clusters, not tuned on
+    "gpt3-13b-config-search-a100-l4": ("config:gpt3-13b", "16xA100-80G+16xL4", 128, 2048, None),
+    "mixtral-8x7b-search-h100-a100": ("mixtral-8x7b", "32xH100-80G+32xA100-80G", 64, 2048, None),
 }  # fmt: skip
 
 # config.json models of public shapes, written by models.families.config (family, hidden, layers, heads,

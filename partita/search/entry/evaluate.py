@@ -57,7 +57,7 @@ from partita.search.pipeline.zero_bubble import RUNNABLE_ZERO, counts
 from partita.search.pricing import context_parallel as cpx
 from partita.search.pricing.config import SearchOptions, TrainingConfig
 from partita.search.pricing.precision import choose_precision, precision_note
-from partita.search.program import v_layout
+from partita.search.program import receive_buffers, v_layout
 from partita.search.program.cp_layout import model_flops
 from partita.search.program.plan_build import Candidate
 from partita.search.program.records import NOT_BLOCKS
@@ -379,6 +379,7 @@ def memory_by_category(cand: Candidate, i: int) -> dict[str, float]:
         act += float(reduce_scatter_in_flight(max_params, cand.dp, z, tab.gather_ratio, tab.fsdp_copies))
     if getattr(search.costs, "flat_sync", False) and cand.dp > 1 and z == 0:
         act = max(act, float(tab.ranged("grads")[k, j]))
+    act += receive_buffers.stage_bytes(cand, i)  # torch pipelining's per micro-batch buffers (Candidate.memory)
     return {
         "parameters": cats["parameters"],
         "gradients": cats["gradients"],

@@ -16,6 +16,7 @@ import numpy as np
 from partita.device_reserve import tensor_cap
 from partita.errors import InfeasibleError
 from partita.search.pricing.config import powers_of_two
+from partita.search.program import receive_buffers
 
 
 def _states_bytes(search: Any) -> tuple[float, float]:
@@ -95,8 +96,13 @@ def infeasible(search: Any) -> InfeasibleError:
                 if search.graph.meta.get("no_pipeline")
                 else max(1, min(len(search.units), caps[o.segment] // o.width))
             )
-            for a in o.arrays:
-                need[name] = min(need.get(name, math.inf), _min_max_memory(a.memory, pp))
+            torch = search.graph.meta.get("framework", "torch") == "torch"
+            buffers = receive_buffers.range_bytes(search, m, 1) if torch and pp > 1 else None
+            for a, (zero, _r) in zip(o.arrays, o.combos):
+                mem = a.memory
+                if buffers is not None and (dp == 1 or zero < 2):  # torch.distributed.pipelining's runner
+                    mem = mem + buffers[:, :, None]
+                need[name] = min(need.get(name, math.inf), _min_max_memory(mem, pp))
     parts = [
         f"on {d.name} alone the plan with the least memory per device needs {_size(need[d.name])}, "
         f"a {d.name} has {_size(d.memory_bytes)} ({_size(tensor_cap(d))} usable for tensors)"

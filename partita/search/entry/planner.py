@@ -71,7 +71,7 @@ from partita.search.pipeline.step_bounds import (
 from partita.search.pipeline.zero_bubble import solve_zero_bubble
 from partita.search.pricing.config import SearchOptions, TrainingConfig, powers_of_two
 from partita.search.pricing.precision import choose_precision
-from partita.search.program import chunk_layout, cp_layout, records, v_layout
+from partita.search.program import chunk_layout, cp_layout, receive_buffers, records, v_layout
 from partita.search.program.plan_build import Candidate, StagePick, build_plan
 
 DEFAULT_OPTIONS = SearchOptions()
@@ -515,7 +515,8 @@ class Search:
                     StagePick(k, j, fam[o], fam[o].pick_at(k, j, n - i, cap)) for i, (k, j, o) in enumerate(sol.stages)
                 ]
                 cand = Candidate(dp, b, m, schedule, v, tuple(picks), self)
-                if (keep is None or keep(cand)) and (best is None or cand.step_time < best.step_time):
+                better = best is None or cand.step_time < best.step_time
+                if better and (keep is None or keep(cand)) and receive_buffers.fit(cand):
                     best = cand
                 tail = max(cand.tails)
                 if tail <= 0:

@@ -352,9 +352,10 @@ class _LayerProblem:
         if self.saved:
             c.act_bytes, c.act_alt = (self._saved_bytes(sp, n, s) for sp in (self.saved[0], self.saved[-1]))
             if n.prim is Prim.CROSS_ENTROPY and n.inputs:
-                # its backward: nll's dense f32 gradient, log_softmax's exp(output) and its result, each the
-                # size of the (f32) logits, beside the saved log-probabilities (rehearsed last stages)
-                c.transient = 3 * self.numel(n.inputs[0]) / shard_factor(s.in_layouts[0], mesh) * 4
+                # its backward: nll's dense f32 gradient and _log_softmax_backward_data's result (one kernel:
+                # exp(output) is not kept apart), each the size of the (f32) logits, beside the saved
+                # log-probabilities (issue 33: three priced one f32 logits over the rehearsed qwen2-1.5b row)
+                c.transient = 2 * self.numel(n.inputs[0]) / shard_factor(s.in_layouts[0], mesh) * 4
         else:
             c.act_alt, c.sel_keep_alt = c.act_bytes, c.sel_keep
         return c

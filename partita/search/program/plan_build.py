@@ -23,7 +23,7 @@ from partita.plan import Collective, Plan, Stage, validate
 from partita.search.pipeline import schedule as sched
 from partita.search.pipeline import schedule_cost
 from partita.search.pipeline.stage_cost import copies_deferred_gradients, held_weight, static_memory_of
-from partita.search.program import records
+from partita.search.program import receive_buffers, records
 from partita.search.program.jax_records import jax_records
 from partita.version import __version__
 
@@ -67,7 +67,8 @@ class Candidate:
         p = self.stages[i]
         # in-flight counts are indexed by the stages left (index p - i); a zero-bubble pass prices
         # position i's own count there (search/zero_bubble.in_flight_table)
-        return float(self._arr(i).memory[p.k, p.j, len(self.stages) - i])
+        # plus torch.distributed.pipelining's receive buffers, one per micro-batch (search/program/receive_buffers.py)
+        return float(self._arr(i).memory[p.k, p.j, len(self.stages) - i]) + receive_buffers.stage_bytes(self, i)
 
     @functools.cached_property
     def pipeline(self) -> sched.PipelineTime:
