@@ -114,7 +114,7 @@ def megatron_llama_plan(model: str, cluster: str, batch: int, seq: int, *, tp: i
     """A one-stage plan with Megatron-LM's placements written by hand (no search, no records but the
     gradient sync): q/k/v and gate/up column-parallel (``S(0)`` of ``nn.Linear``'s ``[out, in]``),
     o and down row-parallel (``S(1)``), the LM head column-parallel. For the closed-form checks of
-    the runtime's tensor-parallel traffic at full size (``tests/runtime/test_rehearse.py``); it is no
+    the runtime's tensor-parallel traffic at full size (``tests/runtime/test_rehearse_full_size.py``); it is no
     row of the table: a plan written by hand has no tensor-parallel, memory or FLOPs records to
     compare (the ``llama-7b-megatron-*`` rows are the same layouts priced by ``search/entry/hand_plan.py``)."""
     from partita.cluster import parse_cluster

@@ -13,13 +13,15 @@ python -m ruff check partita tests bench
 python -m ruff format --check partita tests bench
 python -m mypy
 # Two pytest workers (CI has 2 cores); a test file stays on one worker (--dist loadfile), so a module's
-# fixtures (a compiled plan, one torchrun launch) are built once. Tests marked `serial` measure within a
-# time budget (the profiler's fit, a trace-time bound), so they run afterwards, alone. Exit code 5 ("no
-# tests collected") fails the script unless arguments narrowed the run to one of the two phases.
+# fixtures (a compiled plan, one torchrun launch) are built once. --no-loadscope-reorder keeps the order
+# tests/conftest.py gives the files (the costliest first; xdist >= 3.8) instead of xdist's most-tests-first.
+# Tests marked `serial` measure within a time budget (the profiler's fit, a trace-time bound), so they run
+# afterwards, alone. Exit code 5 ("no tests collected") fails the script unless arguments narrowed the
+# run to one of the two phases.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 trap 'exit 130' INT  # Ctrl-C in the parallel phase does not start the serial one
 set +e
-python -m pytest -q -ra -n "${PARTITA_TEST_WORKERS:-2}" --dist loadfile -m "not serial" "$@"
+python -m pytest -q -ra -n "${PARTITA_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder -m "not serial" "$@"
 parallel=$?
 python -m pytest -q -ra -m serial "$@"
 serial=$?

@@ -8,7 +8,7 @@ inputs; all in one subprocess) and compared with ``Stage.collectives`` (``search
 ``kind@axis`` must match: the ZeRO-3 parameter all-gathers and per-tensor reduce-scatters are recorded,
 a bf16 plan's gradient sync is recorded in f32, the dtype the program's gradients have, and a tp
 stage's collectives are the ILP's, per micro-batch (the f32 tp plans at seq 16 are checked against the
-HLO of their real run by ``test_jax_train.test_searched_plan_collectives_equal_hlo``). Memory and
+HLO of their real run by ``test_jax_train_gpt.test_searched_plan_collectives_equal_hlo``). Memory and
 FLOPs are compared too but not asserted here: they are the cost model's (``search/pipeline/stage_cost.py``).
 """
 

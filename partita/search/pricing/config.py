@@ -84,7 +84,7 @@ class SearchOptions:
       cut into ``2p`` chunks, chunk ``s`` on rank group ``s`` or ``2p - 1 - s``, each chunk's F/B/W and
       each group's memory from its own layers) and the winner is the chunked plan ``P2PPipeline`` runs
       (a searched plan matches the single-device run on gloo, ``tests/runtime/test_schedules_runtime.py``,
-      and ``partita rehearse`` matches its plan, ``tests/runtime/test_rehearse.py``). On by default:
+      and ``partita rehearse`` matches its plan, ``tests/runtime/test_rehearse_schedules.py``). On by default:
       it costs the search a few ZB-V layouts per best ZB-H1 candidate, and where it loses the report
       says by how much (``bench/schedules.py``).
     * ``zero_stages`` / ``recompute``: per-stage options searched. ``"selective"`` is priced from what

@@ -42,7 +42,7 @@ The price of a layout, from the group's stage arrays at each chunk's own unit ra
 Two things the group holds that a plain stage's pricing does not meet: the tied embedding / LM head
 weight of its first and last chunk is one tensor (``SolverCosts.shared_excess``), and each chunk's
 output is kept from its F to its B (the embedding chunk saves nothing else). ``partita rehearse``
-matches V plans (``tests/runtime/test_rehearse.py``): on a 4-block GPT-2 of width 256 within 0.1% per
+matches V plans (``tests/runtime/test_rehearse_schedules.py``): on a 4-block GPT-2 of width 256 within 0.1% per
 rank group; on gpt2-tiny +1.5% and +6.5%, as a 1F1B plan there is 10-11% over (one block's backward
 buffers, which no schedule prices, weigh a lot beside so small a model).
 
