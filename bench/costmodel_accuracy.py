@@ -334,7 +334,17 @@ def main(argv: list[str] | None = None) -> dict:
         _cl._SHIPPED.clear()  # re-read the profile just written
     shipped = [evaluate_row(r).predicted_step_time_s for r in rows]
     res["shipped"] = metrics(rows, shipped) | {"per_size": per_size(rows, shipped), "in_sample": True}
-    res["shipped"]["profile"] = {k: getattr(eff, k) for k in CANDIDATES}
+    # the profile that priced these rows: the fit just written, or (--no-write-profile) the one shipped
+    if args.no_write_profile:
+        from partita.cluster import parse_cluster
+        from partita.search.pricing.cost_model import CostModel
+
+        used = CostModel.for_device(parse_cluster("8xA100-80G").groups[0].device).efficiency
+    else:
+        used = eff
+    res["shipped"]["profile"] = {k: getattr(used, k) for k in CANDIDATES}
+    if args.no_write_profile:  # what a refit on all rows would ship (not shipped: --no-write-profile)
+        res["shipped"]["refit_profile"] = {k: getattr(eff, k) for k in CANDIDATES}
 
     res["consistency"] = consistency(rows)
     res["worst"] = worst_rows(rows, shipped)
