@@ -8,7 +8,9 @@ a dispatch mode that counts every storage made during the backward and not yet f
 existed before it, input, output gradient, parameters, are not counted): its peak is the bytes the
 backward allocates on top of what the stage holds. Two precision modes: FSDP2's low ``param_dtype`` (the
 linear's weight and input in bf16) and ``torch.autocast`` (an f32 weight, the input cast by the linear).
-Tensorwise is priced to the byte but the scalar scales; rowwise also keeps a 4-byte scale per row of each
+The forward's saved tensors beyond the input and the parameters are the copies
+``fp8.saved_copies`` says a converted linear keeps under autocast on this (CPU) device: none (an
+``nn.Linear`` keeps a bf16 copy of its input and of its weight there). Tensorwise is priced to the byte but the scalar scales; rowwise also keeps a 4-byte scale per row of each
 cast (and their temporaries), which the price leaves out: within 2% on these shapes.
 """
 
@@ -64,13 +66,22 @@ for recipe in ("tensorwise", "rowwise"):
                 lin = lin.to(torch.bfloat16)
             lin = convert_to_float8_training(lin, config=Float8LinearConfig.from_recipe_name(recipe))
             x = torch.randn(tokens, fan_in, dtype=torch.bfloat16 if mode == "low" else torch.float32, requires_grad=True)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
-                y = lin(x)
+            existing = {t.untyped_storage().data_ptr() for t in [x, *lin.parameters()]}
+            saved = {}  # storages the forward saves for the backward that did not exist before it
+
+            def pack(t):
+                if t.untyped_storage().data_ptr() not in existing:
+                    saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+                    y = lin(x)
             g = torch.randn_like(y)
             counter = Allocated([x, g, *lin.parameters()])
             with counter:
                 y.backward(g)
-            out.append([recipe, mode, tokens, fan_in, fan_out, y.dtype == torch.bfloat16, counter.peak])
+            out.append([recipe, mode, tokens, fan_in, fan_out, y.dtype == torch.bfloat16, counter.peak, sum(saved.values())])
 print("FP8_MEM " + json.dumps(out))
 """
 
@@ -84,8 +95,12 @@ def test_float8_linear_backward_allocates_what_fp8_prices() -> None:
     assert proc.returncode == 0 and lines, (proc.stdout + proc.stderr)[-3000:]
     rows = json.loads(lines[-1].removeprefix("FP8_MEM "))
     assert len(rows) == 2 * 2 * len(SHAPES)
-    for recipe, mode, tokens, fan_in, fan_out, low_out, measured in rows:
+    keep_in, keep_w = fp8.saved_copies("cpu")
+    for recipe, mode, tokens, fan_in, fan_out, low_out, measured, saved in rows:
         assert low_out  # the GEMM outputs (and the gradients) are bf16 in both modes: low = 2 bytes
+        # what the forward saved beyond the input and the parameters: autocast's copies a converted linear keeps
+        copies = (keep_in * tokens * fan_in + keep_w * fan_in * fan_out) * 2 if mode == "autocast" else 0
+        assert saved == copies, (recipe, mode, tokens, fan_in, fan_out)
         priced = fp8.backward_transient(tokens * fan_out, fan_in * fan_out, tokens * fan_in, 2)
         rtol = ROWWISE_SCALES_RTOL if recipe == "rowwise" else 1e-3  # tensorwise: up to its scalar scales
         assert measured == pytest.approx(priced, rel=rtol), (recipe, mode, tokens, fan_in, fan_out)

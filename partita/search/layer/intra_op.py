@@ -385,12 +385,14 @@ class _LayerProblem:
                 seen.add(r)
                 total += self.numel(r) / shard_factor(lay, mesh) * sp.item[r]
         column = self.tp is not None and mesh.shape[self.tp] > 1 and s.tp_role in ("colwise", "colwise_gather")
-        for i in sp.copies.get(n.name, ()):
+        f8 = self.cm.fp8 and n.prim is Prim.MATMUL and any(self.g.tensors[t].role is Role.PARAMETER for t in n.inputs)
+        keep_in, keep_w = fp8.saved_copies(mesh.device.kind) if f8 else (True, True)  # a Float8Linear's own
+        for i in sp.copies.get(n.name, ()) if keep_in else ():
             key = (sp.root.get(n.inputs[i], n.inputs[i]), n.module.rpartition(".")[0])
             if column and self.first_column.get(key, n.name) != n.name:
                 continue  # backends/torch/tp.py: a parent's column modules share one cast Replicate input
             total += self.numel(n.inputs[i]) / shard_factor(s.in_layouts[i], mesh) * sp.low
-        for i in sp.weights.get(n.name, ()):
+        for i in sp.weights.get(n.name, ()) if keep_w else ():
             total += self.numel(n.inputs[i]) / shard_factor(s.in_layouts[i], mesh) * sp.low
         return total
 

@@ -39,6 +39,10 @@ scaled copy, its clamped copy and the 1-byte result alive at once (9 bytes per e
 low dtype. Its peak over those six moments is priced as the layer's backward transient (the largest of
 its linears: one backward runs at a time), the way the loss's buffers are (``search/layer/intra_op.py``).
 Per-row scales (rowwise: 4 bytes per row of each cast) are left out, under 1% of these bytes.
+Under ``torch.autocast`` (f32 master weights, no FSDP2) a ``Float8Linear`` keeps no low copy of its
+weight (``weight_hp_t`` is the f32 parameter's transpose) and casts its input to the autocast dtype only
+where ``torch.is_autocast_enabled()`` (CUDA's autocast) says so: on CPU ranks it saves the f32 input
+itself, already counted. :func:`saved_copies` says which of autocast's copies a converted linear keeps.
 
 Peaks: ``partita/data/fp8_peaks.json`` (vendor datasheets, dense). A device type without an entry
 (A100, V100, T4, CPU) has no FP8 tensor cores: :func:`check` refuses an fp8 request on it, except
@@ -153,3 +157,9 @@ def backward_transient(grad_out: float, weight: float, inp: float, low: float) -
         2 * g8 + w8 + grad_in + cast * inp,  # the saved input cast
         2 * g8 + w8 + grad_in + x8 + low * weight,  # the weight gradient
     )
+
+
+def saved_copies(device_kind: str) -> tuple[bool, bool]:
+    """``(input copy, weight copy)``: which low copies of autocast's (``search/layer/saved.py``) a
+    ``Float8Linear`` keeps for its backward on a device of ``device_kind`` (module docstring, "Memory")."""
+    return device_kind != "cpu", False
