@@ -101,7 +101,7 @@ class LayerSolution:
     modes: tuple[str, ...] = ()
     activation_bytes_alt: float | None = None
     selective_keep_bytes_alt: float | None = None
-    transient_bytes: float = 0.0  # allocated during the backward on top of the saved bytes (the loss)
+    transient_bytes: float = 0.0  # allocated during the backward on top of the saved bytes (the loss, fp8 casts)
     # a split backward (zero bubble): the output gradients B captures and W reads, per micro-batch, in the
     # program's dtype and this solution's layouts (_LayerProblem.held_bytes); _alt: the other precision mode
     w_held_bytes: float = 0.0
