@@ -105,3 +105,71 @@ def test_float8_linear_backward_allocates_what_fp8_prices() -> None:
         rtol = ROWWISE_SCALES_RTOL if recipe == "rowwise" else 1e-3  # tensorwise: up to its scalar scales
         assert measured == pytest.approx(priced, rel=rtol), (recipe, mode, tokens, fan_in, fan_out)
     assert "torchao" not in sys.modules
+
+
+_KEPT = """
+import json, sys
+import torch
+from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+from partita.backends.torch import fp8
+from partita.models.zoo import resolve_model
+
+B, S = int(sys.argv[2]), int(sys.argv[3])
+out = {}
+for mode in ("low", "autocast"):
+    torch.manual_seed(0)
+    model = resolve_model(sys.argv[1]).build("cpu")
+    if mode == "low":
+        model = model.to(torch.bfloat16)
+    config = Float8LinearConfig.from_recipe_name("tensorwise")
+    model = convert_to_float8_training(model, config=config, module_filter_fn=fp8.runs_in_fp8)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    ctx = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    block = model.model.layers[0]
+    block.register_forward_pre_hook(lambda *a: ctx.__enter__())
+    block.register_forward_hook(lambda *a: ctx.__exit__(None, None, None))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+        model(torch.randint(0, 100, (B, S)))
+    out[mode] = sum(seen.values())
+print("FP8_KEPT " + json.dumps(out))
+"""
+
+
+@pytest.mark.slow  # traces llama-tiny here, imports torchao in a child python: ~15 s on the shared 2-core machine
+def test_planned_fp8_activations_equal_what_the_converted_block_keeps() -> None:
+    """tests/search/test_saved.py's check with the block's linears converted to ``Float8Linear``: the
+    layer ILP's saved activations of an fp8 plan on a CPU device (``saved.saved_plan`` with
+    ``fp8.saved_copies("cpu")``: no weight copies, the f32 inputs themselves under autocast) within 10%
+    of what autograd keeps, counted by ``saved_tensors_hooks`` (each storage once, parameters excluded)."""
+    import dataclasses
+
+    from partita.cluster import parse_cluster
+    from partita.driver import trace_model
+    from partita.search.layer.intra_op import solve_layer
+    from partita.search.pricing.cost_model import CostModel
+    from partita.search.pricing.mesh import LogicalMesh
+
+    name, b, s = "llama-tiny", 2, 32
+    cluster = parse_cluster("1xCPU")
+    dev = cluster.device_types()[0]
+    mesh = LogicalMesh((1, 1), ("dp", "tp"), dev, 8, cluster.network_for(dev.name))
+    graph = trace_model(name, seq=s).graph
+    layer = next(lay for lay in graph.layers if lay.name.endswith(".0"))
+    cm = dataclasses.replace(CostModel.for_device(dev), fp8="tensorwise")
+    sol = solve_layer(graph, layer, mesh, env={"B": b, "S": s}, dtype="bf16", cost_model=cm, tp_style="torch")
+    assert sol.modes == ("low", "autocast")
+    with fp8_subprocess_path():
+        cmd = [sys.executable, "-c", _KEPT, name, str(b), str(s)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("FP8_KEPT ")]
+    assert proc.returncode == 0 and lines, (proc.stdout + proc.stderr)[-3000:]
+    kept = json.loads(lines[-1].removeprefix("FP8_KEPT "))
+    assert sol.activation_bytes == pytest.approx(kept["low"], rel=0.10)
+    assert sol.activation_bytes_alt == pytest.approx(kept["autocast"], rel=0.10)

@@ -193,7 +193,8 @@ class _LayerProblem:
         # saved activations as the program holds them (search/layer/saved.py); JAX keeps the traced rule (_saves)
         low = DTYPE_BYTES.get(dtype, 4)
         self.modes: tuple[str, ...] = () if not torch else ("f32",) if low >= 4 else ("low", "autocast")
-        self.saved = [saved_plan_of(graph, layer, m, low, self.needs_grad) for m in self.modes]
+        f8 = fp8.saved_copies(mesh.device.kind) if cm.fp8 else None  # autocast's copies a Float8Linear keeps
+        self.saved = [saved_plan_of(graph, layer, m, low, self.needs_grad, f8) for m in self.modes]
         self.first_column: dict[tuple[str, str], str] = {}  # (input root, parent module) -> its first reader
         for sp in self.saved[-1:]:
             for name in sp.copies:
@@ -385,14 +386,12 @@ class _LayerProblem:
                 seen.add(r)
                 total += self.numel(r) / shard_factor(lay, mesh) * sp.item[r]
         column = self.tp is not None and mesh.shape[self.tp] > 1 and s.tp_role in ("colwise", "colwise_gather")
-        f8 = self.cm.fp8 and n.prim is Prim.MATMUL and any(self.g.tensors[t].role is Role.PARAMETER for t in n.inputs)
-        keep_in, keep_w = fp8.saved_copies(mesh.device.kind) if f8 else (True, True)  # a Float8Linear's own
-        for i in sp.copies.get(n.name, ()) if keep_in else ():
+        for i in sp.copies.get(n.name, ()):
             key = (sp.root.get(n.inputs[i], n.inputs[i]), n.module.rpartition(".")[0])
             if column and self.first_column.get(key, n.name) != n.name:
                 continue  # backends/torch/tp.py: a parent's column modules share one cast Replicate input
             total += self.numel(n.inputs[i]) / shard_factor(s.in_layouts[i], mesh) * sp.low
-        for i in sp.weights.get(n.name, ()) if keep_w else ():
+        for i in sp.weights.get(n.name, ()):
             total += self.numel(n.inputs[i]) / shard_factor(s.in_layouts[i], mesh) * sp.low
         return total
 

@@ -42,7 +42,8 @@ Per-row scales (rowwise: 4 bytes per row of each cast) are left out, under 1% of
 Under ``torch.autocast`` (f32 master weights, no FSDP2) a ``Float8Linear`` keeps no low copy of its
 weight (``weight_hp_t`` is the f32 parameter's transpose) and casts its input to the autocast dtype only
 where ``torch.is_autocast_enabled()`` (CUDA's autocast) says so: on CPU ranks it saves the f32 input
-itself, already counted. :func:`saved_copies` says which of autocast's copies a converted linear keeps.
+itself. :func:`saved_copies` says which of autocast's copies a converted linear keeps
+(``search/layer/saved.py`` counts the input itself where it keeps no copy).
 
 Peaks: ``partita/data/fp8_peaks.json`` (vendor datasheets, dense). A device type without an entry
 (A100, V100, T4, CPU) has no FP8 tensor cores: :func:`check` refuses an fp8 request on it, except
