@@ -1,6 +1,9 @@
 """What torchao's ``Float8Linear`` allocates in its backward is what ``search/pricing/fp8.backward_transient``
-prices (issue 36: the fp8 plan's rehearsed peak was over the plan by torchao's casts, 40,968 bytes on both
-stages of the tiny Llama's dp 2 x pp 2 plan, priced 0 before).
+prices, and what a converted block saves for its backward is what the layer ILP prices for an fp8 plan
+(``search/layer/saved.py`` with ``fp8.saved_copies``; the last test). Issue 36: the fp8 plan's rehearsed
+peak was over the plan by torchao's casts, 40,968 bytes on both stages of the tiny Llama's dp 2 x pp 2
+plan, priced 0 before; under autocast the plan counted bf16 weight and input copies a converted linear
+does not keep (llama-tiny's block: 279,040 bytes priced, 194,048 kept on CPU).
 
 One child python (torchao only there: ``fp8_subprocess_path``) runs the backward of a ``Float8Linear``,
 converted by ``convert_to_float8_training`` with the recipe's config as the program's set-up does, under
@@ -19,6 +22,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -26,6 +30,7 @@ from partita.search.pricing import fp8
 from tests.runtime.test_fp8_emit import fp8_subprocess_path
 
 SHAPES = ((32, 64, 128), (32, 128, 64), (64, 64, 128), (32, 256, 256))  # tokens, in, out
+BLOCK = ("llama-tiny", 2, 32)  # the model whose first block is converted, batch, sequence
 ROWWISE_SCALES_RTOL = 0.02
 
 _CHILD = """
@@ -86,27 +91,6 @@ print("FP8_MEM " + json.dumps(out))
 """
 
 
-@pytest.mark.slow  # a child python importing torchao: ~10 s on the shared 2-core machine
-def test_float8_linear_backward_allocates_what_fp8_prices() -> None:
-    with fp8_subprocess_path():
-        cmd = [sys.executable, "-c", _CHILD, json.dumps(SHAPES)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("FP8_MEM ")]
-    assert proc.returncode == 0 and lines, (proc.stdout + proc.stderr)[-3000:]
-    rows = json.loads(lines[-1].removeprefix("FP8_MEM "))
-    assert len(rows) == 2 * 2 * len(SHAPES)
-    keep_in, keep_w = fp8.saved_copies("cpu")
-    for recipe, mode, tokens, fan_in, fan_out, low_out, measured, saved in rows:
-        assert low_out  # the GEMM outputs (and the gradients) are bf16 in both modes: low = 2 bytes
-        # what the forward saved beyond the input and the parameters: autocast's copies a converted linear keeps
-        copies = (keep_in * tokens * fan_in + keep_w * fan_in * fan_out) * 2 if mode == "autocast" else 0
-        assert saved == copies, (recipe, mode, tokens, fan_in, fan_out)
-        priced = fp8.backward_transient(tokens * fan_out, fan_in * fan_out, tokens * fan_in, 2)
-        rtol = ROWWISE_SCALES_RTOL if recipe == "rowwise" else 1e-3  # tensorwise: up to its scalar scales
-        assert measured == pytest.approx(priced, rel=rtol), (recipe, mode, tokens, fan_in, fan_out)
-    assert "torchao" not in sys.modules
-
-
 _KEPT = """
 import json, sys
 import torch
@@ -114,11 +98,11 @@ from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 from partita.backends.torch import fp8
 from partita.models.zoo import resolve_model
 
-B, S = int(sys.argv[2]), int(sys.argv[3])
+B, S = int(sys.argv[3]), int(sys.argv[4])
 out = {}
 for mode in ("low", "autocast"):
     torch.manual_seed(0)
-    model = resolve_model(sys.argv[1]).build("cpu")
+    model = resolve_model(sys.argv[2]).build("cpu")
     if mode == "low":
         model = model.to(torch.bfloat16)
     config = Float8LinearConfig.from_recipe_name("tensorwise")
@@ -142,8 +126,38 @@ print("FP8_KEPT " + json.dumps(out))
 """
 
 
-@pytest.mark.slow  # traces llama-tiny here, imports torchao in a child python: ~15 s on the shared 2-core machine
-def test_planned_fp8_activations_equal_what_the_converted_block_keeps() -> None:
+@pytest.fixture(scope="module")
+def measured() -> dict[str, Any]:
+    """One child python with torchao (~15 s on the shared 2-core machine) runs both measurements:
+    ``{"rows": [...], "kept": {"low": ..., "autocast": ...}}``."""
+    with fp8_subprocess_path():
+        cmd = [sys.executable, "-c", _CHILD + _KEPT, json.dumps(SHAPES), BLOCK[0], str(BLOCK[1]), str(BLOCK[2])]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    got = {
+        ln.split(" ", 1)[0]: json.loads(ln.split(" ", 1)[1]) for ln in proc.stdout.splitlines() if ln.startswith("FP8_")
+    }
+    assert proc.returncode == 0 and set(got) == {"FP8_MEM", "FP8_KEPT"}, (proc.stdout + proc.stderr)[-3000:]
+    return {"rows": got["FP8_MEM"], "kept": got["FP8_KEPT"]}
+
+
+@pytest.mark.slow
+def test_float8_linear_backward_allocates_what_fp8_prices(measured: dict[str, Any]) -> None:
+    rows = measured["rows"]
+    assert len(rows) == 2 * 2 * len(SHAPES)
+    keep_in, keep_w = fp8.saved_copies("cpu")
+    for recipe, mode, tokens, fan_in, fan_out, low_out, measured, saved in rows:
+        assert low_out  # the GEMM outputs (and the gradients) are bf16 in both modes: low = 2 bytes
+        # what the forward saved beyond the input and the parameters: autocast's copies a converted linear keeps
+        copies = (keep_in * tokens * fan_in + keep_w * fan_in * fan_out) * 2 if mode == "autocast" else 0
+        assert saved == copies, (recipe, mode, tokens, fan_in, fan_out)
+        priced = fp8.backward_transient(tokens * fan_out, fan_in * fan_out, tokens * fan_in, 2)
+        rtol = ROWWISE_SCALES_RTOL if recipe == "rowwise" else 1e-3  # tensorwise: up to its scalar scales
+        assert measured == pytest.approx(priced, rel=rtol), (recipe, mode, tokens, fan_in, fan_out)
+    assert "torchao" not in sys.modules
+
+
+@pytest.mark.slow  # traces llama-tiny here (a few seconds)
+def test_planned_fp8_activations_equal_what_the_converted_block_keeps(measured: dict[str, Any]) -> None:
     """tests/search/test_saved.py's check with the block's linears converted to ``Float8Linear``: the
     layer ILP's saved activations of an fp8 plan on a CPU device (``saved.saved_plan`` with
     ``fp8.saved_copies("cpu")``: no weight copies, the f32 inputs themselves under autocast) within 10%
@@ -156,7 +170,7 @@ def test_planned_fp8_activations_equal_what_the_converted_block_keeps() -> None:
     from partita.search.pricing.cost_model import CostModel
     from partita.search.pricing.mesh import LogicalMesh
 
-    name, b, s = "llama-tiny", 2, 32
+    name, b, s = BLOCK
     cluster = parse_cluster("1xCPU")
     dev = cluster.device_types()[0]
     mesh = LogicalMesh((1, 1), ("dp", "tp"), dev, 8, cluster.network_for(dev.name))
@@ -165,11 +179,6 @@ def test_planned_fp8_activations_equal_what_the_converted_block_keeps() -> None:
     cm = dataclasses.replace(CostModel.for_device(dev), fp8="tensorwise")
     sol = solve_layer(graph, layer, mesh, env={"B": b, "S": s}, dtype="bf16", cost_model=cm, tp_style="torch")
     assert sol.modes == ("low", "autocast")
-    with fp8_subprocess_path():
-        cmd = [sys.executable, "-c", _KEPT, name, str(b), str(s)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("FP8_KEPT ")]
-    assert proc.returncode == 0 and lines, (proc.stdout + proc.stderr)[-3000:]
-    kept = json.loads(lines[-1].removeprefix("FP8_KEPT "))
+    kept = measured["kept"]
     assert sol.activation_bytes == pytest.approx(kept["low"], rel=0.10)
     assert sol.activation_bytes_alt == pytest.approx(kept["autocast"], rel=0.10)
