@@ -64,6 +64,7 @@ from partita.search.layer.layer_strategies import TP_STYLES, needs_grad, saved_p
 from partita.search.layer.reshard import Layout, grad_requirement, reshard_steps, shard_dim, shard_factor
 from partita.search.layer.saved import SavedPlan
 from partita.search.layer.strategies import Strategy, linear_operands
+from partita.search.pricing import fp8
 from partita.search.pricing.cost_model import CostModel, program_state_bytes
 from partita.search.pricing.mesh import LogicalMesh
 
@@ -100,7 +101,7 @@ class LayerSolution:
     modes: tuple[str, ...] = ()
     activation_bytes_alt: float | None = None
     selective_keep_bytes_alt: float | None = None
-    transient_bytes: float = 0.0  # allocated during the backward on top of the saved bytes (the loss)
+    transient_bytes: float = 0.0  # allocated during the backward on top of the saved bytes (the loss, fp8 casts)
     # a split backward (zero bubble): the output gradients B captures and W reads, per micro-batch, in the
     # program's dtype and this solution's layouts (_LayerProblem.held_bytes); _alt: the other precision mode
     w_held_bytes: float = 0.0
@@ -145,6 +146,7 @@ class _Costs:
     held_alt: float = 0.0
     grad_transient: float = 0.0  # _LayerProblem.grad_transient: summed over a layer's nodes
     w_grad_transient: float = 0.0  # ... the largest node's (one split node's W at a time)
+    fp8_transient: float = 0.0  # a Float8Linear's backward casts (fp8.backward_transient): the largest node's
     sel_keep_alt: float = 0.0
     colls: list[tuple[str, int, float, str, str]] = dataclasses.field(default_factory=list)
 
@@ -191,7 +193,8 @@ class _LayerProblem:
         # saved activations as the program holds them (search/layer/saved.py); JAX keeps the traced rule (_saves)
         low = DTYPE_BYTES.get(dtype, 4)
         self.modes: tuple[str, ...] = () if not torch else ("f32",) if low >= 4 else ("low", "autocast")
-        self.saved = [saved_plan_of(graph, layer, m, low, self.needs_grad) for m in self.modes]
+        f8 = fp8.saved_copies(mesh.device.kind) if cm.fp8 else None  # autocast's copies a Float8Linear keeps
+        self.saved = [saved_plan_of(graph, layer, m, low, self.needs_grad, f8) for m in self.modes]
         self.first_column: dict[tuple[str, str], str] = {}  # (input root, parent module) -> its first reader
         for sp in self.saved[-1:]:
             for name in sp.copies:
@@ -300,6 +303,11 @@ class _LayerProblem:
             cm = dataclasses.replace(cm, fp8=None)  # torchao converts nn.Linear only: a bmm (attention) stays bf16
         c.fwd_compute = cm.compute_time(n.prim, flops, nb, self.dtype) if flops or nb else 0.0
         c.bwd_compute = cm.backward_compute_time(n.prim, flops, nb, self.dtype) if flops or nb else 0.0
+        w = [t for t in n.inputs if tensors[t].role is Role.PARAMETER and tensors[t].rank >= 2]
+        x = [t for t in n.inputs if tensors[t].role is not Role.PARAMETER]
+        if cm.fp8 and n.prim is Prim.MATMUL and w and x:
+            el = {t: self.numel(t) / shard_factor(lay, mesh) for t, lay in ios}
+            c.fp8_transient = fp8.backward_transient(el[n.outputs[0]], el[w[0]], el[x[0]], DTYPE_BYTES[self.dtype])
         if n.prim is not Prim.MATMUL:
             c.sel_fwd = c.fwd_compute
         for oc in s.op_collectives:
@@ -698,8 +706,8 @@ def solve_layer(
     for n in lp.nodes:
         c = lp.costs[n.name][chosen[n.name]]
         for f in dataclasses.fields(_Costs):
-            if f.name == "w_grad_transient":
-                tot.w_grad_transient = max(tot.w_grad_transient, c.w_grad_transient)
+            if f.name in ("w_grad_transient", "fp8_transient"):
+                setattr(tot, f.name, max(getattr(tot, f.name), getattr(c, f.name)))
             elif f.name != "colls":
                 setattr(tot, f.name, getattr(tot, f.name) + getattr(c, f.name))
         raw.extend(c.colls)
@@ -755,7 +763,7 @@ def solve_layer(
         modes=lp.modes,
         activation_bytes_alt=tot.act_alt,
         selective_keep_bytes_alt=tot.sel_keep_alt,
-        transient_bytes=tot.transient,
+        transient_bytes=tot.transient + tot.fp8_transient,
         w_held_bytes=tot.held,
         w_held_bytes_alt=tot.held_alt,
         grad_transient_bytes=tot.grad_transient,

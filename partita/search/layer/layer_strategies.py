@@ -92,13 +92,15 @@ def strategies_of(
     return list(got[1])
 
 
-def saved_plan_of(graph: Graph, layer: Layer, mode: str, low: int, grad: frozenset[str]) -> SavedPlan:
+def saved_plan_of(
+    graph: Graph, layer: Layer, mode: str, low: int, grad: frozenset[str], fp8: tuple[bool, bool] | None = None
+) -> SavedPlan:
     """``saved.saved_plan``, kept per graph (the layer and the gradient set checked by identity)."""
     memo = _shared(graph)
-    key = ("saved", layer.name, mode, low, id(grad))
+    key = ("saved", layer.name, mode, low, id(grad), fp8)
     got = memo.get(key)
     if got is None or got[0][0] is not layer or got[0][1] is not grad:
-        got = memo[key] = ((layer, grad), saved_plan(graph, layer, mode, low, grad))
+        got = memo[key] = ((layer, grad), saved_plan(graph, layer, mode, low, grad, fp8))
     return got[1]
 
 

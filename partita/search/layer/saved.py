@@ -23,6 +23,8 @@ layer, answered once per precision mode:
     stays f32, matmuls and attention run in the low dtype on a low *copy* of each f32 activation
     input (one per consuming op: autocast caches only casts of parameters) and of each weight (kept
     for the input gradient, per micro-batch), norms return f32.
+    With ``fp8`` (torchao's ``Float8Linear``, ``search/pricing/fp8.saved_copies``) a linear keeps no
+    weight copy (it saves the f32 weight) and, on CPU, no input copy (it saves the f32 input itself).
 
 Measured on the HF GPT-2 / Llama blocks (``saved_tensors_hooks``, ``tests/search/test_saved.py``):
 the bytes of these rules equal what autograd keeps, up to the per-row statistics (norm means, the
@@ -107,8 +109,13 @@ def _rule(n: Node, g: Graph, grad: frozenset[str]) -> tuple[tuple[int, ...], boo
     return tuple(floats), False
 
 
-def saved_plan(g: Graph, layer: Layer, mode: str, low: int, grad: frozenset[str]) -> SavedPlan:
-    """The layer's :class:`SavedPlan` in ``mode`` (``MODES``); ``low``: bytes of the training dtype."""
+def saved_plan(
+    g: Graph, layer: Layer, mode: str, low: int, grad: frozenset[str], fp8: tuple[bool, bool] | None = None
+) -> SavedPlan:
+    """The layer's :class:`SavedPlan` in ``mode`` (``MODES``); ``low``: bytes of the training dtype; ``fp8``:
+    the plan trains its linears with torchao's ``Float8Linear`` (``search/pricing/fp8.saved_copies``: which
+    of autocast's input and weight copies such a linear keeps; one that keeps no input copy saves the
+    input itself, as it is)."""
     item: dict[str, float] = {}
     up: set[str] = set()  # f32 tensors that are an up-cast of low data (the next f32 cast goes back)
     root: dict[str, str] = {}
@@ -195,15 +202,18 @@ def saved_plan(g: Graph, layer: Layer, mode: str, low: int, grad: frozenset[str]
                 up.add(o)
         pos, out_saved = _rule(n, g, grad)
         cast = mode == "autocast" and prim in (Prim.MATMUL, Prim.CONV, Prim.ATTENTION)
+        f8 = (
+            fp8 if cast and prim is Prim.MATMUL and any(g.tensors[t].role is Role.PARAMETER for t in n.inputs) else None
+        )
         mine = []
         for i in pos:
-            if cast and item[n.inputs[i]] > low:
+            if cast and item[n.inputs[i]] > low and (f8 is None or f8[0]):
                 mine.append(i)  # autocast keeps its own low copy, not the f32 tensor
             else:
                 keep(n.inputs[i], n)
         if mine:
             copies[n.name] = tuple(mine)
-        if cast and prim is not Prim.ATTENTION:
+        if cast and prim is not Prim.ATTENTION and (f8 is None or f8[1]):
             ws = tuple(
                 i
                 for i, t in enumerate(n.inputs)

@@ -30,6 +30,21 @@ scale per row instead of one per tensor). Every MATMUL that reads a parameter (a
 fp8: torchao converts ``nn.Linear`` only); the program keeps the linears whose sizes are not multiples of
 16 in bf16 (``runs_in_fp8``), which this pricing does not model (tiny models only).
 
+Memory (:func:`backward_transient`): torchao 0.18's ``matmul_with_hp_or_float8_args`` saves the
+high-precision input and weight for the backward, as ``nn.Linear`` does, so an fp8 stage keeps the
+saved activations of a bf16 one. What it adds is allocated in each linear's backward, on top of what the
+stage holds then: five casts to FP8 (output gradient, weight, output gradient again, input), each an f32
+scaled copy, its clamped copy and the 1-byte result alive at once (9 bytes per element; the amax pass's
+``abs`` is smaller), the FP8 results kept until the backward returns, and the two GEMM outputs in the
+low dtype. Its peak over those six moments is priced as the layer's backward transient (the largest of
+its linears: one backward runs at a time), the way the loss's buffers are (``search/layer/intra_op.py``).
+Per-row scales (rowwise: 4 bytes per row of each cast) are left out, under 1% of these bytes.
+Under ``torch.autocast`` (f32 master weights, no FSDP2) a ``Float8Linear`` keeps no low copy of its
+weight (``weight_hp_t`` is the f32 parameter's transpose) and casts its input to the autocast dtype only
+where ``torch.is_autocast_enabled()`` (CUDA's autocast) says so: on CPU ranks it saves the f32 input
+itself. :func:`saved_copies` says which of autocast's copies a converted linear keeps
+(``search/layer/saved.py`` counts the input itself where it keeps no copy).
+
 Peaks: ``partita/data/fp8_peaks.json`` (vendor datasheets, dense). A device type without an entry
 (A100, V100, T4, CPU) has no FP8 tensor cores: :func:`check` refuses an fp8 request on it, except
 the CPU, whose "fp8" is torchao's emulation on the ranks of a test (priced at its bf16 rate).
@@ -125,3 +140,27 @@ def note(cluster: Cluster, recipe: str) -> str:
         f"weights and optimizer state; {peaks or 'no GPU types'}; each linear's GEMM also pays {CAST_TRAFFIC:g}x "
         f"the bytes it moves in amax + cast traffic.{cpu}"
     )
+
+
+CAST_BYTES_PER_ELEMENT = 9.0  # the f32 scaled copy, its clamped copy and the FP8 result, alive together
+
+
+def backward_transient(grad_out: float, weight: float, inp: float, low: float) -> float:
+    """Peak bytes one ``Float8Linear`` backward allocates (module docstring, "Memory"), from the element
+    counts of its output gradient, weight and input; ``low``: bytes of the low dtype (the GEMM outputs)."""
+    cast = CAST_BYTES_PER_ELEMENT
+    g8, w8, x8, grad_in = grad_out, weight, inp, low * inp  # kept FP8 copies (1 byte) and the input gradient
+    return max(
+        cast * grad_out,  # the output gradient cast for the input gradient's GEMM
+        g8 + cast * weight,  # the weight cast (its transpose for that GEMM)
+        g8 + w8 + grad_in,  # the input gradient
+        g8 + w8 + grad_in + cast * grad_out,  # the output gradient cast again, for the weight gradient's GEMM
+        2 * g8 + w8 + grad_in + cast * inp,  # the saved input cast
+        2 * g8 + w8 + grad_in + x8 + low * weight,  # the weight gradient
+    )
+
+
+def saved_copies(device_kind: str) -> tuple[bool, bool]:
+    """``(input copy, weight copy)``: which low copies of autocast's (``search/layer/saved.py``) a
+    ``Float8Linear`` keeps for its backward on a device of ``device_kind`` (module docstring, "Memory")."""
+    return device_kind != "cpu", False
