@@ -352,8 +352,6 @@ class _LayerProblem:
         c.grad_transient, c.w_grad_transient = self.grad_transient(n, s, c.grad_bytes)
         if self.saved:
             c.act_bytes, c.act_alt = (self._saved_bytes(sp, n, s) for sp in (self.saved[0], self.saved[-1]))
-        if n.name in self.freed_at_b:  # the loss's saved tensors die at B (_freed_at_b): held net of them
-            c.held, c.held_alt = c.held - c.act_bytes, c.held_alt - c.act_alt
             if n.prim is Prim.CROSS_ENTROPY and n.inputs:
                 # its backward: nll's dense f32 gradient and _log_softmax_backward_data's result (one kernel:
                 # exp(output) is not kept apart), each the size of the (f32) logits, beside the saved
@@ -361,6 +359,8 @@ class _LayerProblem:
                 c.transient = 2 * self.numel(n.inputs[0]) / shard_factor(s.in_layouts[0], mesh) * 4
         else:
             c.act_alt, c.sel_keep_alt = c.act_bytes, c.sel_keep
+        if n.name in self.freed_at_b:  # the loss's saved tensors die at B (_freed_at_b): held net of them
+            c.held, c.held_alt = c.held - c.act_bytes, c.held_alt - c.act_alt
         return c
 
     def numel(self, t: str) -> float:
