@@ -62,7 +62,7 @@ from partita.search.layer import ilp
 from partita.search.layer.ilp import IlpStats
 from partita.search.layer.layer_strategies import TP_STYLES, needs_grad, saved_plan_of, strategies_of
 from partita.search.layer.reshard import Layout, grad_requirement, reshard_steps, shard_dim, shard_factor
-from partita.search.layer.saved import SavedPlan
+from partita.search.layer.saved import SavedPlan, freed_at_b
 from partita.search.layer.strategies import Strategy, linear_operands
 from partita.search.pricing.cost_model import CostModel, program_state_bytes
 from partita.search.pricing.mesh import LogicalMesh
@@ -183,7 +183,7 @@ class _LayerProblem:
         for n in self.nodes:
             for t in n.inputs:
                 self.consumers.setdefault(t, []).append(n)
-        self.freed_at_b = self._freed_at_b()
+        self.freed_at_b = freed_at_b(graph, self.nodes, self.consumers, self._base)  # the loss's nodes
         self._ev: dict[sympy.Expr, int] = {}
         self._nb: dict[str, float] = {}
         self._rs: dict[tuple[Layout, Layout, float], tuple[float, tuple]] = {}
@@ -359,7 +359,7 @@ class _LayerProblem:
                 c.transient = 2 * self.numel(n.inputs[0]) / shard_factor(s.in_layouts[0], mesh) * 4
         else:
             c.act_alt, c.sel_keep_alt = c.act_bytes, c.sel_keep
-        if n.name in self.freed_at_b:  # the loss's saved tensors die at B (_freed_at_b): held net of them
+        if n.name in self.freed_at_b:  # their saved tensors die at B (saved.freed_at_b): held net of them
             c.held, c.held_alt = c.held - c.act_bytes, c.held_alt - c.act_alt
         return c
 
@@ -427,23 +427,6 @@ class _LayerProblem:
             return 0.0, 0.0
         local = max(1.0, float(moe["num_experts"]) / shard_factor(s.in_layouts[0], self.mesh))
         return 2.0 * grad_bytes, grad_bytes * (1.0 + 1.0 / local)
-
-    def _freed_at_b(self) -> set[str]:
-        """The loss layer's nodes that lead to no parameter op (the loss itself and the casts and shifts
-        between the head's matmul and it): a split backward (``backends/torch/wsplit.py``) keeps a
-        micro-batch's graph from B to W only below its split nodes (the parameter ops), so the saved
-        tensors of these nodes (the f32 log-probabilities) die with the stage's output at B.
-        ``partita rehearse`` of a ZB-H1 head stage: a deferred micro-batch held the logits' gradient and
-        not its log-probabilities, which the plan priced as held to W (qwen2-7b's head stage 27.8%
-        over). Empty for a layer without a loss: a block's tail feeds the next block's parameter ops."""
-        if not any(n.prim is Prim.CROSS_ENTROPY for n in self.nodes):
-            return set()
-        leads: set[str] = set()
-        for n in reversed(self.nodes):  # topological: a node's consumers come after it
-            reads_param = any(self.g.tensors[self._base(t)].role is Role.PARAMETER for t in n.inputs)
-            if reads_param or any(m.name in leads for t in n.outputs for m in self.consumers.get(t, [])):
-                leads.add(n.name)
-        return {n.name for n in self.nodes if n.name not in leads}
 
     def _base(self, t: str) -> str:
         """``t`` through the views that made it (a permuted expert weight is its parameter)."""
