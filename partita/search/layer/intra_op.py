@@ -62,7 +62,7 @@ from partita.search.layer import ilp
 from partita.search.layer.ilp import IlpStats
 from partita.search.layer.layer_strategies import TP_STYLES, needs_grad, saved_plan_of, strategies_of
 from partita.search.layer.reshard import Layout, grad_requirement, reshard_steps, shard_dim, shard_factor
-from partita.search.layer.saved import SavedPlan
+from partita.search.layer.saved import SavedPlan, freed_at_b
 from partita.search.layer.strategies import Strategy, linear_operands
 from partita.search.pricing import fp8
 from partita.search.pricing.cost_model import CostModel, program_state_bytes
@@ -185,6 +185,7 @@ class _LayerProblem:
         for n in self.nodes:
             for t in n.inputs:
                 self.consumers.setdefault(t, []).append(n)
+        self.freed_at_b = freed_at_b(graph, self.nodes, self.consumers, self._base)  # the loss's nodes
         self._ev: dict[sympy.Expr, int] = {}
         self._nb: dict[str, float] = {}
         self._rs: dict[tuple[Layout, Layout, float], tuple[float, tuple]] = {}
@@ -366,6 +367,8 @@ class _LayerProblem:
                 c.transient = 2 * self.numel(n.inputs[0]) / shard_factor(s.in_layouts[0], mesh) * 4
         else:
             c.act_alt, c.sel_keep_alt = c.act_bytes, c.sel_keep
+        if n.name in self.freed_at_b:  # their saved tensors die at B (saved.freed_at_b): held net of them
+            c.held, c.held_alt = c.held - c.act_bytes, c.held_alt - c.act_alt
         return c
 
     def numel(self, t: str) -> float:

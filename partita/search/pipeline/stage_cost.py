@@ -94,7 +94,8 @@ class LayerCost:
     gather_ratio: float = 1.0  # bytes of a parameter as FSDP2 gathers it (param_dtype) over its stored bytes
     fsdp_copies: bool = False  # priced as the torch program holds parameters (static_memory); else ZeRO's
     transient_bytes: float = 0.0  # allocated by the backward beside the saved activations, once (the loss)
-    # a split backward's output gradients from B to W, per micro-batch (LayerSolution.w_held_bytes), in the
+    # a split backward's output gradients from B to W, per micro-batch, net of the loss's saved tensors that
+    # die at B (saved.freed_at_b: the head's can be negative) (LayerSolution.w_held_bytes), in the
     # default precision mode; _alt: the autocast program's (as activation_bytes_alt)
     held_bytes: float = 0.0
     held_bytes_alt: float | None = None
