@@ -304,11 +304,9 @@ class _LayerProblem:
             cm = dataclasses.replace(cm, fp8=None)  # torchao converts nn.Linear only: a bmm (attention) stays bf16
         c.fwd_compute = cm.compute_time(n.prim, flops, nb, self.dtype) if flops or nb else 0.0
         c.bwd_compute = cm.backward_compute_time(n.prim, flops, nb, self.dtype) if flops or nb else 0.0
-        w = [t for t in n.inputs if tensors[t].role is Role.PARAMETER and tensors[t].rank >= 2]
-        x = [t for t in n.inputs if tensors[t].role is not Role.PARAMETER]
-        if cm.fp8 and n.prim is Prim.MATMUL and w and x:
+        if cm.fp8 and n.prim is Prim.MATMUL:  # a Float8Linear's backward casts
             el = {t: self.numel(t) / shard_factor(lay, mesh) for t, lay in ios}
-            c.fp8_transient = fp8.backward_transient(el[n.outputs[0]], el[w[0]], el[x[0]], DTYPE_BYTES[self.dtype])
+            c.fp8_transient = fp8.linear_transient(n, tensors, el, DTYPE_BYTES[self.dtype])
         if n.prim is not Prim.MATMUL:
             c.sel_fwd = c.fwd_compute
         for oc in s.op_collectives:

@@ -63,6 +63,7 @@ import functools
 import json
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from partita.cluster import Cluster, DeviceType
 from partita.errors import ConfigError
@@ -158,6 +159,18 @@ def backward_transient(grad_out: float, weight: float, inp: float, low: float) -
         2 * g8 + w8 + grad_in + cast * inp,  # the saved input cast
         2 * g8 + w8 + grad_in + x8 + low * weight,  # the weight gradient
     )
+
+
+def linear_transient(node: Any, tensors: Any, numel: dict[str, float], low: float) -> float:
+    """:func:`backward_transient` of a matmul node whose inputs are a weight (a parameter of rank >= 2) and
+    an activation, from ``numel`` (each tensor's local element count); 0 for any other matmul."""
+    from partita.ir import Role
+
+    w = [t for t in node.inputs if tensors[t].role is Role.PARAMETER and tensors[t].rank >= 2]
+    x = [t for t in node.inputs if tensors[t].role is not Role.PARAMETER]
+    if not (w and x):
+        return 0.0
+    return backward_transient(numel[node.outputs[0]], numel[w[0]], numel[x[0]], low)
 
 
 def saved_copies(device_kind: str) -> tuple[bool, bool]:
