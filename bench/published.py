@@ -156,12 +156,10 @@ def graph(r: dict) -> Graph:
 
 
 def refusal(r: dict) -> str | None:
-    """Why ``evaluate`` cannot express the row before anything is traced, or None."""
-    if r["cp"] > 1 and r["sequence_parallel"]:  # evaluate prices cp (issue 36) but refuses SP: said before tracing
-        return (
-            f"context parallelism (cp={r['cp']}) is priced, but the row also ran Megatron sequence parallelism, "
-            "which evaluate does not price"
-        )
+    """Why ``evaluate`` cannot express the row before anything is traced, or None (every row today:
+    Llama 3's cp16 row with sequence parallelism is priced as Megatron-LM builds it,
+    ``sequence_parallel.check(program="megatron")``; a row ``evaluate_config`` refuses is reported with
+    its words by :func:`main`)."""
     return None
 
 

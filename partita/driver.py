@@ -578,7 +578,9 @@ def evaluate_model(
     from partita.search.program import sequence_parallel as sp
 
     if sequence_parallel:  # what the runtime does not build with it, refused before tracing (as compile_layout)
-        sp.check(tp=tp, dp=dp, zero_stage=zero_stage, recompute=recompute, schedule=schedule, num_virtual=num_virtual)
+        sp.check(
+            tp=tp, dp=dp, zero_stage=zero_stage, recompute=recompute, schedule=schedule, num_virtual=num_virtual, cp=cp
+        )
     from partita.search.pricing.context_parallel import check_degree
 
     check_degree(training.seq_len, cp)  # the rest of context_parallel.check needs the graph
@@ -634,7 +636,7 @@ def compile_layout(
 
     if layout.get("sequence_parallel"):  # what the runtime does not build with it, refused before tracing
         keys = ("tp", "dp", "zero_stage", "recompute", "schedule", "num_virtual")
-        sequence_parallel.check(**{k: layout[k] for k in keys})
+        sequence_parallel.check(**{k: layout[k] for k in keys}, cp=layout.get("cp", 1))
 
     if layout.get("cp", 1) > 1:  # what the program does not build with cp, refused before tracing
         from partita.backends.torch.emit import check_cp_layout

@@ -103,6 +103,27 @@ def gpt(num_layers: int, hidden: int, num_heads: int, dtype: str = "bf16") -> Gr
     return g
 
 
+def gpt_with_ends(num_layers: int, hidden: int, num_heads: int, vocab: int = 512, dtype: str = "bf16") -> Graph:
+    """:func:`gpt` between a first layer (``embed``: a linear standing in for the embedding) and a last one
+    (``head``: the output projection): a model whose ends are layers of their own kinds, as a traced one's."""
+    b = GraphBuilder(f"gpt{num_layers}x{hidden}_ends")
+    b.symbols.update({"B": (1, 4096), "S": (1, 65536)})
+    x = b.tensor("x", (B, S, hidden), dtype, Role.INPUT)
+    first = _Block(b, "embed.")
+    y = _linear(first, "proj", x, (B, S, hidden), hidden, dtype, bias=False)
+    layers = [first.layer("embed", [x], [y])]
+    for i in range(num_layers):
+        layers.append(gpt_block(b, f"h.{i}.", y, hidden, num_heads, dtype))
+        y = layers[-1].outputs[0]
+    last = _Block(b, "head.")
+    out = _linear(last, "proj", y, (B, S, hidden), vocab, dtype, bias=False)
+    layers.append(last.layer("head", [y], [out]))
+    b.outputs.append(out)
+    g = b.build({"framework": "test"})
+    g.layers = layers
+    return g
+
+
 def mlp(hidden: int, ffn: int, dtype: str = "bf16") -> Graph:
     """Two linears with a GELU on ``x: [B, hidden]``."""
     b = GraphBuilder("mlp")

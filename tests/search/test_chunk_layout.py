@@ -91,8 +91,14 @@ def test_cli_compiles_interleaved_hand_layout(gpt2_4: tuple, tmp_path: Path) -> 
     assert "schedule interleaved_1f1b" in src and "loop placement: chunk c of rank group r is stage c*p + r" in src
     assert 'chunks=PROGRAM["chunks"]' in src
     bad = tmp_path / "bad"
-    assert cli_main([*argv[:-1], str(bad), "--virtual-stages", "3"]) == 2  # 4 blocks: no pp=2 x 3 chunks
+    assert cli_main([*argv[:-1], str(bad), "--virtual-stages", "4"]) == 2  # 3 layers per rank group: no 4 chunks
     assert not bad.exists()
+    # embedding + 4 blocks + head on 2 rank groups of 3 chunks: one layer per chunk, the first chunk only the
+    # embedding and the last only the head (Llama 3 405B's split: 126 blocks + 2 ends on 16 x 8 chunks)
+    ends = tmp_path / "ends"
+    assert cli_main([*argv[:-1], str(ends), "--virtual-stages", "3"]) == 0
+    plan3 = Plan.from_json((ends / "plan.json").read_text())
+    assert plan3.chunked and [len(s.layers) for s in plan3.stages] == [1] * 6
 
 
 def test_search_picks_interleaved_as_model_chunks() -> None:

@@ -57,7 +57,7 @@ from partita.search.pipeline.zero_bubble import RUNNABLE_ZERO, counts
 from partita.search.pricing import context_parallel as cpx
 from partita.search.pricing.config import SearchOptions, TrainingConfig
 from partita.search.pricing.precision import choose_precision, precision_note
-from partita.search.program import receive_buffers, v_layout
+from partita.search.program import chunk_layout, receive_buffers, v_layout
 from partita.search.program.cp_layout import model_flops
 from partita.search.program.plan_build import Candidate
 from partita.search.program.records import NOT_BLOCKS
@@ -189,11 +189,13 @@ def check_layout(
     recompute: str = "none",
     dims: tuple[dict[str, set[int]], int | None] | None = None,
     cp: int = 1,
+    program: str = "torch",
 ) -> list[str]:
     """Refuse a layout that cannot be built (module docstring); return notes on one that can.
     ``tp``: one degree for every stage, or one per stage (:func:`stage_tps`). ``dims``:
     ``tp_dims(graph)`` when the caller checks many layouts of one graph (computed once).
-    ``sequence_parallel``: refused where the runtime does not build it (``sequence_parallel.check``). ``cp``:
+    ``sequence_parallel``: refused where the runtime does not build it (``sequence_parallel.check``; with
+    ``program="megatron"``, where Megatron-LM does not: ``evaluate_config(tp_style="megatron")``). ``cp``:
     context parallelism (``search/pricing/context_parallel.py``), ``dp * cp * tp`` devices per stage."""
     for name, val in (("pp", pp), ("dp", dp), ("micro_batch", micro_batch), ("num_virtual", num_virtual), ("cp", cp)):
         if val < 1:
@@ -223,7 +225,14 @@ def check_layout(
         )
     if sequence_parallel:
         sequence_parallel_check(
-            tp=tps, dp=dp, zero_stage=0, recompute=recompute, schedule=schedule, num_virtual=num_virtual
+            tp=tps,
+            dp=dp,
+            zero_stage=0,
+            recompute=recompute,
+            schedule=schedule,
+            num_virtual=num_virtual,
+            cp=cp,
+            program=program,
         )
     notes = [] if len(set(tps)) == 1 else [_hetero_tp_note(tps, dp)]
     need, vocab = dims if dims is not None else tp_dims(graph)
@@ -246,11 +255,14 @@ def check_layout(
                 "pass --pp 2 or more and --virtual-stages 2 or more, or use --schedule 1f1b.",
             )
         n = sum(lay.kind == block_kind(graph) for lay in graph.layers)
-        if n % (pp * num_virtual):
+        try:  # the chunks compile lays out (chunk_layout.lay_out): uneven end stages included
+            chunk_layout.check_ranges(graph, megatron_split(graph, pp), num_virtual)
+        except ConfigError as e:
             raise ConfigError(
-                f"{n} blocks do not split into pp={pp} stages of {num_virtual} virtual chunks each.",
-                f"use pp * virtual stages dividing {n}.",
-            )
+                f"{n} blocks do not split into pp={pp} stages of {num_virtual} virtual chunks each: {e.problem}",
+                f"use pp * virtual stages dividing {n}, or stages whose blocks plus the embedding (first stage) or the "
+                f"head (last stage) are a multiple of {num_virtual}, or --schedule 1f1b.",
+            ) from None
     n_blocks = sum(lay.kind == block_kind(graph) for lay in graph.layers)
     counts = blocks_per_stage(n_blocks, pp)  # every stage holds at least one block
     if len(set(counts)) > 1:
@@ -451,6 +463,11 @@ def evaluate_config(
     (``search/pricing/context_parallel.py``): layers priced at ``S / cp`` by ``ContextParallelCosts``,
     ``dp * cp`` replicas for the gradient sync and ZeRO, ``dp * cp * tp * pp`` devices.
     """
+    # sequence parallelism where Megatron-LM builds it only when another stack's program is priced by name
+    # (the benches' published rows); a Partita program (torch or JAX, tp_style None) keeps compile's refusals
+    program = "megatron" if tp_style == "megatron" else "torch"
+    if tp_style is None:
+        tp_style = costs.tp_style if costs is not None else tp_style_of(graph)
     notes = check_layout(
         graph,
         cluster,
@@ -464,6 +481,7 @@ def evaluate_config(
         sequence_parallel=sequence_parallel,
         recompute=recompute,
         cp=cp,
+        program=program,
     )
     if zero_stage and dp * cp == 1:
         notes.append(f"ZeRO-{zero_stage} with dp=1 shards nothing: priced as ZeRO-0.")
@@ -479,8 +497,6 @@ def evaluate_config(
 
             notes.append("every stage: " + fp8.note(cluster, training.fp8))
     opts = SearchOptions(zero_stages=(zero_stage,), recompute=(recompute,), max_layer_units=0, max_tp=tp)
-    if tp_style is None:
-        tp_style = costs.tp_style if costs is not None else tp_style_of(graph)
     if costs is None:
         costs = (
             ContextParallelCosts(graph, cluster, training, cp, tp_style=tp_style)

@@ -69,15 +69,15 @@ def hand_plan(
         num_virtual=num_virtual,
         cp=cp,
     )
-    if cp > 1 and (sequence_parallel or schedule == "zbv"):
+    if cp > 1 and schedule == "zbv":
         raise ConfigError(
-            f"context parallelism (cp={cp}) with {'sequence parallelism' if sequence_parallel else 'the zbv schedule'} "
-            "has no Plan layout yet: the records of the two together are not written.",
-            "drop --sequence-parallel (use --schedule 1f1b, gpipe, zb_h1 or interleaved_1f1b) with --cp.",
+            f"context parallelism (cp={cp}) with the zbv schedule has no Plan layout yet: the records of the two "
+            "together are not written.",
+            "use --schedule 1f1b, gpipe, zb_h1 or interleaved_1f1b with --cp.",
         )
     if sequence_parallel:  # built and recorded by search/program/sequence_parallel.py after the plan without it
         sequence_parallel_check(
-            tp=tp, dp=dp, zero_stage=zero_stage, recompute=recompute, schedule=schedule, num_virtual=num_virtual
+            tp=tp, dp=dp, zero_stage=zero_stage, recompute=recompute, schedule=schedule, num_virtual=num_virtual, cp=cp
         )
     v = num_virtual if schedule == "interleaved_1f1b" else 1  # model chunks per rank group (chunk_layout.py)
     if zero_stage and dp * cp == 1:

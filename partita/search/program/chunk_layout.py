@@ -80,6 +80,15 @@ def runnable(cand: Any) -> bool:
     return True
 
 
+def check_ranges(g: Any, ranges: list[tuple[int, int]], v: int) -> None:
+    """ConfigError (:func:`lay_out`'s words) unless rank groups holding the layer ranges ``ranges`` cut
+    into ``v`` chunks each that keep their kinds: what ``partita evaluate`` and ``compile`` of an
+    interleaved hand layout both require (``evaluate.check_layout``). Uneven groups pass when the extra
+    layers sit at the model's ends: Llama 3 405B's 126 blocks on 16 rank groups of 8 chunks, the
+    embedding and 7 blocks on group 0 and 7 blocks and the head on group 15, each chunk one layer."""
+    _bounds(g, [list(range(a, b)) for a, b in ranges], "interleaved_1f1b", v)
+
+
 def _bounds(g: Any, groups: list[list[int]], schedule: str, v: int) -> list[tuple[int, int]]:
     """Layer ranges of the ``p * v`` virtual stages for rank groups holding layer indices ``groups``;
     ConfigError unless every group keeps its kinds in order (module docstring)."""

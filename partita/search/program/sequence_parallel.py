@@ -47,12 +47,26 @@ _SP_ROLE = {"colwise": "colwise_sp", "rowwise": "rowwise_sp"}
 
 
 def check(
-    *, tp: int | Sequence[int], dp: int, zero_stage: int, recompute: str, schedule: str, num_virtual: int
+    *,
+    tp: int | Sequence[int],
+    dp: int,
+    zero_stage: int,
+    recompute: str,
+    schedule: str,
+    num_virtual: int,
+    cp: int = 1,
+    program: str = "torch",
 ) -> None:
     """Refuse what the runtime does not build with sequence parallelism (module docstring); ``dp`` and
     ``zero_stage`` are any (FSDP2 stages included). ``tp``: one degree, or one per stage (refused
-    unless all equal: this pass rewrites stages of one layout)."""
+    unless all equal: this pass rewrites stages of one layout). ``cp > 1``: context parallelism, whose
+    records with sequence parallelism are not written (refused). ``program="megatron"``: the layout is
+    priced as Megatron-LM's program (``evaluate_config(tp_style="megatron")``, the benches' published
+    rows), which builds sequence parallelism with model chunks (interleaved 1F1B) and with context
+    parallelism (Llama 3 405B ran tp8 cp16 pp16 with it): only the schedule and cp refusals are lifted,
+    ``partita compile`` and ``partita evaluate`` of a Partita program keep them."""
     why, fix = "", ""
+    megatron = program == "megatron"
     if not isinstance(tp, int) and len(set(tp)) > 1:
         why = f"it is built for one tensor-parallel degree on every stage, and the stages have {','.join(map(str, tp))}"
         fix = "give one --tp for all stages, or drop --sequence-parallel"
@@ -61,9 +75,12 @@ def check(
     elif recompute == "full":
         why = "full recompute would run each block's all-gathers and reduce-scatters again, which is not priced"
         fix = "use --recompute selective (collective outputs are kept) or none"
-    elif schedule not in ("gpipe", "1f1b") or num_virtual > 1:
+    elif (schedule not in ("gpipe", "1f1b") or num_virtual > 1) and not (megatron and schedule == "interleaved_1f1b"):
         why = f"the {schedule} schedule (model chunks or a split backward) is not built with it"
         fix = "use --schedule 1f1b or gpipe"
+    elif cp > 1 and not megatron:
+        why = f"with context parallelism (cp={cp}) it has no Plan layout yet: the records of the two are not written"
+        fix = "drop --sequence-parallel with --cp"
     if why:
         raise ConfigError(f"sequence parallelism cannot be built here: {why}.", f"{fix}.")
 
