@@ -65,6 +65,10 @@ FAMILY = {"A100-80G": "A100", "A100-40G": "A100", "H100-80G": "H100", "H200": "H
 # attention, which is what Partita's own torch program runs (``"torch"``: no pointwise fusion). Llama 3's
 # stack is priced as Megatron-style (an assumption, in its rows' ``assumed`` column).
 PROGRAM_STYLE = {"megatron-lm": "megatron", "llm-foundry": "torch", "llama3": "megatron"}
+# Programs whose interleaved pipeline overlaps its sends and receives with the chunks' compute
+# (``evaluate_config(p2p_overlap=True)``): Llama 3's "asynchronous point-to-point communication in PP"
+# (arXiv:2407.21783, sec. 3.3.2). Megatron-LM's rows here run no interleaved schedule.
+P2P_OVERLAP = {"llama3"}
 
 
 def load_rows() -> list[dict]:
@@ -196,6 +200,7 @@ def evaluate_row(r: dict, eff: Efficiency | None = None) -> Evaluation:
         num_virtual=v,
         sequence_parallel=bool(r["sequence_parallel"]),
         cp=r["cp"],
+        p2p_overlap=v > 1 and r["program"] in P2P_OVERLAP,
         costs=costs,
         tp_style=style,  # the program the row ran (PROGRAM_STYLE)
     )

@@ -93,3 +93,41 @@ def test_sequence_parallel_is_priced_where_megatron_ran_it_and_refused_for_parti
     with pytest.raises(ConfigError, match=r"sequence parallelism cannot be built here: .*" + refusal) as e:
         evaluate_config(g4, cl, tr, sequence_parallel=True, **base)  # the program Partita emits: compile's words
     assert "Fix:" in str(e.value)
+
+
+def test_overlapped_p2p_costs_a_micro_batch_the_longer_of_the_stage_and_its_sends(g4, monkeypatch) -> None:  # noqa: ANN001
+    """The term ``p2p_overlap`` changes (``stage_ranges.stage_parts``): a stage's micro-batch costs
+    ``max(rest, p2p)`` instead of ``rest + p2p``; priced on one stage option of a real layout, with its
+    p2p made small, then made to dominate."""
+    import numpy as np
+
+    from partita.search.entry.planner import Search
+    from partita.search.pipeline import stage_ranges
+
+    seen: list = []
+    orig = Search.stage_parts
+
+    def spy(self, tab, terms=None, **kw):  # noqa: ANN001, ANN003, ANN202
+        seen.append((tab, kw))
+        return orig(self, tab, terms, **kw)
+
+    monkeypatch.setattr(Search, "stage_parts", spy)
+    cl = parse_cluster("8xH100-80G")
+    kw = {"tp": 2, "pp": 2, "dp": 1, "micro_batch": 1, "schedule": "interleaved_1f1b", "num_virtual": 3}
+    plain = evaluate_config(g4, cl, TR, tp_style="megatron", **kw)
+    hidden = evaluate_config(g4, cl, TR, tp_style="megatron", p2p_overlap=True, **kw)
+    assert hidden.layout["p2p_overlap"] and hidden.predicted_step_time_s < plain.predicted_step_time_s
+    tab, args = seen[0]
+    assert args["p2p_mult"] == 3  # interleaved: every chunk sends
+    for per_byte in (args["p2p"][1], 1e-6):  # the layout's link, then one slow enough that the sends dominate
+        base = args | {"p2p": (args["p2p"][0], per_byte), "p2p_overlap": False}
+        rest = stage_ranges.stage_parts(tab, **(base | {"p2p_mult": 0})).time
+        summed = stage_ranges.stage_parts(tab, **base).time
+        overlapped = stage_ranges.stage_parts(tab, **(base | {"p2p_overlap": True})).time
+        ok = np.isfinite(rest)
+        p2p = summed[ok] - rest[ok]
+        assert np.allclose(overlapped[ok], np.maximum(rest[ok], p2p))
+        assert (p2p > 0).any()
+    assert (p2p > rest[ok]).any()  # the slow link: some ranges wait on their sends
+    with pytest.raises(ConfigError, match=r"priced only for Megatron-LM's interleaved schedule"):
+        evaluate_config(g4, cl, TR, p2p_overlap=True, **kw)  # Partita's program waits for its receives

@@ -450,6 +450,7 @@ def evaluate_config(
     factors: StageFactors | None = None,
     tp_style: str | None = None,
     cp: int = 1,
+    p2p_overlap: bool = False,
 ) -> Evaluation:
     """Predicted step time and memory of one configuration (module docstring), priced by
     ``layout_price.layout_candidate`` as ``partita compile`` and the search price it.
@@ -461,7 +462,10 @@ def evaluate_config(
     ran Megatron-LM): the weights are split and activations stay whole on the tp group. ``"auto"`` lets
     the intra-op ILP pick any sharding on the tp axis. ``cp > 1``: context parallelism
     (``search/pricing/context_parallel.py``): layers priced at ``S / cp`` by ``ContextParallelCosts``,
-    ``dp * cp`` replicas for the gradient sync and ZeRO, ``dp * cp * tp * pp`` devices.
+    ``dp * cp`` replicas for the gradient sync and ZeRO, ``dp * cp * tp * pp`` devices. ``p2p_overlap``:
+    the stage-to-stage sends run beside the compute (``SearchOptions.p2p_overlap``), as Megatron-LM's
+    interleaved schedule runs them with ``--overlap-p2p-comm`` (Llama 3's asynchronous p2p): only with
+    ``tp_style="megatron"`` and ``interleaved_1f1b``; Partita's torch pipeline waits for its receives.
     """
     # sequence parallelism where Megatron-LM builds it only when another stack's program is priced by name
     # (the benches' published rows); a Partita program (torch or JAX, tp_style None) keeps compile's refusals
@@ -483,6 +487,13 @@ def evaluate_config(
         cp=cp,
         program=program,
     )
+    if p2p_overlap and (program != "megatron" or schedule != "interleaved_1f1b"):
+        raise ConfigError(
+            "overlapped pipeline sends (p2p_overlap) are priced only for Megatron-LM's interleaved schedule "
+            f"(tp_style='megatron', interleaved_1f1b; got {'a Partita program' if program != 'megatron' else schedule}): "
+            "Partita's torch pipeline waits for each receive before the chunk that needs it.",
+            "drop p2p_overlap, or price a Megatron-LM program with schedule='interleaved_1f1b'.",
+        )
     if zero_stage and dp * cp == 1:
         notes.append(f"ZeRO-{zero_stage} with dp=1 shards nothing: priced as ZeRO-0.")
         zero_stage = 0
@@ -496,7 +507,9 @@ def evaluate_config(
             from partita.search.pricing import fp8
 
             notes.append("every stage: " + fp8.note(cluster, training.fp8))
-    opts = SearchOptions(zero_stages=(zero_stage,), recompute=(recompute,), max_layer_units=0, max_tp=tp)
+    opts = SearchOptions(
+        zero_stages=(zero_stage,), recompute=(recompute,), max_layer_units=0, max_tp=tp, p2p_overlap=p2p_overlap
+    )
     if costs is None:
         costs = (
             ContextParallelCosts(graph, cluster, training, cp, tp_style=tp_style)
@@ -586,6 +599,7 @@ def evaluate_config(
         "schedule": schedule,
         "num_virtual_stages": v,
         "sequence_parallel": sequence_parallel,
+        **({"p2p_overlap": True} if p2p_overlap else {}),
         "dtype": training.dtype,
         "device": dev.name,
         "devices_used": used,

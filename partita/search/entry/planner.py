@@ -301,6 +301,7 @@ class Search:
                     all_gather=all_gather,
                     p2p=p2p,
                     p2p_mult=p2p_mult,
+                    p2p_overlap=self.options.p2p_overlap,
                     hbm_bandwidth=dev.hbm_bandwidth,
                     factors=self.factors,
                     flat_sync=flat_sync,

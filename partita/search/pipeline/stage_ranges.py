@@ -117,6 +117,7 @@ def stage_parts(
     flat_sync: bool = False,
     split_backward: bool = False,
     terms: dict[tuple, Any] | None = None,
+    p2p_overlap: bool = False,
 ) -> StageParts:
     """:class:`StageParts` of one stage option: everything but its in-flight counts.
 
@@ -161,6 +162,8 @@ def stage_parts(
     slowed = tab.overlap_interference * np.minimum(t, z.sync_comm)
     t_mb = np.maximum(t, z.sync_comm) + slowed
     comm_total = r("comm") + np.maximum(0.0, z.sync_comm - t) + slowed
+    if p2p_overlap:  # SearchOptions.p2p_overlap: the p2p runs beside the rest, only what outlasts it shows
+        recv = np.maximum(0.0, recv - t_mb)
     t_mb = t_mb + recv
     comm_total = comm_total + recv
     inf = np.inf

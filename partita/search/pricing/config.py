@@ -105,6 +105,12 @@ class SearchOptions:
       wins and the report says why. None: what the emitter of the graph's framework builds
       (``search/program/realizable.cp_degrees``: none today; powers of two keeping >= 8,192 tokens per
       rank once it does); ``()``: cp 1 only.
+    * ``p2p_overlap``: stage-to-stage sends and receives run beside the compute, so a stage's micro-batch
+      costs ``max(compute + collectives, p2p)`` instead of their sum (``stage_ranges.stage_parts``): what
+      Megatron-LM's interleaved schedule runs with ``--overlap-p2p-comm`` and Llama 3's asynchronous p2p
+      (arXiv:2407.21783, sec. 3.3.2). Only ``evaluate_config(tp_style="megatron", p2p_overlap=True)`` sets
+      it, pricing another stack's program (``bench/published.py``); Partita's programs and the search
+      keep it off.
     * ``allow_f16``: train a bf16 request in fp16 (with dynamic loss scaling) when the cluster has GPUs
       without bf16 tensor cores (V100, T4) and none loses by it (``search/pricing/precision.py``).
     """
@@ -123,6 +129,7 @@ class SearchOptions:
     cp_degrees: tuple[int, ...] | None = None  # None: search/program/realizable.cp_degrees
     allow_f16: bool = True  # the torch runtime scales the loss dynamically (backends/torch/optim.LossScaler)
     record_time: bool = False  # put the search wall time in plan.search (breaks byte-identical plans)
+    p2p_overlap: bool = False  # another stack's overlapped p2p (docstring); never a Partita program's
 
     def __post_init__(self) -> None:
         bad = [s for s in self.schedules if s not in SCHEDULES]
