@@ -177,6 +177,8 @@ def evaluate_row(r: dict, eff: Efficiency | None = None) -> Evaluation:
     tr = TrainingConfig(global_batch=r["global_batch"], seq_len=r["seq"])
     g = graph(r)
     style = PROGRAM_STYLE[r["program"]]
+    if style == "megatron" and r["sequence_parallel"]:  # Megatron-LM's sequence parallelism, in its layers
+        style = "megatron_sp"
     costs = None
     if eff is not None:
         key = (id(g), r["gpus"], r["device"], eff, style)

@@ -9,7 +9,8 @@ the last the layers after the last block (head). Every stage runs on the cluster
 A layout that cannot be built is refused with one :class:`~partita.errors.ConfigError` before
 anything is priced (:func:`check_layout`): attention heads, key/value heads or block weight dims
 not divisible by ``tp``; ``dp * tp * pp`` above the devices of the type that runs it; more stages than blocks,
-or blocks that do not split evenly into ``pp`` stages of ``num_virtual`` chunks; virtual stages without the interleaved schedule; a
+or interleaved stages whose layers (blocks, plus the embedding on the first and the head on the last) do not cut
+into ``num_virtual`` chunks keeping their kinds (``chunk_layout.check_ranges``, compile's rule); virtual stages without the interleaved schedule; a
 zero-bubble schedule (``zb_h1``) with ZeRO-2/3 or recompute, which no runtime runs
 (:func:`check_split_backward`). Under ``zb_h1`` each stage's deferred weight gradients are priced
 with its own layers (``search/pipeline/zero_bubble.py``), as the planner prices them.
@@ -19,7 +20,12 @@ as ``partita compile --sequence-parallel`` prices it (``search/program/sequence_
 step time (on a ring an all-reduce costs a reduce-scatter plus an all-gather), and each stage's saved
 activations of the blocks' tp-replicated ops kept for ``s/t`` rows (``sequence_parallel.activation_delta``,
 one function for both); the layouts the runtime does not build with it are refused with compile's words
-(``sequence_parallel.check``). It is no dimension of the search.
+(``sequence_parallel.check``). It is no dimension of the search. Priced as another stack's program
+(``tp_style="megatron"``, the benches' published rows), sequence parallelism is Megatron-LM's, in the layers
+(``tp_style="megatron_sp"``: norms and residual adds on s/tp rows, all-gathers and reduce-scatters where the
+layout without it all-reduces, s/tp rows between layers and stages), with every schedule and with cp, as
+Megatron-LM builds it; interleaved stages may hold uneven block counts where the chunks can be laid out
+(``chunk_layout.check_ranges``: the end stages hold the embedding or the head as a chunk of their own).
 
 The :class:`Evaluation` carries memory per device by category (parameters, gradients, optimizer
 state, activations: the same terms ``search/stage_ranges.StageParts`` sums), whether it fits, the
@@ -426,6 +432,9 @@ def sequence_parallel_saved(cand: Candidate, training: TrainingConfig) -> tuple[
             strategy.update(search.costs.solution(li, dev, p.option.tp, mb).op_strategies)
         check_strategies(g, blocks, strategy)
         fsdp = cand.dp > 1 and z >= 1
+        if search.costs.tp_style == "megatron_sp":  # the layer ILP priced it: activations of s/tp rows
+            out.append(0.0)
+            continue
         regather = search.costs.tp_style == "megatron"  # Megatron-LM's program (activation_delta)
         delta = activation_delta(g, blocks, strategy, p.option.tp, r, low, fsdp, (mb, training.seq_len), regather)
         out.append(delta * sched.in_flight(cand.schedule, i, len(cand.stages), cand.m, cand.v))
@@ -469,7 +478,14 @@ def evaluate_config(
     """
     # sequence parallelism where Megatron-LM builds it only when another stack's program is priced by name
     # (the benches' published rows); a Partita program (torch or JAX, tp_style None) keeps compile's refusals
-    program = "megatron" if tp_style == "megatron" else "torch"
+    program = "megatron" if tp_style in ("megatron", "megatron_sp") else "torch"
+    if tp_style == "megatron_sp" and not sequence_parallel:
+        raise ConfigError(
+            "tp_style='megatron_sp' prices Megatron-LM's program with sequence parallelism, and this call has none.",
+            "pass sequence_parallel=True, or tp_style='megatron'.",
+        )
+    if tp_style == "megatron" and sequence_parallel:  # Megatron's program runs it: its layers priced with it
+        tp_style = "megatron_sp"
     if tp_style is None:
         tp_style = costs.tp_style if costs is not None else tp_style_of(graph)
     notes = check_layout(
@@ -570,7 +586,14 @@ def evaluate_config(
                 f"tp={tp} shards nothing in stage(s) {which}: every tp rank holds and computes the whole stage "
                 "(the search does not offer such a stage; a smaller tp or a larger micro-batch or sequence may split it)."
             )
-    if sequence_parallel:
+    if sequence_parallel and tp_style == "megatron_sp":
+        notes.append(
+            "sequence parallel (Megatron-LM's program): each block's norms, residual adds and dropout run on s/tp "
+            "rows per rank between all-gathers before its column matmuls and reduce-scatters after its row matmuls, "
+            "and layers hand s/tp rows to each other and to the next stage; priced by the layer ILP so "
+            "(tp_style 'megatron_sp', search/layer/layer_strategies.py)."
+        )
+    elif sequence_parallel:
         saved = sequence_parallel_saved(cand, training)
         mem = tuple(x + d for x, d in zip(mem, saved))
         by_category = tuple(c | {"activations": c["activations"] + d} for c, d in zip(by_category, saved))

@@ -15,11 +15,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from partita.ir import Graph, Layer, Node, Role
+from partita.passes.annotate import HEAVY_PRIMS
 from partita.search.layer.saved import FLOAT_DTYPES, SavedPlan, saved_plan
 from partita.search.layer.strategies import Strategy, enumerate_strategies, torch_tp_strategies
 from partita.search.pricing.mesh import LogicalMesh
 
-TP_STYLES = ("auto", "megatron", "torch")
+TP_STYLES = ("auto", "megatron", "megatron_sp", "torch")
 _TOKENS = frozenset({"B", "S"})  # symbols of batch and sequence dims: never sharded on tp (megatron, torch)
 
 
@@ -46,7 +47,19 @@ def node_strategies(
     axis names: never the device, its links or the cost model."""
     strats = enumerate_strategies(n, sizes, mesh)
     tokens = {c for c, d in exprs.items() if {str(x) for x in getattr(d, "free_symbols", ())} & _TOKENS}
-    if tp_style == "megatron":
+    if tp_style == "megatron_sp" and n.prim not in HEAVY_PRIMS:
+        # Megatron sequence parallelism (Korthikanti et al. 2022, sec. 4.2.2): the ops between the column and
+        # row matmuls' collectives (norms, residual adds, dropout) run on s/tp rows of the sequence; the
+        # matmuls and attention keep Megatron's weight split (below), the batch stays off tp everywhere
+        batch = {c for c, d in exprs.items() if "B" in {str(x) for x in getattr(d, "free_symbols", ())}}
+        strats = _megatron_only(strats, batch, mesh)
+        # none of them is replicated on tp: they run on s/tp rows (or, between a column and a row matmul, on
+        # the column's split); a replicated norm would price an all-reduce of its input gradient where
+        # Megatron reduce-scatters it (its weights' gradients are all-reduced once per step, not per op)
+        tp = [i for i, name in enumerate(mesh.axis_names) if name == "tp"]
+        split = [x for x in strats if any(x.axis_labels[i] for i in tp)]
+        strats = split or strats
+    elif tp_style in ("megatron", "megatron_sp"):
         strats = _megatron_only(strats, tokens, mesh)
     if torch_tp:
         is_param = [graph.tensors[t].role is Role.PARAMETER for t in n.inputs]

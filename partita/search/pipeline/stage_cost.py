@@ -319,6 +319,10 @@ def scatter_gather_p2p(p2p: tuple[float, float], tp: int, device: DeviceType, cm
     return p2p[0] + (tp - 1) * device.intra_node_latency, p2p[1] / tp + gather
 
 
+# a layer's input and output under Megatron sequence parallelism (tp_style "megatron_sp"): batch over dp,
+# sequence over tp (dim 1 of a (B, S, h) hidden state; intra_op.boundary_layout keeps R where it cannot)
+SP_BOUNDARY = ("S(0)", "S(1)")
+
 GATHERED_UNITS = 2  # ZeRO-3: FSDP2 holds the running block's gathered parameters and prefetches the next
 
 
@@ -421,6 +425,9 @@ class SolverCosts:
     ``strategies.torch_tp_strategies``), a JAX graph ``"auto"`` (its program pins every activation
     layout the ILP chose). ``scatter_gather`` (Megatron-LM's split p2p send) is priced only when ``"megatron"`` is
     asked explicitly (``partita evaluate``, baselines): the torch runtime sends whole activations.
+    ``"megatron_sp"``: Megatron-LM's program with sequence parallelism (``evaluate_config`` with
+    ``sequence_parallel=True`` on a ``"megatron"`` layout): layers hand each other s/tp rows (``SP_BOUNDARY``)
+    and their non-matmul ops run on them (``layer_strategies.node_strategies``); its sends are already split.
     ``flat_sync``: price the program's ZeRO-0 gradient sync (``stage_ranges.StageParts``): the torch program's
     and the JAX program's (``backends/jax/train._flat_psum`` in the update, after the schedule), on
     for every JAX graph; off for a torch graph priced ``"megatron"`` / ``"auto"`` asked explicitly,
@@ -432,7 +439,7 @@ class SolverCosts:
         from partita.search.layer.memo import IntraOpMemo
 
         self.graph, self.cluster, self.training = graph, cluster, training
-        self.scatter_gather = tp_style == "megatron"
+        self.scatter_gather = tp_style == "megatron"  # megatron_sp: its boundary is already s/tp rows per rank
         # the torch and JAX programs' ZeRO-0 sync runs after the schedule (stage_ranges.StageParts' flat_sync); an
         # explicit style on a torch graph prices another engine (Megatron-LM's overlapped DDP: evaluate)
         self.flat_sync = tp_style in (None, "torch") or graph.meta.get("framework") == "jax"
@@ -539,6 +546,7 @@ class SolverCosts:
                         cost_model=self.cost_model(device),
                         memory_budget=budget,
                         tp_style=self.tp_style,
+                        boundary=SP_BOUNDARY if self.tp_style == "megatron_sp" else None,
                     )
                     break
                 except InfeasibleError:  # over the memory budget: retry unbounded; other errors surface
