@@ -392,8 +392,7 @@ class Search:
         key = (tuple((d.name, share) for d, _, share in cls), tp)
         if key in self._same_layout:
             return self._same_layout[key]
-        # layers of one kind share one solve per type (renamed by position), so one representative
-        # per kind decides for all of them
+        # layers of one kind share one solve per type (renamed by position): one representative per kind decides
         reps: dict[tuple[str, bool], int] = {}
         for i, lay in enumerate(self.graph.layers):
             reps.setdefault((lay.kind, i == 0), i)
