@@ -11,10 +11,11 @@ Each row is priced the way ``partita evaluate`` prices it (``search.entry.evalua
 on ``{gpus}x{device}``, the shipped defaults), as the program it ran (the ``program`` column,
 ``PROGRAM_STYLE``): GPT rows on the model Megatron-LM ran
 (``bench/megatron_gpt.py``) or the GPT-2 architecture as MPT runs it (MosaicML's benchmarks: no dropout,
-exact GELU, ``arch`` ``mpt``), Llama rows on a Hugging Face Llama config. Sequence parallelism is priced as
-``evaluate --sequence-parallel`` prices it (``search/program/sequence_parallel.activation_delta``). A row whose
-layout ``evaluate`` cannot express is reported as refused, with the refusal's
-words: never dropped.
+exact GELU, ``arch`` ``mpt``), Llama rows on a Hugging Face Llama config. A Megatron-style row's sequence
+parallelism is Megatron-LM's, priced in the layers (``tp_style="megatron_sp"``: norms and residual adds on
+s/tp rows between all-gathers and reduce-scatters), with model chunks and with cp as it ran; Llama 3's
+interleaved pipeline overlaps its p2p with compute (``P2P_OVERLAP``). A row whose layout ``evaluate`` cannot
+express is reported as refused, with the refusal's words: never dropped (none today).
 
 Reports per row predicted vs published, the median |error|, the mean signed error
 (``(predicted - published) / published``: positive = predicted too slow) per device type and per
