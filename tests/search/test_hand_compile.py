@@ -60,8 +60,15 @@ def test_evaluate_prices_zbv_as_compile_writes_it(tmp_path: Path, capsys: pytest
     assert ev["layout"]["schedule"] == plan["schedule"] == "zbv"
 
 
-def test_evaluate_refuses_sequence_parallelism_where_compile_does(capsys: pytest.CaptureFixture) -> None:
-    assert main(["evaluate", *BASE, "--tp", "2", "--sequence-parallel", "--recompute", "full"]) == 2
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--tp", "2", "--sequence-parallel", "--recompute", "full"],
+        ["--tp", "2", "--cp", "2", "--sequence-parallel"],  # compile refused it; evaluate priced it before
+    ],
+)
+def test_evaluate_refuses_sequence_parallelism_where_compile_does(capsys: pytest.CaptureFixture, extra) -> None:  # noqa: ANN001
+    assert main(["evaluate", *BASE, *extra]) == 2
     err = capsys.readouterr().err
     assert "sequence parallelism cannot be built" in err and "Fix:" in err and "Traceback" not in err
 
