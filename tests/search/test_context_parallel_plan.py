@@ -226,7 +226,7 @@ def test_hand_plan_lays_out_cp_as_evaluate_prices_it() -> None:
 @pytest.mark.parametrize(
     "kw, match",
     [
-        ({"sequence_parallel": True}, "with sequence parallelism has no Plan layout"),
+        ({"sequence_parallel": True}, r"with context parallelism \(cp=2\) it has no Plan layout"),
         ({"pp": 2, "schedule": "zbv"}, "with the zbv schedule has no Plan layout"),
         ({"cp": 3}, "does not divide the sequence length"),
     ],
