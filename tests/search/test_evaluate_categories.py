@@ -38,6 +38,21 @@ def test_torch_memory_categories_sum_to_the_priced_total(gpt2: Graph, zero: int,
         assert sum(cat.values()) == pytest.approx(total, rel=1e-9), (zero, recompute, cat, total)
 
 
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_categories_sum_where_no_forward_follows_the_first_backward(gpt2: Graph, zero: int) -> None:
+    """GPipe holds every micro-batch's activations before its first backward: the stage's peak is the
+    largest of the last forward (no gradients), a later micro-batch's backward beside the gradients the
+    first made, and the gradients alone (ZeRO-0: with their flat copy), ``stage_ranges.StageParts.memory``.
+    The categories are that moment's (they added the gradients to the last forward's activations: 11-14% over
+    the priced total here, ZeRO-0/1/2)."""
+    tr = TrainingConfig(global_batch=16, seq_len=32, dtype="bf16")
+    kw = {"tp": 1, "pp": 2, "dp": 4, "micro_batch": 1, "zero_stage": zero, "schedule": "gpipe"}
+    ev = evaluate_config(gpt2, parse_cluster("8xA100-80G"), tr, **kw)
+    assert ev.layout["num_micro_batches"] == 4
+    for cat, total in zip(ev.memory_by_category, ev.memory_per_device, strict=True):
+        assert sum(cat.values()) == pytest.approx(total, rel=1e-9), (zero, cat, total)
+
+
 def test_interleaved_positions_are_priced_for_the_pipelines_depth(tmp_path) -> None:  # noqa: ANN001
     """Interleaved 1F1B: the planner's re-solve of a 3-stage base (``planner._solve_interleaved``) prices
     each position at its own in-flight count for a pipeline of that depth, the count the categories

@@ -393,14 +393,24 @@ def memory_by_category(cand: Candidate, i: int) -> dict[str, float]:
     if tab.grad_transient is not None:  # parameter gradients beside .grad (stage_ranges.grad_transient)
         transient = max(transient, float(grad_transient(tab, sched.splits_backward(cand.schedule))[k, j]))
     act += transient
+    rs = float(reduce_scatter_in_flight(max_params, cand.dp, z, tab.gather_ratio, tab.fsdp_copies))
     if in_flight > 1.0 or r != "none":
-        act += float(reduce_scatter_in_flight(max_params, cand.dp, z, tab.gather_ratio, tab.fsdp_copies))
-    if getattr(search.costs, "flat_sync", False) and cand.dp > 1 and z == 0:
+        act += rs
+    flat = getattr(search.costs, "flat_sync", False) and cand.dp > 1 and z == 0
+    if flat:
         act = max(act, float(tab.ranged("grads")[k, j]))
+    grads = cats["gradients"]
+    if r == "none" and not sched.splits_backward(cand.schedule) and in_flight >= cand.m:
+        # no forward after the first backward (stage_ranges.StageParts.memory): the largest of the last forward
+        # (no gradients), a later micro-batch's backward beside the first's gradients, the gradients alone
+        held = float(tab.act[sl].sum()) * in_flight + transient
+        later = held - float(tab.act[sl].sum()) + grads + rs if cand.m >= 2 else -1.0
+        with_grads = max(later, grads * (2.0 if flat else 1.0))
+        act, grads = (held, 0.0) if held > with_grads else (with_grads - grads, grads)
     act += receive_buffers.stage_bytes(cand, i)  # torch pipelining's per micro-batch buffers (Candidate.memory)
     return {
         "parameters": cats["parameters"],
-        "gradients": cats["gradients"],
+        "gradients": grads,
         "optimizer_state": cats["optimizer"],
         "activations": act,
     }

@@ -24,7 +24,9 @@ checked by ``partita rehearse``): f32 parameters, f32 gradients and the optimize
 gathered in the compute dtype (:func:`static_memory`); activations as ``search/layer/saved.py`` says the
 stage's precision mode keeps them (``UnitTable.for_stage``: FSDP2's MixedPrecisionPolicy or
 ``torch.autocast``). Where no forward follows the stage's first backward (``num_micro_batches``),
-the gradients are not there at the activation peak, and the peak is the larger of the two.
+the gradients are not there at the activation peak: the peak is the largest of that peak, a later
+micro-batch's backward (the first's gradients beside one micro-batch's activations fewer) and the
+gradients alone (``stage_ranges.StageParts.memory``).
 
 Tail after the pipeline drains (bucketed wait-free backprop): the dp gradient all-reduce (ZeRO-0)
 or reduce-scatter (ZeRO-1..3) overlaps the last backward, ``exposed = max(sync / n, sync -

@@ -22,7 +22,12 @@ from partita.passes.annotate import HEAVY_PRIMS, layer_stats
 from partita.plan import Collective, Plan, Stage, validate
 from partita.search.pipeline import schedule as sched
 from partita.search.pipeline import schedule_cost
-from partita.search.pipeline.stage_cost import copies_deferred_gradients, held_weight, static_memory_of
+from partita.search.pipeline.stage_cost import (
+    copies_deferred_gradients,
+    held_weight,
+    reduce_scatter_in_flight,
+    static_memory_of,
+)
 from partita.search.program import receive_buffers, records
 from partita.search.program.jax_records import jax_records
 from partita.version import __version__
@@ -177,10 +182,17 @@ def _stage_records(
     total = best.memory(i)
     split = sched.splits_backward(best.schedule)
     if not split and r == "none" and sched.in_flight(best.schedule, i, len(best.stages), best.m, best.v) >= best.m:
-        # no forward after the first backward: the peak is the activations before any gradient, or the
-        # gradients (and the flat copy) after the last backward (stage_ranges.StageParts, num_micro_batches)
+        # no forward after the first backward: the peak is the activations before any gradient, a later
+        # micro-batch's backward beside the first's gradients (one micro-batch's saved activations fewer,
+        # a ZeRO-2/3 unit's gradients in flight added), or the gradients (and the flat copy) after the last
+        # backward (stage_ranges.StageParts, num_micro_batches); the receive buffers are beside all three
         flat = 2.0 if getattr(search.costs, "flat_sync", False) and best.dp > 1 and z == 0 else 1.0
-        grads = grads if total - params - opt <= flat * grads * (1 + 1e-9) else 0.0
+        tab = search.table(dev0, tp, mb).for_stage(best.dp, z)
+        unit = float(tab.ranged("max_layer_params")[p.k, p.j])
+        held_rs = float(reduce_scatter_in_flight(unit, best.dp, z, tab.gather_ratio, tab.fsdp_copies))
+        later = best.m >= 2 and grads + held_rs >= float(tab.ranged("act")[p.k, p.j])
+        after = total - params - opt - receive_buffers.stage_bytes(best, i) <= flat * grads * (1 + 1e-9)
+        grads = grads if later or after else 0.0
     env = {"B": 1 if search.costs.linear_batch else mb, "S": search.training.seq_len}
     fwd = bwd = 0.0
     g = search.graph
