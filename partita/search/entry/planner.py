@@ -69,9 +69,10 @@ from partita.search.pipeline.step_bounds import (
     time_floor,
 )
 from partita.search.pipeline.zero_bubble import solve_zero_bubble
+from partita.search.pricing import fp8
 from partita.search.pricing.config import SearchOptions, TrainingConfig, powers_of_two
 from partita.search.pricing.precision import choose_precision
-from partita.search.program import chunk_layout, cp_layout, receive_buffers, records, v_layout
+from partita.search.program import chunk_layout, cp_layout, realizable, receive_buffers, records, v_layout
 from partita.search.program.plan_build import Candidate, StagePick, build_plan
 
 DEFAULT_OPTIONS = SearchOptions()
@@ -246,7 +247,10 @@ class Search:
         return hit[1]
 
     def tps(self, dev: DeviceType) -> list[int]:
-        return [t for t in powers_of_two(min(self.options.max_tp, self.cluster.gpus_per_node(dev.name)))]
+        top = min(self.options.max_tp, self.cluster.gpus_per_node(dev.name))
+        if self.training.fp8 and fp8.peak(dev) > 0:  # an fp8 stage runs at tp 1 (realizable.FP8_MAX_TP)
+            top = min(top, realizable.FP8_MAX_TP)
+        return [t for t in powers_of_two(top)]
 
     # ---- stage options -----------------------------------------------------------------
     def arrays(
@@ -433,6 +437,8 @@ class Search:
         opts: list[Option] = []
         segments: list[int] = []
         for cls, cap in self.classes(dp, b):
+            if self.training.fp8 and len({fp8.peak(d) > 0 for d, _, _ in cls}) > 1:
+                continue  # a stage converts all its replicas or none (Stage.fp8): FP8 and bf16 types apart
             seg = len(segments)
             segments.append(cap)
             tps = sorted(set.intersection(*[set(self.tps(d)) for d, _, _ in cls]))
