@@ -621,17 +621,20 @@ def _check_chunks(plan: Plan, source: str) -> dict[int, Stage]:
     p, out = n // v, {}
     for r, group in enumerate(plan.positions()):
         head = group[0]
-        key = lambda s: (
-            s.ranks,
-            s.dp,
-            s.cp,
-            s.tp,
-            s.batch_shares,
-            s.zero_stage,
-            s.device_type,
-            s.replica_device_types,
-            s.fp8,
-        )  # noqa: E731
+
+        def key(s: Stage) -> tuple:
+            return (
+                s.ranks,
+                s.dp,
+                s.cp,
+                s.tp,
+                s.batch_shares,
+                s.zero_stage,
+                s.device_type,
+                s.replica_device_types,
+                s.fp8,
+            )
+
         for s in group[1:]:
             if key(s) != key(head):
                 raise PlanError(
