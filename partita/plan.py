@@ -605,6 +605,11 @@ def _check_cp(plan: Plan, s: Stage, where: str) -> None:
         )
 
 
+def _chunk_key(s: Stage) -> tuple:
+    """What the chunks of one rank group share (one setup_stage builds them all)."""
+    return (s.ranks, s.dp, s.cp, s.tp, s.batch_shares, s.zero_stage, s.device_type, s.replica_device_types, s.fp8)
+
+
 def _check_chunks(plan: Plan, source: str) -> dict[int, Stage]:
     """A chunked plan (stages sharing ranks): the schedule places chunks, every chunk repeats its
     position's ranks and mesh, positions are disjoint. Returns chunk index -> its position's first
@@ -621,25 +626,11 @@ def _check_chunks(plan: Plan, source: str) -> dict[int, Stage]:
     p, out = n // v, {}
     for r, group in enumerate(plan.positions()):
         head = group[0]
-
-        def key(s: Stage) -> tuple:
-            return (
-                s.ranks,
-                s.dp,
-                s.cp,
-                s.tp,
-                s.batch_shares,
-                s.zero_stage,
-                s.device_type,
-                s.replica_device_types,
-                s.fp8,
-            )
-
         for s in group[1:]:
-            if key(s) != key(head):
+            if _chunk_key(s) != _chunk_key(head):
                 raise PlanError(
                     f"{source}: stage {s.index} is chunk of pipeline position {r} under {plan.schedule} "
-                    f"(p={p}), but its ranks/mesh/ZeRO/batch shares differ from stage {head.index}'s.",
+                    f"(p={p}), but its ranks/mesh/ZeRO/batch shares/fp8 differ from stage {head.index}'s.",
                     "every chunk of a rank group repeats that group's ranks, mesh, ZeRO stage and shares; "
                     "recompile the plan.",
                 )
