@@ -69,7 +69,6 @@ from partita.search.pipeline.step_bounds import (
     time_floor,
 )
 from partita.search.pipeline.zero_bubble import solve_zero_bubble
-from partita.search.pricing import fp8
 from partita.search.pricing.config import SearchOptions, TrainingConfig, powers_of_two
 from partita.search.pricing.precision import choose_precision
 from partita.search.program import chunk_layout, cp_layout, realizable, receive_buffers, records, v_layout
@@ -248,9 +247,7 @@ class Search:
 
     def tps(self, dev: DeviceType) -> list[int]:
         top = min(self.options.max_tp, self.cluster.gpus_per_node(dev.name))
-        if self.training.fp8 and fp8.peak(dev) > 0:  # an fp8 stage runs at tp 1 (realizable.FP8_MAX_TP)
-            top = min(top, realizable.FP8_MAX_TP)
-        return [t for t in powers_of_two(top)]
+        return powers_of_two(realizable.fp8_max_tp(self.training, dev, top))  # fp8 allowed: tp 1 on FP8 types
 
     # ---- stage options -----------------------------------------------------------------
     def arrays(
@@ -424,11 +421,8 @@ class Search:
         """:meth:`mixes` with each class's capacity in slots (at least one)."""
         out = []
         for cls in self.mixes(dp, b):
-            if len(cls) == 1:
-                cap = self.cluster.count(cls[0][0].name) // dp
-            else:
-                cap = min(self.cluster.count(d.name) // a for d, a, _ in cls)
-            if cap >= 1:
+            cap = min(self.cluster.count(d.name) // (dp if len(cls) == 1 else a) for d, a, _ in cls)
+            if cap >= 1 and realizable.fp8_mix_ok(self.training, [d for d, _, _ in cls]):
                 out.append((cls, cap))
         return out
 
@@ -437,8 +431,6 @@ class Search:
         opts: list[Option] = []
         segments: list[int] = []
         for cls, cap in self.classes(dp, b):
-            if self.training.fp8 and len({fp8.peak(d) > 0 for d, _, _ in cls}) > 1:
-                continue  # a stage converts all its replicas or none (Stage.fp8): FP8 and bf16 types apart
             seg = len(segments)
             segments.append(cap)
             tps = sorted(set.intersection(*[set(self.tps(d)) for d, _, _ in cls]))
