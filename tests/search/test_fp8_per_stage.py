@@ -129,3 +129,14 @@ def test_hand_layout_on_a_mixed_cluster_prices_fp8_on_its_fp8_type(capsys: pytes
     assert main([*args, "--cluster", "8xA100-80G+8xH100-80G"]) == 2
     err = capsys.readouterr().err
     assert "A100-80G has no FP8 tensor cores" in err and "Traceback" not in err
+
+
+def test_fp8_search_keeps_fp8_types_at_tp_1_and_never_mixes_them_with_bf16_types_in_a_stage() -> None:
+    from partita.search.program import realizable
+
+    h100, a100 = DEVICE_PRESETS["H100-80G"], DEVICE_PRESETS["A100-80G"]
+    bf16 = dataclasses.replace(FP8, fp8=None)
+    assert realizable.fp8_max_tp(FP8, h100, 8) == realizable.FP8_MAX_TP == 1
+    assert realizable.fp8_max_tp(FP8, a100, 8) == 8 and realizable.fp8_max_tp(bf16, h100, 8) == 8
+    assert not realizable.fp8_mix_ok(FP8, [h100, a100])  # one stage converts all its replicas or none
+    assert realizable.fp8_mix_ok(bf16, [h100, a100]) and realizable.fp8_mix_ok(FP8, [h100, DEVICE_PRESETS["H200"]])
