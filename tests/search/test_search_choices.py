@@ -193,7 +193,8 @@ def test_mixed_cluster_keeps_a100_in_bf16() -> None:
     assert "no FP8 tensor cores" in rec["bf16_types"]["A100-80G"]
     assert rec["types"]["A100-80G"].startswith("bf16 on 1 stage(s): no FP8 tensor cores")
     assert rec["types"]["H100-80G"].startswith("fp8 on 1 stage(s)")
-    assert "A100-80G: no FP8 tensor cores" in plan_text(plan, width=1000)
+    text = plan_text(plan, width=1000)  # the report: each type's precision and why
+    assert "A100-80G: bf16 on 1 stage(s): no FP8 tensor cores" in text and "H100-80G: fp8 on 1 stage(s)" in text
     again = Plan.from_json(plan.to_json())
     assert [s.fp8 for s in again.stages] == [s.fp8 for s in plan.stages]
 
