@@ -8,7 +8,8 @@ choice in the same run, the ratio of their predicted steps, and the plan's own r
   cp 2 and 4 asked for, where cp 1 is kept.
 * fp8: the zoo's llama-7b (stored trace) at 4,096 tokens, batch 64, on 8 H100-80G and on 8 A100-80G +
   8 H100-80G, and llama-70b on 64 H100-80G: the search with fp8 allowed (``--precision fp8`` without a
-  layout) against the bf16 search.
+  layout) against the bf16 search; each stage keeps its device type's precision (``Stage.fp8``: the
+  A100s' stages bf16 beside fp8 H100 stages), the row's ``precision_by_type`` says which.
 
 Every search runs with the default ``SearchOptions`` but the choice. Writes
 ``bench/results/search_choices.json`` and prints a table (step without / with the choice, speed-up,
@@ -71,7 +72,12 @@ CASES = [  # (name, model, trace seq, cluster, training, choice: cp degrees or a
 def _layout(plan) -> str:  # noqa: ANN001
     s = plan.stages
     return f"{len(s)} stage(s), " + ", ".join(
-        sorted({f"dp{x.dp} cp{x.cp} tp{x.tp} z{x.zero_stage} {x.recompute}" for x in s})
+        sorted(
+            {
+                f"dp{x.dp} cp{x.cp} tp{x.tp} z{x.zero_stage} {x.recompute}" + (f" {x.device_type} fp8" if x.fp8 else "")
+                for x in s
+            }
+        )
     )
 
 
@@ -106,6 +112,7 @@ def main() -> dict:
                 "layout_without": _layout(base),
                 "layout_with": _layout(got),
                 "why": rec.get("why"),
+                **({"precision_by_type": rec["types"]} if "types" in rec else {}),  # fp8: each type's (Stage.fp8)
                 "search_s_without": t_base,
                 "search_s_with": time.perf_counter() - t0,
             }

@@ -378,7 +378,8 @@ def compile_to_dir(
     cl = parse_cluster(cluster, gpus_per_node)
     _check_training(training)
     # --precision fp8 without a layout lets the search choose FP8 where it is faster and the program runs it
-    # (search/entry/choices.py); with a layout (compile_layout) every stage trains in FP8
+    # (search/entry/choices.py), per stage on the types with FP8; with a layout (compile_layout) every stage
+    # trains in FP8 (its device type, the first, must have it)
     ident = spec_identity(model)
     if ident is not None and not force:
         key = cache_key(None, cl, training, ident)
@@ -476,12 +477,14 @@ def program_model(source: str) -> str | None:
 
 
 def _check_fp8(training: Any, cl: Any, tp: int | Sequence[int] | None = None) -> None:
-    """``--precision fp8``: every device type has FP8 tensor cores; with ``tp`` (compile), the program builds it."""
+    """``--precision fp8`` with a hand layout: its device type (every stage on the cluster's first,
+    ``search/entry/evaluate.py``) has FP8 tensor cores; with ``tp`` (compile), the program builds it. The
+    cluster's other types run no stage of the layout (a search keeps them in bf16, ``Stage.fp8``)."""
     if getattr(training, "fp8", None) is None:
         return
     from partita.search.pricing import fp8
 
-    fp8.check(cl.device_types())
+    fp8.check(cl.device_types()[:1])
     if tp is not None:
         fp8.check_layout(max(tp) if isinstance(tp, Sequence) else tp)
 

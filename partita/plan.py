@@ -13,6 +13,11 @@ Vocabulary (Megatron's, so hand-made configurations read the same):
   tokens ``c * S / cp`` to ``(c + 1) * S / cp - 1`` of its replica's samples (``search/pricing/context_parallel.py``);
   parameters are replicated over cp as over dp. ``cp = 1`` (the default) is not written to plan.json,
   so plans without it read and write as before; no emitter runs ``cp > 1`` yet (they refuse it);
+* precision per stage (issue 36): ``Stage.fp8`` names the torchao recipe (``training.fp8``'s) when the
+  stage's linears train in FP8, and the program converts exactly those stages; a stage without it
+  trains in ``training.dtype`` (a mixed cluster's types without FP8 tensor cores). Not written when
+  unset; a plan from before per-stage precision (``training.fp8`` and no stage saying ``fp8``) reads
+  with every stage in fp8, as its program ran;
 * ``micro_batch_size`` is samples per micro-batch per data-parallel replica; a stage whose replicas
   run on different device types may split each micro-batch unevenly: ``batch_shares[i]`` samples
   for replica ``i`` (they sum to ``micro_batch_size * dp``), and gradients are averaged with those
@@ -123,6 +128,7 @@ class Stage:
     collectives: tuple[Collective, ...] = ()
     predicted: Mapping[str, float] = dataclasses.field(default_factory=dict)  # compute_s, comm_s, memory...
     cp: int = 1  # context parallelism: the sequence split over a mesh axis between dp and tp (module docstring)
+    fp8: str | None = None  # this stage's linears train in FP8 with this torchao recipe (module docstring)
     # tp > 1 and nothing placed on tp (:func:`shards_on_tp`): every tp rank holds and computes the whole stage on
     # the same batch. Derived from the fields above when the stage is made, written to plan.json, checked when
     # read, stated by the report and by the program (issue 31: gpt-oss at tp=2 replicated every weight, unsaid).
@@ -219,6 +225,8 @@ class Plan:
         for s in d["stages"]:  # a large stage's ranks as runs (issue 20); Stage.ranks stays a tuple
             if s["cp"] == 1:  # no context parallelism: not written (plans without it stay byte-identical)
                 del s["cp"]
+            if s["fp8"] is None:  # bf16 stage: not written (plans without fp8 stay byte-identical)
+                del s["fp8"]
             if len(s["ranks"]) > RANK_RUNS_ABOVE:
                 s["ranks"] = rank_runs(s["ranks"])
         used = d["cluster"].get("rank_map")  # plan rank -> cluster rank, as runs when large
@@ -265,6 +273,7 @@ class Plan:
         field = _FieldReader()
         try:
             stages = tuple(_read_stage(field, s, k) for k, s in enumerate(field(d, "stages", list)))
+            stages = _legacy_fp8(field(d, "training", dict), stages_in, stages)
             plan = Plan(
                 model=field(d, "model", dict),
                 cluster=_cluster_from_json(field(d, "cluster", dict)),
@@ -397,12 +406,22 @@ def _read_stage(field: _FieldReader, s: Any, k: int) -> Stage:
         collectives=tuple(Collective(**c) for c in field(s, "collectives", list, [])),
         predicted=field(s, "predicted", dict, {}),
         cp=field(s, "cp", int, 1),
+        fp8=field(s, "fp8", str, None),
     )
     said = field(s, "tp_shards_nothing", bool, stage.tp_shards_nothing)  # plans before issue 31 lack it
     if said is not stage.tp_shards_nothing:  # derived from the stage's fields: a file that disagrees was edited
         raise ValueError(f"{said!r} disagrees with the stage's placements and tp_plan ({stage.tp_shards_nothing!r})")
     field.prefix = ""
     return stage
+
+
+def _legacy_fp8(training: Mapping[str, Any], raw: Any, stages: tuple[Stage, ...]) -> tuple[Stage, ...]:
+    """A plan written before stages said their precision (``training.fp8`` and no stage naming ``fp8``)
+    converted every stage: read it so."""
+    recipe = training.get("fp8")
+    if not recipe or any(isinstance(st, Mapping) and "fp8" in st for st in raw):
+        return stages
+    return tuple(dataclasses.replace(s, fp8=str(recipe)) for s in stages)
 
 
 RANK_RUNS_ABOVE = 64  # stages with more ranks write them as runs; smaller plans keep the plain list
@@ -522,6 +541,12 @@ def validate(plan: Plan, source: str = "plan") -> None:
         where = f"{source}: stage {s.index}"
         if s.cp != 1:
             _check_cp(plan, s, where)
+        if s.fp8 is not None and s.fp8 != plan.training.get("fp8"):
+            raise PlanError(
+                f"{where} trains in fp8 ({s.fp8!r}) but training.fp8 is {plan.training.get('fp8')!r}: a plan's "
+                "fp8 stages run the one recipe training.fp8 names.",
+                "recompile the plan with --precision fp8; do not edit plan.json by hand.",
+            )
         if s.dp < 1 or s.tp < 1 or len(s.ranks) != s.dp * s.cp * s.tp:
             cp = f", cp={s.cp}" if s.cp != 1 else ""
             need = "dp*cp*tp" if s.cp != 1 else "dp*tp"
@@ -580,6 +605,11 @@ def _check_cp(plan: Plan, s: Stage, where: str) -> None:
         )
 
 
+def _chunk_key(s: Stage) -> tuple:
+    """What the chunks of one rank group share (one setup_stage builds them all)."""
+    return (s.ranks, s.dp, s.cp, s.tp, s.batch_shares, s.zero_stage, s.device_type, s.replica_device_types, s.fp8)
+
+
 def _check_chunks(plan: Plan, source: str) -> dict[int, Stage]:
     """A chunked plan (stages sharing ranks): the schedule places chunks, every chunk repeats its
     position's ranks and mesh, positions are disjoint. Returns chunk index -> its position's first
@@ -596,12 +626,11 @@ def _check_chunks(plan: Plan, source: str) -> dict[int, Stage]:
     p, out = n // v, {}
     for r, group in enumerate(plan.positions()):
         head = group[0]
-        key = lambda s: (s.ranks, s.dp, s.cp, s.tp, s.batch_shares, s.zero_stage, s.device_type, s.replica_device_types)  # noqa: E731
         for s in group[1:]:
-            if key(s) != key(head):
+            if _chunk_key(s) != _chunk_key(head):
                 raise PlanError(
                     f"{source}: stage {s.index} is chunk of pipeline position {r} under {plan.schedule} "
-                    f"(p={p}), but its ranks/mesh/ZeRO/batch shares differ from stage {head.index}'s.",
+                    f"(p={p}), but its ranks/mesh/ZeRO/batch shares/fp8 differ from stage {head.index}'s.",
                     "every chunk of a rank group repeats that group's ranks, mesh, ZeRO stage and shares; "
                     "recompile the plan.",
                 )

@@ -35,7 +35,7 @@ COST_S: dict[str, float] = {
     # files added on the same day, from their authors' wall times on the loaded machine (not measured alone)
     "tests/runtime/test_context_parallel_program.py": 150.0,
     "tests/runtime/test_rehearse_world.py": 100.0,
-    "tests/runtime/test_fp8_multiprocess.py": 90.0,
+    "tests/runtime/test_fp8_multiprocess.py": 110.0,  # 108 s wall with the fp8-on-one-stage launch (loaded)
     "tests/runtime/test_launch_files.py": 80.0,
     "tests/runtime/test_rehearse_pipeline_memory.py": 70.0,
 }

@@ -93,7 +93,8 @@ def choice_notes(plan: Plan) -> list[tuple[str, str]]:
         out.append(("context parallelism", str(cp["why"])))
     f8 = plan.search.get("fp8")
     if isinstance(f8, Mapping) and f8.get("why"):
-        kept = "; ".join(f"{k}: {v}" for k, v in sorted((f8.get("bf16_types") or {}).items()))
+        per_type = f8.get("types") if f8.get("chosen") else None  # each type's precision in the plan (Stage.fp8)
+        kept = "; ".join(f"{k}: {v}" for k, v in sorted((per_type or f8.get("bf16_types") or {}).items()))
         out.append(("fp8", str(f8["why"]) + (f"; {kept}" if kept else "")))
     return out
 

@@ -130,3 +130,38 @@ def test_fp8_plan_rehearses_its_peak_memory(fp8_rehearsal: dict[str, Any]) -> No
     # stage 0's record has its gradients at the peak (it had none: activations alone)
     assert fp8_rehearsal["stages"][0]["planned_memory_by_category"]["gradients"] > 0
     assert fp8_rehearsal["match"]
+
+
+def test_fp8_on_one_stage_only_trains_close_to_bf16_on_4_ranks(
+    fp8_plan: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Precision per stage (``Stage.fp8``, what a mixed cluster's plan holds: fp8 on the H100 stages, bf16 on
+    the A100 ones): the same plan with stage 1 in bf16. CPU ranks have no device type without FP8, so the
+    stage is set directly on the compiled plan; its program converts stage 0 only, and the run's losses and
+    per-parameter parity stay within fp8's tolerance of the bf16 reference (one torchrun launch)."""
+    import dataclasses
+
+    from partita.backends.torch.emit import emit_torch
+    from partita.cli import main
+    from partita.driver import program_model
+    from partita.plan import read_plan
+
+    compiled = read_plan(fp8_plan / "plan.json")
+    plan = dataclasses.replace(compiled, stages=(compiled.stages[0], dataclasses.replace(compiled.stages[1], fp8=None)))
+    out = tmp_path / "plan"
+    out.mkdir()
+    (out / "plan.json").write_text(plan.to_json())
+    spec = program_model((fp8_plan / "program_torch.py").read_text())
+    assert spec is not None
+    src = emit_torch(plan, spec)
+    assert src.count("convert_to_float8_training(") == 1 and "Stage.fp8 unset" in src.split("def setup_stage_1(")[1]
+    (out / "program_torch.py").write_text(src)
+    with fp8_subprocess_path():
+        code = main(["run", str(out), "--steps", "3", "--reference", "--json"])
+    printed = capsys.readouterr()
+    assert code == 0, (printed.out + printed.err)[-3000:]
+    res = json.loads((out / "run_log.json").read_text())
+    for g, r in zip(res["losses"], res["reference_losses"], strict=True):
+        assert g == pytest.approx(r, rel=FP8_LOSS_RTOL)
+    parity = res["result"]["parity"]
+    assert parity["ok"] and parity["dtype"] == "fp8" and parity["num_compared"] > 0, parity["failing"]

@@ -180,17 +180,23 @@ def test_fp8_is_not_chosen_where_slower() -> None:
 
 
 def test_mixed_cluster_keeps_a100_in_bf16() -> None:
-    """A100 has no FP8 tensor cores: never an FP8 stage; the fp8 plan (the program converts every stage
-    alike) runs on the H100s only, and the record says why the A100s stay bf16."""
-    plan = plan_graph(_gpt(4096, 32), parse_cluster("8xA100-80G+8xH100-80G"), FP8, options=OPTS)
+    """A100 has no FP8 tensor cores: never an FP8 stage. The fp8 plan is searched on every type, each stage in
+    its own precision (Stage.fp8): 2 H100 + 2 A100 and 8 blocks of hidden 4096 need both types' memory, so the
+    fp8 plan runs the H100 stage in fp8 and the A100 stage in bf16 (before, the A100s were left out of it)."""
+    g = annotate(gpt(8, 4096, 32))
+    g.meta["framework"] = "torch"
+    plan = plan_graph(g, parse_cluster("2xA100-80G+2xH100-80G"), FP8, options=OPTS)
     rec = plan.search["fp8"]
+    assert rec["chosen"] and plan.training["fp8"] == "tensorwise"
+    assert {(s.device_type, s.fp8) for s in plan.stages} == {("H100-80G", "tensorwise"), ("A100-80G", None)}
+    assert {s.tp for s in plan.stages if s.fp8} == {1}
     assert "no FP8 tensor cores" in rec["bf16_types"]["A100-80G"]
-    if rec["chosen"]:
-        assert {s.device_type for s in plan.stages} == {"H100-80G"}
-        assert "no FP8 tensor cores" in plan.predicted["idle_reasons"]["A100-80G"]
-    else:
-        assert "fp8" not in plan.training
-    assert "A100-80G: no FP8 tensor cores" in plan_text(plan, width=1000)
+    assert rec["types"]["A100-80G"].startswith("bf16 on 1 stage(s): no FP8 tensor cores")
+    assert rec["types"]["H100-80G"].startswith("fp8 on 1 stage(s)")
+    text = plan_text(plan, width=1000)  # the report: each type's precision and why
+    assert "A100-80G: bf16 on 1 stage(s): no FP8 tensor cores" in text and "H100-80G: fp8 on 1 stage(s)" in text
+    again = Plan.from_json(plan.to_json())
+    assert [s.fp8 for s in again.stages] == [s.fp8 for s in plan.stages]
 
 
 @pytest.mark.parametrize(

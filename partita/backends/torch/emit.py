@@ -144,7 +144,7 @@ def _stage_dict(plan: Plan, s: Stage) -> dict[str, Any]:
         "recompute": s.recompute,
         "shares": list(shares(s, plan.micro_batch_size)),
         "precision": _precision(plan, s),
-        **({"fp8": plan.training["fp8"]} if plan.training.get("fp8") else {}),
+        **({"fp8": s.fp8} if s.fp8 else {}),  # Stage.fp8: this stage's linears in FP8 (bf16 stages: absent)
     }
 
 
@@ -280,10 +280,10 @@ def _setup_stage(plan: Plan, s: Stage, facts: StageFacts) -> str:
     ]
     if s.cp > 1:
         lines += _cp_lines(plan, s)
-    recipe = plan.training.get("fp8")
+    recipe = s.fp8
     if recipe:
         lines += [
-            f"    # plan.training fp8 = {recipe!r} (search/pricing/fp8.py): torchao swaps each nn.Linear whose sizes are",
+            f"    # Stage.fp8 = {recipe!r} (search/pricing/fp8.py): torchao swaps each nn.Linear whose sizes are",
             "    # multiples of 16 for a Float8Linear: its three GEMMs in FP8 with dynamic scales; weights stay the master",
             "    # copy and the optimizer state is the plan's (f32 masters under bf16 compute).",
             "    convert_to_float8_training, Float8LinearConfig = fp8.torchao_float8()  # one paragraph, exit 2, without torchao",
@@ -291,6 +291,8 @@ def _setup_stage(plan: Plan, s: Stage, facts: StageFacts) -> str:
             f"        module, config=Float8LinearConfig.from_recipe_name({recipe!r}), module_filter_fn=fp8.runs_in_fp8",
             "    )",
         ]
+    elif plan.training.get("fp8"):
+        lines.append("    # Stage.fp8 unset: this stage trains in bf16 (its device type has no FP8 tensor cores).")
     if s.tp > 1:
         lines += _tp_lines(s, facts)
     else:
@@ -530,11 +532,12 @@ def emit_torch(plan: Plan, model_spec: str) -> str:
     """The source of one Python module that trains ``plan`` for ``model_spec`` under torchrun."""
     check_schedule(plan)
     check_cp(plan, model_spec)
-    if plan.training.get("fp8"):  # search/pricing/fp8.py: what the program builds with fp8 (tp = 1)
+    f8_stages = [s for s in plan.stages if s.fp8]
+    if f8_stages:  # search/pricing/fp8.py: what the program builds with fp8 (tp = 1 on the fp8 stages)
         from partita.search.pricing import fp8 as fp8_pricing
 
-        fp8_pricing.check_recipe(str(plan.training["fp8"]))
-        fp8_pricing.check_layout(max(s.tp for s in plan.stages))
+        fp8_pricing.check_recipe(str(f8_stages[0].fp8))
+        fp8_pricing.check_layout(max(s.tp for s in f8_stages))
     kind = _runner_kind(plan)
     chunked, plan = plan, vchunks.physical_plan(plan)  # chunks of a rank group: one setup_stage (chunks.py)
     # tp roles: a searched plan's own (Stage.tp_plan, written literally; the runtime checks them against
@@ -563,7 +566,7 @@ def emit_torch(plan: Plan, model_spec: str) -> str:
             "from partita.backends.torch import parallel as tpar",
             "from partita.backends.torch import context_parallel as cpr\nfrom partita.backends.torch import parallel as tpar",
         )
-    if plan.training.get("fp8"):
+    if f8_stages:
         header = header.replace(
             "from partita.backends.torch import parallel as tpar",
             "from partita.backends.torch import fp8\nfrom partita.backends.torch import parallel as tpar",

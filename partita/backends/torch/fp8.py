@@ -1,7 +1,7 @@
 """FP8 training in the emitted torch program (issue 36 item 2): torchao's float8 conversion, or a refusal.
 
-The program of a plan whose ``training["fp8"]`` names a recipe (``search/pricing/fp8.py`` prices it)
-writes, in each ``setup_stage_<i>``, literally::
+The program of a plan writes, in the ``setup_stage_<i>`` of each stage whose ``Stage.fp8`` names a
+recipe (``search/pricing/fp8.py`` prices it; a stage without it trains in bf16), literally::
 
     convert_to_float8_training, Float8LinearConfig = fp8.torchao_float8()
     module = convert_to_float8_training(

@@ -9,9 +9,11 @@
    (``search/pipeline/cp_costs.py``); a degree that cannot run (does not divide the sequence, nothing
    fits) is left out with its reason;
 3. where the user allowed FP8 (``TrainingConfig.fp8``: ``partita compile --precision fp8`` without a
-   layout), searches an FP8 plan beside the bf16 one: only on the device types with FP8 tensor cores
-   (an A100's stages stay bf16: in an FP8 plan it is left idle, because the program converts every
-   stage alike) and with tp 1 (the program does not emit torchao's tensor-parallel float8 styles);
+   layout), searches an FP8 plan beside the bf16 one, on every device type: a stage on a type with
+   FP8 tensor cores is priced in FP8 at tp 1 (the program does not emit torchao's tensor-parallel
+   float8 styles), a stage on one without (an A100) in bf16 at any tp (``stage_cost.cost_model``,
+   ``Search.tps``); no stage mixes the two (``Search.options_for``), and the plan says per stage which
+   precision it keeps (``Stage.fp8``), so a mixed cluster keeps each type's best precision;
 4. keeps the fastest plan (ties: cp 1, then bf16) and records in ``plan.search`` why
    (``"context_parallel"``, ``"fp8"``): each choice's best step, and one sentence the report prints.
    Nothing is recorded below ``2 * realizable.MIN_LOCAL_SEQ`` tokens without an fp8 request (no cp
@@ -22,8 +24,8 @@ Why FP8 is opt-in and not the default on H100: FP8 changes the numerics (the pro
 one device holds within FP8's tolerance, ``docs/parity.md``, not bf16's), and the program needs torchao
 where it runs (an optional extra, ``partita[fp8]``); a plan the search picks by default must run with the
 base install and train like the single-device reference. torchtitan likewise trains in FP8 only when
-asked (its ``float8`` model converter). ``--precision fp8`` with a hand layout forces FP8 on every stage;
-without a layout it lets the search choose FP8 where it prices faster and the program runs it.
+asked (its ``float8`` model converter). ``--precision fp8`` with a hand layout trains every stage on an
+FP8 type in FP8; without a layout it lets the search choose FP8 where it prices faster and the program runs it.
 
 No torch; no import of the planner (it calls here).
 """
@@ -79,10 +81,8 @@ def choose(
     if recipe:
         fp8_why = realizable.fp8_refusal(framework, cluster.device_types())
         if fp8_why is None:
-            types = [d.name for d in realizable.fp8_types(cluster.device_types())]
-            fp8_tr = dataclasses.replace(base_tr, dtype="bf16", fp8=recipe)
-            fp8_opts = dataclasses.replace(options, max_tp=min(options.max_tp, realizable.FP8_MAX_TP))
-            _attempt(plans, errors, "fp8", lambda: run(fp8_tr, types=types, options=fp8_opts))
+            fp8_tr = dataclasses.replace(base_tr, dtype="bf16", fp8=recipe)  # every type: each stage its own
+            _attempt(plans, errors, "fp8", lambda: run(fp8_tr))  # precision (stage_cost.cost_model, Search.tps)
             if "fp8" in plans:
                 say(f"fp8 ({recipe}): {_step(plans['fp8']):.4f} s")
     if not plans:
@@ -100,7 +100,7 @@ def choose(
     if base is not None and "best_hand_layout" in base.search and "best_hand_layout" not in best.search:
         extra["best_hand_layout"] = base.search["best_hand_layout"]  # the yardstick, priced beside cp 1
     predicted = best.predicted
-    if label == "fp8" and predicted.get("idle_reasons"):  # the fp8 plan leaves the types without FP8 idle
+    if label == "fp8" and predicted.get("idle_reasons"):  # a type the fp8 plan leaves idle: its precision too
         kept = extra["fp8"].get("bf16_types") or {}
         idle = {k: (f"{v}; {kept[k]}" if k in kept else v) for k, v in predicted["idle_reasons"].items()}
         predicted = {**predicted, "idle_reasons": idle}
@@ -185,22 +185,24 @@ def _fp8_record(
     from partita.search.pricing import fp8
 
     out: dict[str, Any] = {"recipe": recipe, "chosen": label == "fp8"}
-    lacking = [d.name for d in cluster.device_types() if fp8.peak(d) <= 0]
-    if lacking and why_not is None:
-        out["bf16_types"] = {
-            n: "no FP8 tensor cores: stays bf16 (the program converts every stage alike, so the fp8 plan leaves it idle)"
-            for n in lacking
-        }
     if why_not is not None:
         out["why"] = why_not
         return out
+    lacking = [d.name for d in cluster.device_types() if fp8.peak(d) <= 0]
+    if lacking:
+        out["bf16_types"] = {
+            n: "no FP8 tensor cores: priced in bf16 in the fp8 plan, in stages of its own (none beside an FP8 type)"
+            for n in lacking
+        }
+    if "fp8" in plans:
+        out["types"] = _precision_by_type(plans["fp8"], cluster)
     bf = min((_step(p) for k, p in plans.items() if k != "fp8"), default=None)
     if "fp8" not in plans:
-        out["why"] = f"fp8 not chosen: no fp8 plan (tp 1, FP8 device types) fits or runs ({refused.get('fp8', '')})"
+        out["why"] = f"fp8 not chosen: no fp8 plan (tp 1 on FP8 device types) fits or runs ({refused.get('fp8', '')})"
         return out
     f8 = _step(plans["fp8"])
     out["steps"] = {"bf16": bf, "fp8": f8}
-    tp1 = "; tp 1 only (no FP8 tensor parallelism emitted)"
+    tp1 = "; tp 1 on its fp8 stages (no FP8 tensor parallelism emitted)"
     if label == "fp8":
         out["why"] = (
             f"fp8 ({recipe}): {bf / f8:.2f}x faster than the best bf16 plan ({bf:.3f} vs {f8:.3f} s per step){tp1}; "
@@ -214,4 +216,22 @@ def _fp8_record(
             f"fp8 not chosen: the best fp8 plan ({layout_text(plans['fp8'])}) is {f8 / bf:.2f}x slower than bf16's "
             f"({f8:.3f} vs {bf:.3f} s per step){tp1}"
         )
+    return out
+
+
+def _precision_by_type(plan: Plan, cluster: Cluster) -> dict[str, str]:
+    """Per device type of the cluster, the precision its stages keep in the fp8 plan and why (``Stage.fp8``)."""
+    from partita.search.pricing import fp8
+
+    out = {}
+    for d in cluster.device_types():
+        mine = [s for s in plan.stages if d.name in (s.replica_device_types or (s.device_type,))]
+        peaks = f"{d.flops('bf16') / 1e12:g} TFLOP/s bf16, {fp8.peak(d) / 1e12:g} fp8"
+        if not mine:
+            out[d.name] = f"no stage in the fp8 plan ({peaks})"
+        elif all(s.fp8 for s in mine):
+            out[d.name] = f"fp8 on {len(mine)} stage(s) ({peaks})"
+        else:
+            lack = ": no FP8 tensor cores" if fp8.peak(d) <= 0 else ""
+            out[d.name] = f"bf16 on {len(mine)} stage(s){lack} ({peaks})"
     return out

@@ -529,10 +529,10 @@ def evaluate_config(
         if chosen.dtype != training.dtype:
             notes.append(precision_note(cluster, chosen.dtype) + f" (requested {training.dtype}).")
             training = chosen
-        if training.fp8:  # search/pricing/fp8.py: every stage's linears in FP8
+        if training.fp8:  # search/pricing/fp8.py: the stages on FP8 types train their linears in FP8
             from partita.search.pricing import fp8
 
-            notes.append("every stage: " + fp8.note(cluster, training.fp8))
+            notes.append(fp8.note(cluster, training.fp8))
     opts = SearchOptions(
         zero_stages=(zero_stage,), recompute=(recompute,), max_layer_units=0, max_tp=tp, p2p_overlap=p2p_overlap
     )

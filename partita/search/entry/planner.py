@@ -71,7 +71,7 @@ from partita.search.pipeline.step_bounds import (
 from partita.search.pipeline.zero_bubble import solve_zero_bubble
 from partita.search.pricing.config import SearchOptions, TrainingConfig, powers_of_two
 from partita.search.pricing.precision import choose_precision
-from partita.search.program import chunk_layout, cp_layout, receive_buffers, records, v_layout
+from partita.search.program import chunk_layout, cp_layout, realizable, receive_buffers, records, v_layout
 from partita.search.program.plan_build import Candidate, StagePick, build_plan
 
 DEFAULT_OPTIONS = SearchOptions()
@@ -246,7 +246,8 @@ class Search:
         return hit[1]
 
     def tps(self, dev: DeviceType) -> list[int]:
-        return [t for t in powers_of_two(min(self.options.max_tp, self.cluster.gpus_per_node(dev.name)))]
+        top = min(self.options.max_tp, self.cluster.gpus_per_node(dev.name))
+        return powers_of_two(realizable.fp8_max_tp(self.training, dev, top))  # fp8 allowed: tp 1 on FP8 types
 
     # ---- stage options -----------------------------------------------------------------
     def arrays(
@@ -420,11 +421,8 @@ class Search:
         """:meth:`mixes` with each class's capacity in slots (at least one)."""
         out = []
         for cls in self.mixes(dp, b):
-            if len(cls) == 1:
-                cap = self.cluster.count(cls[0][0].name) // dp
-            else:
-                cap = min(self.cluster.count(d.name) // a for d, a, _ in cls)
-            if cap >= 1:
+            cap = min(self.cluster.count(d.name) // (dp if len(cls) == 1 else a) for d, a, _ in cls)
+            if cap >= 1 and realizable.fp8_mix_ok(self.training, [d for d, _, _ in cls]):
                 out.append((cls, cap))
         return out
 

@@ -54,6 +54,7 @@ import numpy as np
 from partita.cluster import DeviceType, Network
 from partita.ir import Role, dim_size
 from partita.passes import boundaries
+from partita.search.pricing import fp8
 from partita.search.pricing.cost_model import CostModel, program_state_bytes
 from partita.search.pricing.mesh import AxisLink, LogicalMesh
 
@@ -463,8 +464,8 @@ class SolverCosts:
     def cost_model(self, device: DeviceType) -> CostModel:
         if device.name not in self._cm:
             cm = CostModel.for_device(device)
-            if getattr(self.training, "fp8", None):  # linears' GEMMs in FP8 (search/pricing/fp8.py)
-                cm = dataclasses.replace(cm, fp8=self.training.fp8)
+            if getattr(self.training, "fp8", None) and fp8.peak(device) > 0:  # linears' GEMMs in FP8 (pricing/fp8.py);
+                cm = dataclasses.replace(cm, fp8=self.training.fp8)  # a type without FP8 prices bf16 (Stage.fp8 unset)
             self._cm[device.name] = cm
         return self._cm[device.name]
 

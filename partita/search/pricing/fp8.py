@@ -49,9 +49,13 @@ Peaks: ``partita/data/fp8_peaks.json`` (vendor datasheets, dense). A device type
 (A100, V100, T4, CPU) has no FP8 tensor cores: :func:`check` refuses an fp8 request on it, except
 the CPU, whose "fp8" is torchao's emulation on the ranks of a test (priced at its bf16 rate).
 
-The search chooses fp8 only when allowed (``--precision fp8`` without a layout: an fp8 plan searched
-beside the bf16 one on the FP8 device types with tp 1, the faster kept, ``search/entry/choices.py``);
-with a hand layout it forces fp8 on every stage. Left out: FP8 with tensor parallelism (torchao's
+Precision per stage (``Stage.fp8``): a stage trains in fp8 only where every device type it runs on
+has FP8 tensor cores (``search/pipeline/stage_cost.SolverCosts.cost_model`` prices the others in bf16,
+``search/program/plan_build.py`` writes it, the program converts exactly those stages), so a mixed
+cluster keeps bf16 on its A100s. The search chooses fp8 only when allowed (``--precision fp8`` without a
+layout: an fp8 plan searched beside the bf16 one on every device type, tp 1 on the FP8 ones, the faster
+kept, ``search/entry/choices.py``); a hand layout (every stage on the cluster's first device type)
+trains every stage in fp8, refused where that type has no FP8. Left out: FP8 with tensor parallelism (torchao's
 ``Float8ColwiseParallel`` styles) and FP8 all-gathers under FSDP2 are not emitted, so
 :func:`check_layout` refuses tp > 1 (and the search keeps fp8 plans at tp 1,
 ``search/program/realizable.FP8_MAX_TP``).
@@ -130,14 +134,20 @@ def gemm_time(
 def note(cluster: Cluster, recipe: str) -> str:
     """Why the stages run FP8: each device type's bf16 and FP8 peaks and the casting traffic priced."""
     types = [d for d in cluster.device_types() if d.kind != "cpu"]
-    peaks = ", ".join(f"{d.name} {d.flops('bf16') / 1e12:g} -> {peak(d) / 1e12:g} TFLOP/s" for d in types)
+    peaks = ", ".join(
+        f"{d.name} {d.flops('bf16') / 1e12:g} -> {peak(d) / 1e12:g} TFLOP/s"
+        if peak(d) > 0
+        else f"{d.name} has no FP8 tensor cores: its stages train in bf16"
+        for d in types
+    )
     cpu = (
         " CPU ranks run torchao's emulation (priced at their bf16 rate)."
         if len(types) < len(cluster.device_types())
         else ""
     )
     return (
-        f"fp8 ({recipe}) as requested: linear layers' GEMMs in FP8 via torchao, the rest in bf16 with f32 master "
+        f"fp8 ({recipe}) as requested, on the stages of the device types with FP8 tensor cores (Stage.fp8): "
+        "linear layers' GEMMs in FP8 via torchao, the rest in bf16 with f32 master "
         f"weights and optimizer state; {peaks or 'no GPU types'}; each linear's GEMM also pays {CAST_TRAFFIC:g}x "
         f"the bytes it moves in amax + cast traffic.{cpu}"
     )

@@ -28,6 +28,7 @@ from partita.search.pipeline.stage_cost import (
     reduce_scatter_in_flight,
     static_memory_of,
 )
+from partita.search.pricing import fp8
 from partita.search.program import receive_buffers, records
 from partita.search.program.jax_records import jax_records
 from partita.version import __version__
@@ -240,7 +241,7 @@ def _precision(search: Any, cl: Any, dtype: str) -> dict[str, Any]:
 
     recipe = getattr(search.training, "fp8", None)
     if recipe:
-        return {"dtype": dtype, "fp8": recipe, "why": "every stage: " + fp8.note(cl, recipe)}
+        return {"dtype": dtype, "fp8": recipe, "why": fp8.note(cl, recipe)}
     return {"dtype": dtype, "why": precision_note(cl, dtype)}
 
 
@@ -309,6 +310,8 @@ def build_plan(search: Any, cands: list[Candidate], elapsed_s: float, graph_hash
             colls = jax_records(search, best, i, p, a0, b0, z, colls, placements)  # search/program/jax_records.py
         arr = p.option.arrays[p.combo]
         mixed = len(p.option.devices) > 1
+        recipe = getattr(tr, "fp8", None)  # per stage: its types all have FP8 (stage_cost priced it so)
+        stage_fp8 = recipe if recipe and all(fp8.peak(d) > 0 for d, _, _ in p.option.devices) else None
         t = float(arr.time[p.k, p.j])
         comm = float(arr.comm[p.k, p.j])
         stages.append(
@@ -327,6 +330,7 @@ def build_plan(search: Any, cands: list[Candidate], elapsed_s: float, graph_hash
                 op_strategies=strategies,
                 tp_plan=tp_plan if p.option.tp > 1 else {},
                 collectives=tuple(colls),
+                fp8=stage_fp8,
                 predicted={
                     "time_s": t,
                     "compute_s": t - comm,

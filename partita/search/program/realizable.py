@@ -19,8 +19,10 @@ builds them, so the search asks here:
   price then decides between. A caller that names degrees (``SearchOptions.cp_degrees``) gets those
   searched whatever this switch says (tests; ``bench/``).
 * **fp8** (``search/pricing/fp8.py``): the torch program converts linears with torchao
-  (``backends/torch/fp8.py``), every stage alike, and only where tp = 1 (:data:`FP8_MAX_TP`); the
-  JAX program has no FP8 training. :func:`fp8_refusal` says why fp8 is not offered, or None.
+  (``backends/torch/fp8.py``) in the stages whose ``Stage.fp8`` says so, all replicas of a stage alike,
+  and only where tp = 1 (:data:`FP8_MAX_TP`); the JAX program has no FP8 training. :func:`fp8_refusal`
+  says why fp8 is not offered, or None; :func:`fp8_max_tp` and :func:`fp8_mix_ok` keep an fp8 search
+  to that (tp 1 on the FP8 types, no mixed-replica stage of FP8 and bf16 types).
 
 Pure data and functions: no torch.
 """
@@ -28,6 +30,7 @@ Pure data and functions: no torch.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from partita.cluster import DeviceType
 from partita.plan import Plan
@@ -109,3 +112,19 @@ def fp8_refusal(framework: str, types: Iterable[DeviceType]) -> str | None:
         names = ", ".join(d.name for d in types)
         return f"fp8 not offered: {names} {'has' if ',' not in names else 'have'} no FP8 tensor cores"
     return None
+
+
+def fp8_max_tp(training: Any, dev: DeviceType, top: int) -> int:
+    """The largest tp (at most ``top``) the search offers ``dev``: :data:`FP8_MAX_TP` on an FP8 type when
+    fp8 is allowed (its stages train in fp8), ``top`` otherwise (a type without FP8 keeps bf16 at any tp)."""
+    from partita.search.pricing import fp8
+
+    return min(top, FP8_MAX_TP) if getattr(training, "fp8", None) and fp8.peak(dev) > 0 else top
+
+
+def fp8_mix_ok(training: Any, types: Iterable[DeviceType]) -> bool:
+    """Can one stage have replicas of all ``types``? Not FP8 and bf16 types together when fp8 is allowed:
+    the program converts a stage's replicas all or none (``Stage.fp8``)."""
+    from partita.search.pricing import fp8
+
+    return not getattr(training, "fp8", None) or len({fp8.peak(d) > 0 for d in types}) == 1
