@@ -64,7 +64,7 @@ from partita.search.layer.layer_strategies import TP_STYLES, needs_grad, saved_p
 from partita.search.layer.reshard import Layout, grad_requirement, reshard_steps, shard_dim, shard_factor
 from partita.search.layer.saved import SavedPlan, freed_at_b
 from partita.search.layer.strategies import Strategy, linear_operands
-from partita.search.pricing import fp8
+from partita.search.pricing import fp8, gemm
 from partita.search.pricing.cost_model import CostModel, program_state_bytes
 from partita.search.pricing.mesh import LogicalMesh
 
@@ -297,13 +297,13 @@ class _LayerProblem:
         fused = n.attrs.get("fused_io", ())  # fusable intermediates (passes/fusion.py)
         ios = [*zip(n.inputs, s.in_layouts), *zip(n.outputs, s.out_layouts)]
         nb = sum(self.nbytes(t) / shard_factor(lay, mesh) * (1.0 - self.fusion * (t in fused)) for t, lay in ios)
-        if n.prim in VIEW_PRIMS:
-            nb = 0.0  # views move no data
+        nb = 0.0 if n.prim in VIEW_PRIMS else nb  # views move no data
         cm = self.cm
         if cm.fp8 and not any(tensors[t].role is Role.PARAMETER for t in n.inputs):
             cm = dataclasses.replace(cm, fp8=None)  # torchao converts nn.Linear only: a bmm (attention) stays bf16
-        c.fwd_compute = cm.compute_time(n.prim, flops, nb, self.dtype) if flops or nb else 0.0
-        c.bwd_compute = cm.backward_compute_time(n.prim, flops, nb, self.dtype) if flops or nb else 0.0
+        g = gemm.local_shape(n.sig, sizes, s.axis_labels, mesh.shape) if n.prim is Prim.MATMUL else None  # per device
+        c.fwd_compute = cm.compute_time(n.prim, flops, nb, self.dtype, g) if flops or nb else 0.0
+        c.bwd_compute = cm.backward_compute_time(n.prim, flops, nb, self.dtype, g) if flops or nb else 0.0
         if cm.fp8 and n.prim is Prim.MATMUL:  # a Float8Linear's backward casts
             el = {t: self.numel(t) / shard_factor(lay, mesh) for t, lay in ios}
             c.fp8_transient = fp8.linear_transient(n, tensors, el, DTYPE_BYTES[self.dtype])
