@@ -61,8 +61,8 @@ INT_FIELDS = (
 BUCKETS = ((8, 8), (9, 64), (65, 512), (513, 4096), (4097, 1 << 30))
 FAMILY = {"A100-80G": "A100", "A100-40G": "A100", "H100-80G": "H100", "H200": "H100"}
 # The program each row ran, as the tensor parallelism / kernels it is priced with (``evaluate_config``'s
-# ``tp_style``; ``search/layer/intra_op.program_fusion``): Megatron-LM's (Megatron-style tp, hand-fused
-# pointwise kernels: the profile's fusion share); llm-foundry's FSDP with eager PyTorch outside its flash
+# ``tp_style``; ``search/layer/program_traits``): Megatron-LM's (Megatron-style tp, hand-fused pointwise
+# kernels: the profile's fusion share; activations moved in the training dtype); llm-foundry's FSDP with eager PyTorch outside its flash
 # attention, which is what Partita's own torch program runs (``"torch"``: no pointwise fusion). Llama 3's
 # stack is priced as Megatron-style (an assumption, in its rows' ``assumed`` column).
 PROGRAM_STYLE = {"megatron-lm": "megatron", "llm-foundry": "torch", "llama3": "megatron"}

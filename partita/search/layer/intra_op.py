@@ -61,10 +61,11 @@ from partita.plan import Collective
 from partita.search.layer import ilp
 from partita.search.layer.ilp import IlpStats
 from partita.search.layer.layer_strategies import TP_STYLES, needs_grad, saved_plan_of, strategies_of
+from partita.search.layer.program_traits import program_fusion, program_width
 from partita.search.layer.reshard import Layout, grad_requirement, reshard_steps, shard_dim, shard_factor
 from partita.search.layer.saved import SavedPlan, freed_at_b
 from partita.search.layer.strategies import Strategy, linear_operands
-from partita.search.pricing import fp8
+from partita.search.pricing import fp8, gemm
 from partita.search.pricing.cost_model import CostModel, program_state_bytes
 from partita.search.pricing.mesh import LogicalMesh
 
@@ -176,7 +177,7 @@ class _LayerProblem:
     ) -> None:
         self.g, self.layer, self.mesh, self.env, self.dtype, self.cm = graph, layer, mesh, env, dtype, cm
         self.boundary = boundary
-        self.fusion = program_fusion(graph, tp_style, cm)
+        self.fusion, self.width = program_fusion(graph, tp_style, cm), program_width(graph, tp_style, dtype)
         torch = graph.meta.get("framework") == "torch"  # a traced torch model (not JAX, not a test IR)
         self.state_bytes = program_state_bytes(graph, dtype, optimizer)  # as the graph's program keeps them
         self.nodes = [graph.node(n) for n in layer.nodes]
@@ -238,7 +239,8 @@ class _LayerProblem:
         got = self._nb.get(t)  # asked once per strategy that reads t: evaluated once per problem
         if got is None:
             ten = self.g.tensors[t]
-            got = self._nb[t] = float(math.prod(self.ev(d) for d in ten.shape) * ten.itemsize)
+            item = self.width if self.width and ten.dtype == "f32" else ten.itemsize  # as the program moves it
+            got = self._nb[t] = float(math.prod(self.ev(d) for d in ten.shape) * item)
         return got
 
     def reshard(self, src: Layout, dst: Layout, t: str) -> tuple[float, tuple]:
@@ -297,13 +299,13 @@ class _LayerProblem:
         fused = n.attrs.get("fused_io", ())  # fusable intermediates (passes/fusion.py)
         ios = [*zip(n.inputs, s.in_layouts), *zip(n.outputs, s.out_layouts)]
         nb = sum(self.nbytes(t) / shard_factor(lay, mesh) * (1.0 - self.fusion * (t in fused)) for t, lay in ios)
-        if n.prim in VIEW_PRIMS:
-            nb = 0.0  # views move no data
+        nb = 0.0 if n.prim in VIEW_PRIMS else nb  # views move no data
         cm = self.cm
         if cm.fp8 and not any(tensors[t].role is Role.PARAMETER for t in n.inputs):
             cm = dataclasses.replace(cm, fp8=None)  # torchao converts nn.Linear only: a bmm (attention) stays bf16
-        c.fwd_compute = cm.compute_time(n.prim, flops, nb, self.dtype) if flops or nb else 0.0
-        c.bwd_compute = cm.backward_compute_time(n.prim, flops, nb, self.dtype) if flops or nb else 0.0
+        g = gemm.local_shape(n.sig, sizes, s.axis_labels, mesh.shape) if n.prim is Prim.MATMUL else None  # per device
+        c.fwd_compute = cm.compute_time(n.prim, flops, nb, self.dtype, g) if flops or nb else 0.0
+        c.bwd_compute = cm.backward_compute_time(n.prim, flops, nb, self.dtype, g) if flops or nb else 0.0
         if cm.fp8 and n.prim is Prim.MATMUL:  # a Float8Linear's backward casts
             el = {t: self.numel(t) / shard_factor(lay, mesh) for t, lay in ios}
             c.fp8_transient = fp8.linear_transient(n, tensors, el, DTYPE_BYTES[self.dtype])
@@ -645,20 +647,6 @@ def _collectives(raw: Sequence[tuple[str, int, float, str, str]], mesh: LogicalM
 
 
 FORBIDDEN = 1e3  # seconds: a tp transition the torch runtime cannot build (never the optimum: all-R is free of it)
-
-
-def program_fusion(graph: Graph, tp_style: str, cm: CostModel) -> float:
-    """Share of the fusable pointwise traffic (``passes/fusion.py``) the priced program removes: a property
-    of the program, not of the device (issue 32). XLA always fuses (JAX graphs: 1); Partita's torch program
-    (``tp_style="torch"``) runs eager PyTorch, which fuses nothing (0), whatever the device's profile says;
-    another stack's program (``"megatron"``: Megatron-LM's hand-fused bias-GeLU, scale-mask-softmax and
-    bias-dropout-add; ``"auto"``: a what-if) takes the profile's ``Efficiency.pointwise_fusion``, which the
-    shipped A100 profile fitted on Megatron-LM runs (``partita/data/a100_megatron_calibration.json``)."""
-    if graph.meta.get("framework") == "jax":
-        return 1.0
-    if tp_style == "torch":
-        return 0.0
-    return cm.efficiency.pointwise_fusion
 
 
 def solve_layer(

@@ -7,9 +7,12 @@ Compute (one kernel, per device)::
 
     t = max(flops / (peak[dtype] * eff_flops), bytes / (hbm * eff.memory)) + eff.kernel_overhead_s
 
-``eff_flops`` is the matmul curve ``eff.matmul * F / (F + eff.matmul_half_flops)`` (F = the
-kernel's per-device FLOPs: small GEMMs do not fill the GPU, large ones saturate at ``eff.matmul``)
-for MATMUL/CONV, ``eff.attention`` for ATTENTION and ``eff.matmul`` for anything else with FLOPs.
+``eff_flops`` for a MATMUL whose per-device shape ``(batch, m, n, k)`` the caller passes, on a device
+type with an SM count in ``partita/data/gemm_tiles.json``: ``eff.matmul * shape`` (tile and wave
+quantization, ``search/pricing/gemm.py``; its backward is priced as its two GEMMs, ``dA`` and ``dB``);
+else (a CONV, a CPU rank, a device type without the table) the curve ``eff.matmul * F / (F +
+eff.matmul_half_flops)`` (F = the kernel's per-device FLOPs: small GEMMs do not fill the GPU, large ones
+saturate at ``eff.matmul``); ``eff.attention`` for ATTENTION and ``eff.matmul`` for anything else with FLOPs.
 
 Collectives over ``p`` devices of one mesh axis with link bandwidth ``B`` (bytes/s per ring, see
 ``search/pricing/mesh.py``) and per-hop latency ``alpha``; ``S`` is the per-device size of the larger
@@ -48,7 +51,7 @@ from typing import Any
 from partita.cluster import PROFILE_FORMAT, PROFILE_VERSION, DeviceType, ProfileError, apply_profile, read_profile
 from partita.errors import ConfigError
 from partita.ir import DTYPE_BYTES, Graph, Prim, Role
-from partita.search.pricing import fp8
+from partita.search.pricing import fp8, gemm
 from partita.search.pricing.mesh import AxisLink
 
 __all__ = ["PROFILE_FORMAT", "PROFILE_VERSION", "ProfileError", "Efficiency", "CostModel"]
@@ -193,17 +196,28 @@ class CostModel:
             d["fp8"] = self.fp8
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
-    def compute_time(self, prim: Prim, flops: float, bytes_moved: float, dtype: str) -> float:
-        """Roofline time of one kernel on one device (module docstring)."""
+    def matmul_efficiency(self, flops: float, shape: tuple[int, int, int, int] | None = None) -> float:
+        """``eff_flops`` of a MATMUL (module docstring): by ``shape`` where the device has an SM count."""
+        sms = gemm.sm_count(self.device.name) if shape is not None and self.device.kind == "gpu" else None
+        if sms is not None and shape is not None:
+            return self.efficiency.matmul * gemm.shape_efficiency(sms, *shape)
+        return self.efficiency.matmul_efficiency(flops)
+
+    def compute_time(
+        self, prim: Prim, flops: float, bytes_moved: float, dtype: str, shape: tuple[int, int, int, int] | None = None
+    ) -> float:
+        """Roofline time of one kernel on one device (module docstring); ``shape``: a MATMUL's per-device
+        ``(batch, m, n, k)`` (``search/pricing/gemm.local_shape``), None when not known."""
         eff = self.efficiency
         t_mem = bytes_moved / (self.device.hbm_bandwidth * eff.memory)
+        mm_shape = shape if prim is Prim.MATMUL else None
         if self.fp8 and prim is Prim.MATMUL and dtype == "bf16":
-            e = eff.matmul_efficiency(flops) if flops > 0 else 1.0
+            e = self.matmul_efficiency(flops, mm_shape) if flops > 0 else 1.0
             return fp8.gemm_time(flops, bytes_moved, self.device, e, eff.memory, eff.kernel_overhead_s)
         t_flop = 0.0
         if flops > 0:
             if prim in _MATMUL_LIKE:
-                e = eff.matmul_efficiency(flops)
+                e = self.matmul_efficiency(flops, mm_shape)
             elif prim is Prim.ATTENTION:
                 e = eff.attention
             else:
@@ -211,7 +225,13 @@ class CostModel:
             t_flop = flops / (self.device.flops(dtype) * e)
         return max(t_flop, t_mem) + eff.kernel_overhead_s
 
-    def backward_compute_time(self, prim: Prim, flops: float, bytes_moved: float, dtype: str) -> float:
+    def backward_compute_time(
+        self, prim: Prim, flops: float, bytes_moved: float, dtype: str, shape: tuple[int, int, int, int] | None = None
+    ) -> float:
+        """Backward of one kernel: a MATMUL with a known shape as its two GEMMs (``dA``, ``dB``; each the
+        forward's FLOPs and bytes), anything else as ``BACKWARD_MULTIPLIER`` times the forward."""
+        if prim is Prim.MATMUL and shape is not None and gemm.sm_count(self.device.name) is not None:
+            return sum(self.compute_time(prim, flops, bytes_moved, dtype, s) for s in gemm.backward_shapes(shape))
         m = BACKWARD_MULTIPLIER.get(prim, 1.0)
         return self.compute_time(prim, m * flops, m * bytes_moved, dtype)
 
