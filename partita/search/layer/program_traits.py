@@ -31,10 +31,14 @@ def program_width(graph: Graph, tp_style: str, dtype: str) -> float | None:
     None for the traced width. Megatron-LM runs the whole model in the training dtype (its ``Float16Module``
     casts parameters and the embedding output to fp16 / bf16; the fused scale-mask-softmax, dropout and
     bias-GeLU kernels read and write that dtype, and the tensor-parallel all-reduces carry it), so a torch
-    graph priced as Megatron's program (``"megatron"``) with a 2-byte ``dtype`` moves 2 bytes per element of
+    graph priced as Megatron's program (``"megatron"``, ``"megatron_sp"``) with a 2-byte ``dtype`` moves 2 bytes per element of
     every f32 activation and parameter it reads, writes or communicates. Partita's own torch program keeps the
     traced width here (autocast runs softmax, norms and the loss in f32; ``search/layer/saved.py`` prices what it
     holds); a JAX graph is traced in its own dtypes."""
-    if graph.meta.get("framework") == "torch" and tp_style == "megatron" and DTYPE_BYTES.get(dtype, 4) < 4:
+    if (
+        graph.meta.get("framework") == "torch"
+        and tp_style in ("megatron", "megatron_sp")
+        and DTYPE_BYTES.get(dtype, 4) < 4
+    ):
         return float(DTYPE_BYTES[dtype])
     return None
