@@ -377,22 +377,22 @@ class _LayerProblem:
         saved tensors ``n`` produces (or, for one produced before the layer, first reads), in their
         runtime dtype and ``s``'s layout (the pairs an expert-parallel rank keeps: ``strategies.routed_rows``),
         plus autocast's low copies of its inputs and weights."""
-        mesh, total, (rows_in, rows_out) = self.mesh, 0.0, routed_rows(n, s, self.mesh, self.tp)
+        mesh, total, (rows_in, rows_out, _) = self.mesh, 0.0, routed_rows(n, s, self.mesh, self.tp)
         for t, lay in zip(n.outputs, s.out_layouts):
             if sp.root.get(t) == t and t in sp.saved and t not in sp.at_dispatch:
-                total += self.numel(t) / shard_factor(lay, mesh) * sp.item[t] / rows_out
+                total += self.numel(t) / shard_factor(lay, mesh) * sp.item[t] * rows_out
         seen = set()
         for i, (t, lay) in enumerate(zip(n.inputs, s.in_layouts)):
             r = sp.root.get(t, t)
             if (sp.owner.get(r) == n.name or sp.at_dispatch.get(r) == n.name) and r not in seen:
                 seen.add(r)
-                total += self.numel(r) / shard_factor(lay, mesh) * sp.item[r] / (rows_in if i == 0 else 1.0)
+                total += self.numel(r) / shard_factor(lay, mesh) * sp.item[r] * (rows_in if i == 0 else 1.0)
         column = self.tp is not None and mesh.shape[self.tp] > 1 and s.tp_role in ("colwise", "colwise_gather")
         for i in sp.copies.get(n.name, ()):
             key = (sp.root.get(n.inputs[i], n.inputs[i]), n.module.rpartition(".")[0])
             if column and self.first_column.get(key, n.name) != n.name:
                 continue  # backends/torch/tp.py: a parent's column modules share one cast Replicate input
-            total += self.numel(n.inputs[i]) / shard_factor(s.in_layouts[i], mesh) * sp.low / (rows_in if i == 0 else 1)
+            total += self.numel(n.inputs[i]) / shard_factor(s.in_layouts[i], mesh) * sp.low * (rows_in if i == 0 else 1)
         for i in sp.weights.get(n.name, ()):
             total += self.numel(n.inputs[i]) / shard_factor(s.in_layouts[i], mesh) * sp.low
         return total
@@ -407,12 +407,12 @@ class _LayerProblem:
         roles = {self.g.tensors[self._base(t)].role for t in n.inputs}
         if n.prim in VIEW_PRIMS or Role.PARAMETER not in roles or Role.ACTIVATION not in roles:
             return 0.0, 0.0
-        out, rows = [], routed_rows(n, s, self.mesh, self.tp)[1]  # the combine's: a rank's own pairs
+        out, rows = [], routed_rows(n, s, self.mesh, self.tp)[2]  # the combine's: a rank's received pairs
         for sp in (self.saved[0], self.saved[-1]) if self.saved else (None,):
             total = 0.0
             for t, lay in zip(n.outputs, s.out_layouts):
                 item = sp.item[t] if sp is not None else float(self.g.tensors[t].itemsize)
-                total += self.numel(t) / shard_factor(lay, self.mesh) * item / rows
+                total += self.numel(t) / shard_factor(lay, self.mesh) * item * rows
             out.append(total)
         return out[0], out[-1]
 
