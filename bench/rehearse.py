@@ -10,7 +10,8 @@ per stage, the device peak against the plan and the host peak (each role's ``VmH
 streamed fill included) against the plan's host bound (issue 33).
 
     python bench/rehearse.py                     # every row (compiles take minutes each)
-    python bench/rehearse.py llama-7b-search     # rows whose name contains the argument
+    python bench/rehearse.py llama-7b-search     # rows whose name contains the argument (or that row only,
+                                                 # where the argument is a row's whole name)
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ ROWS: dict[str, tuple[str, str, int, int, dict[str, Any] | None]] = {
     # issue 33 item 2 (this session): two more searched plans on mixed clusters, not tuned on
     "gpt3-13b-config-search-a100-l4": ("config:gpt3-13b", "16xA100-80G+16xL4", 128, 2048, None),
     "mixtral-8x7b-search-h100-a100": ("mixtral-8x7b", "32xH100-80G+32xA100-80G", 64, 2048, None),
+    # issue 33: a searched ZeRO-3 plan on a mixed cluster (dp 8 ZeRO-3 on the A100-40Gs; the L4s too slow to
+    # help), from a config.json of examples/configs
+    "qwen2-7b-shape-search-a100-40g-l4": ("examples/configs/qwen2-7b-shape.json", "8xA100-40G+8xL4", 64, 2048, None),
 }  # fmt: skip
 
 # config.json models of public shapes, written by models.families.config (family, hidden, layers, heads,
@@ -62,7 +66,10 @@ CONFIGS: dict[str, tuple[str, dict[str, int]]] = {
 
 
 def model_spec(model: str) -> str:
-    """A zoo name as it is; ``config:NAME`` written as ``bench/.cache/configs/NAME/config.json`` (its directory)."""
+    """A zoo name as it is; ``config:NAME`` written as ``bench/.cache/configs/NAME/config.json`` (its directory);
+    ``examples/...`` a config.json of the repository, as an absolute path."""
+    if model.startswith("examples/"):
+        return str((ROOT.parent / model).resolve())
     if not model.startswith("config:"):
         return model
     from partita.models.families import config, write_config
@@ -167,7 +174,8 @@ def _children_cpu() -> float:
 def main(argv: list[str]) -> int:
     from partita.backends.torch.rehearse import rehearse_dir
 
-    rows = {k: v for k, v in ROWS.items() if not argv or any(a in k for a in argv)}
+    exact = [a for a in argv if a in ROWS]  # a whole row name selects that row only
+    rows = {k: v for k, v in ROWS.items() if not argv or k in exact or any(a in k for a in argv if a not in exact)}
     results = {}
     for name, (model, cluster, batch, seq, layout) in rows.items():
         t0 = time.perf_counter()

@@ -64,7 +64,7 @@ from partita.search.layer.layer_strategies import TP_STYLES, needs_grad, saved_p
 from partita.search.layer.program_traits import program_fusion, program_width
 from partita.search.layer.reshard import Layout, grad_requirement, reshard_steps, shard_dim, shard_factor
 from partita.search.layer.saved import SavedPlan, freed_at_b
-from partita.search.layer.strategies import Strategy, linear_operands
+from partita.search.layer.strategies import Strategy, linear_operands, routed_rows
 from partita.search.pricing import fp8, gemm
 from partita.search.pricing.cost_model import CostModel, program_state_bytes
 from partita.search.pricing.mesh import LogicalMesh
@@ -377,23 +377,24 @@ class _LayerProblem:
     def _saved_bytes(self, sp: SavedPlan, n: Node, s: Strategy) -> float:
         """Bytes per device the program keeps for ``n``'s backward under ``s`` (``search/layer/saved.py``): the
         saved tensors ``n`` produces (or, for one produced before the layer, first reads), in their
-        runtime dtype and ``s``'s layout, plus autocast's low copies of its inputs and weights."""
-        mesh, total = self.mesh, 0.0
+        runtime dtype and ``s``'s layout (the pairs an expert-parallel rank keeps: ``strategies.routed_rows``),
+        plus autocast's low copies of its inputs and weights."""
+        mesh, total, (rows_in, rows_out, _) = self.mesh, 0.0, routed_rows(n, s, self.mesh, self.tp)
         for t, lay in zip(n.outputs, s.out_layouts):
-            if sp.root.get(t) == t and t in sp.saved:
-                total += self.numel(t) / shard_factor(lay, mesh) * sp.item[t]
+            if sp.root.get(t) == t and t in sp.saved and t not in sp.at_dispatch:
+                total += self.numel(t) / shard_factor(lay, mesh) * sp.item[t] * rows_out
         seen = set()
-        for t, lay in zip(n.inputs, s.in_layouts):
+        for i, (t, lay) in enumerate(zip(n.inputs, s.in_layouts)):
             r = sp.root.get(t, t)
-            if sp.owner.get(r) == n.name and r not in seen:
+            if (sp.owner.get(r) == n.name or sp.at_dispatch.get(r) == n.name) and r not in seen:
                 seen.add(r)
-                total += self.numel(r) / shard_factor(lay, mesh) * sp.item[r]
+                total += self.numel(r) / shard_factor(lay, mesh) * sp.item[r] * (rows_in if i == 0 else 1.0)
         column = self.tp is not None and mesh.shape[self.tp] > 1 and s.tp_role in ("colwise", "colwise_gather")
         for i in sp.copies.get(n.name, ()):
             key = (sp.root.get(n.inputs[i], n.inputs[i]), n.module.rpartition(".")[0])
             if column and self.first_column.get(key, n.name) != n.name:
                 continue  # backends/torch/tp.py: a parent's column modules share one cast Replicate input
-            total += self.numel(n.inputs[i]) / shard_factor(s.in_layouts[i], mesh) * sp.low
+            total += self.numel(n.inputs[i]) / shard_factor(s.in_layouts[i], mesh) * sp.low * (rows_in if i == 0 else 1)
         for i in sp.weights.get(n.name, ()):
             total += self.numel(n.inputs[i]) / shard_factor(s.in_layouts[i], mesh) * sp.low
         return total
@@ -404,17 +405,16 @@ class _LayerProblem:
         an expert GEMM) needs the gradient of its output, which ``backends/torch/wsplit.py`` captures at
         B. In the dtype the program makes that output in (``search/layer/saved.py``: under autocast a matmul's
         low, a norm's f32) and in ``s``'s output layout (a column-parallel output sharded, a row-parallel
-        partial one whole). The traced graph's f32 unsharded outputs weighed mixtral-8x7b's B-to-W
-        micro-batch 0.30 of its saved activations; ``partita rehearse`` measured 0.16 at tp = 2 and 4."""
+        partial one whole; an expert-parallel combine's output: the rank's pairs, ``strategies.routed_rows``)."""
         roles = {self.g.tensors[self._base(t)].role for t in n.inputs}
         if n.prim in VIEW_PRIMS or Role.PARAMETER not in roles or Role.ACTIVATION not in roles:
             return 0.0, 0.0
-        out = []
+        out, rows = [], routed_rows(n, s, self.mesh, self.tp)[2]  # the combine's: a rank's received pairs
         for sp in (self.saved[0], self.saved[-1]) if self.saved else (None,):
             total = 0.0
             for t, lay in zip(n.outputs, s.out_layouts):
                 item = sp.item[t] if sp is not None else float(self.g.tensors[t].itemsize)
-                total += self.numel(t) / shard_factor(lay, self.mesh) * item
+                total += self.numel(t) / shard_factor(lay, self.mesh) * item * rows
             out.append(total)
         return out[0], out[-1]
 

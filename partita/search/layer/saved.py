@@ -77,6 +77,9 @@ class SavedPlan:
     copies: Mapping[str, tuple[int, ...]]  # node -> activation inputs it keeps a low copy of (autocast)
     weights: Mapping[str, tuple[int, ...]]  # node -> parameter inputs it keeps a low copy of (autocast)
     low: int  # bytes of the low dtype
+    # saved root made in the layer that only a MoE dispatch matmul keeps -> that node, which counts it in its
+    # own input layout (:func:`dispatch_kept`)
+    at_dispatch: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _op(n: Node) -> str:
@@ -124,6 +127,7 @@ def saved_plan(
     owner: dict[str, str] = {}
     copies: dict[str, tuple[int, ...]] = {}
     weights: dict[str, tuple[int, ...]] = {}
+    keepers: dict[str, set[str]] = {}
 
     def it(t: str) -> float:
         if t not in item:  # produced outside the layer
@@ -144,6 +148,7 @@ def saved_plan(
         if g.tensors[r].role is Role.PARAMETER:
             return  # a parameter or a view of it (an expert GEMM's permuted weight): its own storage, no copy
         saved.add(r)
+        keepers.setdefault(r, set()).add(n.name)
         if r not in owner and r not in produced:
             owner[r] = n.name
 
@@ -225,7 +230,28 @@ def saved_plan(
         if out_saved:
             for o in n.outputs[:1]:
                 keep(o, n)
-    return SavedPlan(item, root, frozenset(saved), owner, copies, weights, low)
+    at_dispatch = dispatch_kept(g, layer, root, produced, keepers)
+    return SavedPlan(item, root, frozenset(saved), owner, copies, weights, low, at_dispatch)
+
+
+def dispatch_kept(
+    g: Graph, layer: Layer, root: Mapping[str, str], produced: set[str], keepers: Mapping[str, set[str]]
+) -> dict[str, str]:
+    """Saved roots made in the layer whose only keeper is a MoE ``dispatch`` matmul (``passes/moe.py``: the
+    experts' first grouped GEMM), mapped to that node. The trace gathers every routed (token, expert)
+    pair into one tensor before it (mixtral-8x7b: ``hidden[token_idx]``, ``2 B S`` rows); under expert
+    parallelism (``backends/torch/moe.py``) a rank keeps only the pairs its own experts received, so
+    the dispatch node counts the tensor in its own strategy's terms (``strategies.routed_rows``), not
+    its producer, whose layout (replicated) cannot say which rows the experts keep."""
+    out = {}
+    for name in layer.nodes:
+        n = g.node(name)
+        if (n.attrs.get("moe") or {}).get("role") != "dispatch" or not n.inputs:
+            continue
+        r = root.get(n.inputs[0], n.inputs[0])
+        if r in produced and keepers.get(r) == {name}:
+            out[r] = name
+    return out
 
 
 def _into_weights(g: Graph, layer: Layer) -> frozenset[str]:

@@ -321,6 +321,22 @@ def _torch_tp_roles(
 
 
 # ---- expert parallelism on tp (traced MoE layers, passes/moe.py) --------------------------------------
+def routed_rows(node: Node, s: Strategy, mesh: LogicalMesh, tp: int | None) -> tuple[float, float, float]:
+    """``(input, output saved, output held)``: the share of its layout's bytes the program keeps of the dispatch
+    matmul's token input and of the combine matmul's output, whose layouts say ``R`` (1 elsewhere). Under the
+    ``expert`` strategy (:func:`expert_tp_strategies`) ``backends/torch/moe.py`` runs the experts on the
+    pairs a rank received (balanced routing: ``2 B S / tp`` of the ``2 B S`` routed pairs, as the
+    all_to_all bytes): it keeps those tokens for the backward (``1 / tp``); each expert's result, which
+    ``index_add`` keeps, and the combined results on the rank's own pairs, which the weighting keeps (``2 /
+    tp`` of the combine's output); a deferred W reads the output gradient of the received rows (``1 / tp``).
+    Priced whole, mixtral-8x7b's tp 4 stages were 4.6-8.6% over their rehearsal."""
+    moe = node.attrs.get("moe") or {}
+    if tp is None or not s.name.endswith(":expert") or moe.get("role") not in ("dispatch", "combine"):
+        return 1.0, 1.0, 1.0
+    p = float(mesh.shape[tp])
+    return (1.0 / p, 1.0, 1.0) if moe["role"] == "dispatch" else (1.0, 2.0 / p, 1.0 / p)
+
+
 def expert_tp_strategies(
     node: Node,
     strats: list[Strategy],
