@@ -46,6 +46,7 @@ from partita.cluster import parse_cluster  # noqa: E402
 from partita.errors import ConfigError  # noqa: E402
 from partita.ir import Graph  # noqa: E402
 from partita.search.entry.evaluate import Evaluation, evaluate_config  # noqa: E402
+from partita.search.pipeline.cp_costs import ContextParallelCosts  # noqa: E402
 from partita.search.pipeline.stage_cost import SolverCosts  # noqa: E402
 from partita.search.pricing.config import TrainingConfig  # noqa: E402
 from partita.search.pricing.cost_model import CostModel, Efficiency  # noqa: E402
@@ -182,12 +183,17 @@ def evaluate_row(r: dict, eff: Efficiency | None = None) -> Evaluation:
         style = "megatron_sp"
     costs = None
     if eff is not None:
-        key = (id(g), r["gpus"], r["device"], eff, style)
-        if key not in _COSTS:
-            _COSTS[key] = SolverCosts(g, cl, tr, tp_style=style)
+        key = (id(g), r["gpus"], r["device"], eff, style, r["cp"], r["seq"] if r["cp"] > 1 else 0)
+        if key not in _COSTS:  # a cp row's costs solve its layers at seq / cp (ContextParallelCosts)
+            _COSTS[key] = (
+                ContextParallelCosts(g, cl, tr, r["cp"], tp_style=style)
+                if r["cp"] > 1
+                else SolverCosts(g, cl, tr, tp_style=style)
+            )
             _COSTS[key]._cm[cl.groups[0].device.name] = CostModel(cl.groups[0].device, eff)
         costs = _COSTS[key]
-        costs.training = tr
+        if r["cp"] == 1:
+            costs.training = tr
     v = r["virtual_stages"]
     return evaluate_config(
         g,
