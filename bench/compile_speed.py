@@ -19,9 +19,14 @@ imports torch, its exporter and transformers (the floor of any trace through ``t
 machine is shared, so the load average at the start and end of each case is recorded too and CPU
 seconds are the comparable number. Target: a cold compile within 12 s (not met: see the JSON).
 
-Usage: ``python bench/compile_speed.py [--quick]`` (``--quick``: the two ``config.json`` cases). Writes
-``bench/results/compile_speed.json`` (a case run again replaces its row; each row says when it ran)
-and prints a table.
+``--against REF`` adds a third compile per case, ``before``: the same command (blocks path) run by the
+code of git revision ``REF`` (``git archive`` into a temporary directory, put first on ``PYTHONPATH``),
+so a speed-up of this code over an older one is a ratio measured in the same run; its plan must be
+byte-identical too (``plans_identical_before``).
+
+Usage: ``python bench/compile_speed.py [--quick] [--against REF]`` (``--quick``: the two ``config.json``
+cases). Writes ``bench/results/compile_speed.json`` (a case run again replaces its row; each row says
+when it ran) and prints a table.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ OUT = RESULTS / "compile_speed.json"
 CLUSTER = "512xA100-80G+256xA100-40G+256xV100-32G"
 BATCH = 1536
 TARGET_S = 12.0
-CONFIGS = Path(__file__).parent.parent / "examples" / "configs"
+CONFIGS = Path(__file__).resolve().parent.parent / "examples" / "configs"
 # the import floor of any torch.export path to a Hugging Face model: torch, its exporter, transformers' model
 IMPORTS = "import torch, torch.export, torch._dynamo; from transformers.models.qwen2 import modeling_qwen2"
 PATHS = {"blocks": {}, "full": {"PARTITA_TRACE_BLOCKS": "off"}}
@@ -53,7 +58,9 @@ def compile_once(model: str, env_extra: dict[str, str], tmp: Path) -> dict[str, 
     cmd += ["--global-batch", str(BATCH), "--seq", "2048", "--out", str(tmp / "out"), "--json"]
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # run from the temporary directory: ``python -m`` puts the working directory first on sys.path, and
+    # the code on PYTHONPATH (``--against``'s older tree) must be the partita imported
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = proc.communicate()
     wall = time.perf_counter() - t0
     row: dict[str, Any] = {"rc": proc.returncode, "wall_s": round(wall, 2)}
@@ -77,11 +84,14 @@ def compile_once(model: str, env_extra: dict[str, str], tmp: Path) -> dict[str, 
     return row
 
 
-def run_case(model: str, label: str) -> dict[str, Any]:
+def run_case(model: str, label: str, before: str | None = None) -> dict[str, Any]:
     import resource
 
     rows: dict[str, Any] = {}
-    for name, extra in PATHS.items():
+    paths = dict(PATHS)
+    if before is not None:  # the older code first on the path: its partita is the one imported
+        paths["before"] = {"PYTHONPATH": os.pathsep.join([before, os.environ.get("PYTHONPATH", "")])}
+    for name, extra in paths.items():
         with tempfile.TemporaryDirectory() as t:
             r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
             row = compile_once(model, extra, Path(t))
@@ -101,6 +111,10 @@ def run_case(model: str, label: str) -> dict[str, Any]:
         "wall_ratio": round(old["wall_s"] / new["wall_s"], 2),
         "cpu_ratio": round(old["cpu_s"] / new["cpu_s"], 2) if new["cpu_s"] else None,
     }
+    if "before" in rows:
+        b = rows["before"]
+        case["plans_identical_before"] = bool(new["plan"]) and new["plan"] == b["plan"]
+        case["cpu_ratio_before"] = round(b["cpu_s"] / new["cpu_s"], 2) if new["cpu_s"] else None
     for name, row in rows.items():
         row.pop("plan")
         case[name] = row
@@ -108,7 +122,20 @@ def run_case(model: str, label: str) -> dict[str, Any]:
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = [
+    lines = (
+        [
+            f"this code against {result['against']} (same run): "
+            + ", ".join(
+                f"{c['model']}: {c['before']['cpu_s']} -> {c['blocks']['cpu_s']} CPU s (x{c['cpu_ratio_before']}, plans "
+                f"identical {c['plans_identical_before']})"
+                for c in result["cases"]
+                if "before" in c
+            )
+        ]
+        if result.get("against")
+        else []
+    )
+    lines += [
         "| model | blocks: wall / CPU s | CPU s: trace / search / other | full trace: wall / CPU s "
         "| ratio wall / CPU | plans identical |",
         "|---|---|---|---|---|---|",
@@ -147,19 +174,32 @@ def main(argv: list[str]) -> int:
     if "--quick" not in argv:
         cases = [("gpt3-175b", "gpt3-175b"), ("llama-70b", "llama-70b"), *cases]
     floor = import_floor()
-    fresh = [{**run_case(m, label), "run_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())} for m, label in cases]
+    against = argv[argv.index("--against") + 1] if "--against" in argv else None
+    with tempfile.TemporaryDirectory() as before:
+        if against is not None:  # the older code's tree (tracked files only), as git has it
+            repo = Path(__file__).resolve().parent
+            tar = subprocess.run(["git", "archive", against], cwd=repo, check=True, capture_output=True).stdout
+            subprocess.run(["tar", "-x", "-C", before], input=tar, check=True)
+        fresh = [
+            {
+                **run_case(m, label, before if against else None),
+                "run_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            }
+            for m, label in cases
+        ]
     old = json.loads(OUT.read_text())["cases"] if OUT.exists() else []
     labels = {c["model"] for c in fresh}
     result = {
         "cpus": os.cpu_count(),
         "import_floor_cpu_s": floor,
         "import_floor": IMPORTS,
+        "against": against,
         "cases": [c for c in old if c["model"] not in labels] + fresh,
     }
     RESULTS.mkdir(exist_ok=True)
     OUT.write_text(json.dumps(result, indent=1) + "\n")
     print(table(result))
-    return 0 if all(c["plans_identical"] for c in fresh) else 1
+    return 0 if all(c["plans_identical"] and c.get("plans_identical_before", True) for c in fresh) else 1
 
 
 if __name__ == "__main__":
