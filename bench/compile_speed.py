@@ -22,9 +22,11 @@ seconds are the comparable number. Target: a cold compile within 12 s (not met: 
 ``--against REF`` adds a third compile per case, ``before``: the same command (blocks path) run by the
 code of git revision ``REF`` (``git archive`` into a temporary directory, put first on ``PYTHONPATH``),
 so a speed-up of this code over an older one is a ratio measured in the same run; its plan must be
-byte-identical too (``plans_identical_before``).
+byte-identical too (``plans_identical_before``). ``--repeat N`` (with ``--against``) runs N - 1 more
+(before, blocks) pairs, alternating, and records every sample and the ratio of the medians: on a
+shared machine one compile's CPU seconds move by a second or more.
 
-Usage: ``python bench/compile_speed.py [--quick] [--against REF]`` (``--quick``: the two ``config.json``
+Usage: ``python bench/compile_speed.py [--quick] [--against REF [--repeat N]]`` (``--quick``: the two ``config.json``
 cases). Writes ``bench/results/compile_speed.json`` (a case run again replaces its row; each row says
 when it ran) and prints a table.
 """
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -84,24 +87,33 @@ def compile_once(model: str, env_extra: dict[str, str], tmp: Path) -> dict[str, 
     return row
 
 
-def run_case(model: str, label: str, before: str | None = None) -> dict[str, Any]:
+def _measured(model: str, extra: dict[str, str], label: str, name: str) -> dict[str, Any]:
     import resource
 
+    with tempfile.TemporaryDirectory() as t:
+        r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        row = compile_once(model, extra, Path(t))
+        r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        row["cpu_s"] = round(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime, 2)
+        # the rest of the process: imports, building the model on meta, emitting the program, the report
+        known = (row["trace_cpu_s"] or 0.0) + (row["search_cpu_s"] or 0.0)
+        row["other_cpu_s"] = round(row["cpu_s"] - known, 2) if row["trace_cpu_s"] is not None else None
+    print(f"  {label} {name}: {row['wall_s']} s wall, {row['cpu_s']} CPU s", file=sys.stderr)
+    return row
+
+
+def run_case(model: str, label: str, before: str | None = None, repeat: int = 1) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     paths = dict(PATHS)
     if before is not None:  # the older code first on the path: its partita is the one imported
         paths["before"] = {"PYTHONPATH": os.pathsep.join([before, os.environ.get("PYTHONPATH", "")])}
     for name, extra in paths.items():
-        with tempfile.TemporaryDirectory() as t:
-            r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-            row = compile_once(model, extra, Path(t))
-            r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-            row["cpu_s"] = round(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime, 2)
-            # the rest of the process: imports, building the model on meta, emitting the program, the report
-            known = (row["trace_cpu_s"] or 0.0) + (row["search_cpu_s"] or 0.0)
-            row["other_cpu_s"] = round(row["cpu_s"] - known, 2) if row["trace_cpu_s"] is not None else None
-            rows[name] = row
-        print(f"  {label} {name}: {row['wall_s']} s wall, {row['cpu_s']} CPU s", file=sys.stderr)
+        rows[name] = _measured(model, extra, label, name)
+    # --repeat: more (before, blocks) pairs, alternating, so that a neighbour's load falls on both
+    samples: dict[str, list[dict[str, Any]]] = {"blocks": [rows["blocks"]], "before": [rows.get("before", {})]}
+    for _ in range(repeat - 1 if before is not None else 0):
+        for name in ("before", "blocks"):
+            samples[name].append(_measured(model, paths[name], label, name))
     new, old = rows["blocks"], rows["full"]
     case = {
         "model": label,
@@ -113,10 +125,24 @@ def run_case(model: str, label: str, before: str | None = None) -> dict[str, Any
     }
     if "before" in rows:
         b = rows["before"]
-        case["plans_identical_before"] = bool(new["plan"]) and new["plan"] == b["plan"]
+        case["plans_identical_before"] = all(
+            bool(x["plan"]) and x["plan"] == new["plan"] for x in samples["before"] + samples["blocks"]
+        )
         case["cpu_ratio_before"] = round(b["cpu_s"] / new["cpu_s"], 2) if new["cpu_s"] else None
+        if repeat > 1:  # every sample's CPU seconds per phase, and the ratio of the medians
+            for name, rs in samples.items():
+                case[f"{name}_samples"] = [
+                    {k: x[k] for k in ("cpu_s", "trace_cpu_s", "search_cpu_s", "other_cpu_s", "load_avg_1min")}
+                    for x in rs
+                ]
+            med = {name: statistics.median(x["cpu_s"] for x in rs) for name, rs in samples.items()}
+            case["cpu_median_before"], case["cpu_median_blocks"] = med["before"], med["blocks"]
+            case["cpu_ratio_before_median"] = round(med["before"] / med["blocks"], 2) if med["blocks"] else None
+    for rs in samples.values():
+        for x in rs:
+            x.pop("plan", None)
     for name, row in rows.items():
-        row.pop("plan")
+        row.pop("plan", None)
         case[name] = row
     return case
 
@@ -126,8 +152,10 @@ def table(result: dict[str, Any]) -> str:
         [
             f"this code against {result['against']} (same run): "
             + ", ".join(
-                f"{c['model']}: {c['before']['cpu_s']} -> {c['blocks']['cpu_s']} CPU s (x{c['cpu_ratio_before']}, plans "
-                f"identical {c['plans_identical_before']})"
+                f"{c['model']}: {c.get('cpu_median_before', c['before']['cpu_s'])} -> "
+                f"{c.get('cpu_median_blocks', c['blocks']['cpu_s'])} CPU s"
+                f"{' (medians of ' + str(len(c['blocks_samples'])) + ')' if 'blocks_samples' in c else ''} "
+                f"(x{c.get('cpu_ratio_before_median', c['cpu_ratio_before'])}, plans identical {c['plans_identical_before']})"
                 for c in result["cases"]
                 if "before" in c
             )
@@ -175,6 +203,7 @@ def main(argv: list[str]) -> int:
         cases = [("gpt3-175b", "gpt3-175b"), ("llama-70b", "llama-70b"), *cases]
     floor = import_floor()
     against = argv[argv.index("--against") + 1] if "--against" in argv else None
+    repeat = int(argv[argv.index("--repeat") + 1]) if "--repeat" in argv else 1
     with tempfile.TemporaryDirectory() as before:
         if against is not None:  # the older code's tree (tracked files only), as git has it
             repo = Path(__file__).resolve().parent
@@ -182,7 +211,7 @@ def main(argv: list[str]) -> int:
             subprocess.run(["tar", "-x", "-C", before], input=tar, check=True)
         fresh = [
             {
-                **run_case(m, label, before if against else None),
+                **run_case(m, label, before if against else None, repeat),
                 "run_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             }
             for m, label in cases
