@@ -184,17 +184,19 @@ def cmd_compile(args: argparse.Namespace) -> int:
             print(result.as_text())
         return 0
     from partita.driver import cache_dir
+    from partita.gc_freeze import frozen_heap
 
     _check_cache_dir(cache_dir())
-    result = compile_to_dir(
-        model,
-        cluster,
-        _training(args),
-        args.out,
-        force=args.force,
-        gpus_per_node=args.gpus_per_node,
-        progress=_progress_wanted(args.json),
-    )
+    with frozen_heap(process_ends=True):  # the collector off the imports and the model (partita/gc_freeze.py)
+        result = compile_to_dir(
+            model,
+            cluster,
+            _training(args),
+            args.out,
+            force=args.force,
+            gpus_per_node=args.gpus_per_node,
+            progress=_progress_wanted(args.json),
+        )
     if args.json:
         _print_json(result.summary())
     else:

@@ -34,6 +34,7 @@ from partita.fingerprint import (  # noqa: F401  (re-exported: tests, benches an
     spec_identity,
 )
 from partita.frontends.trace import TRACE_BATCH, seq_default, trace_handle
+from partita.gc_freeze import frozen_heap, settle
 from partita.outputs import (  # noqa: F401  (re-exported: tests and callers read them from driver)
     HASH_FILE,
     _atomic_write,
@@ -301,23 +302,26 @@ def plan_handle(
     c0 = _cpu_s()  # CPU seconds too: on a shared machine wall seconds measure the neighbours
     from partita.progress import say
 
-    if graph is None:
+    with frozen_heap():  # the collector kept off the imported modules, the model and the graph (gc_freeze.py)
+        settle(collect=False)  # what is imported and built so far frozen
+        if graph is None:
+            if progress:
+                say(f"tracing {getattr(handle, 'name', '') or 'the model'} on the meta device (no weights)")
+            with user_code(getattr(handle, "name", "") or ""):
+                graph = trace_handle(handle, batch=TRACE_BATCH, seq=training.seq_len)
+        _refuse_batch_stats(graph)
+        settle()  # the trace's garbage cycles collected, the graph frozen: the search's collections scan its own objects
+        traced = Traced(handle, graph, 0.0)
+        traced.trace_time_s = time.perf_counter() - t0
+        c1 = _cpu_s()
         if progress:
-            say(f"tracing {getattr(handle, 'name', '') or 'the model'} on the meta device (no weights)")
-        with user_code(getattr(handle, "name", "") or ""):
-            graph = trace_handle(handle, batch=TRACE_BATCH, seq=training.seq_len)
-    _refuse_batch_stats(graph)
-    traced = Traced(handle, graph, 0.0)
-    traced.trace_time_s = time.perf_counter() - t0
-    c1 = _cpu_s()
-    if progress:
-        blocks = graph.meta.get("traced_blocks")
-        how = f" ({blocks[0]} of {blocks[1]} blocks traced, the rest copied)" if blocks else ""
-        say(
-            f"traced {len(graph.layers)} layers in {traced.trace_time_s:.1f} s{how}; searching {cl.num_devices} devices"
-        )
-    planned = traced.plan(cl, training, progress=say if progress else False)
-    c2 = _cpu_s()  # the workers' too: they are waited for before the plan is returned
+            blocks = graph.meta.get("traced_blocks")
+            how = f" ({blocks[0]} of {blocks[1]} blocks traced, the rest copied)" if blocks else ""
+            say(
+                f"traced {len(graph.layers)} layers in {traced.trace_time_s:.1f} s{how}; searching {cl.num_devices} devices"
+            )
+        planned = traced.plan(cl, training, progress=say if progress else False)
+        c2 = _cpu_s()  # the workers' too: they are waited for before the plan is returned
     if store:
         store_cache_entry(cached.parent, {PLAN_FILE: planned.plan.to_json()})
     timings = {
@@ -369,6 +373,13 @@ def compile_to_dir(
     force: bool = False,
     gpus_per_node: int | None = None,
     progress: bool = False,
+) -> Compiled:
+    with frozen_heap():  # the collector off the imports and the model (gc_freeze.py; plan_handle settles it)
+        return _compile_to_dir(model, cluster, training, out_dir, force, gpus_per_node, progress)
+
+
+def _compile_to_dir(
+    model: str, cluster: str, training: Any, out_dir: str | Path, force: bool, gpus_per_node: int | None, progress: bool
 ) -> Compiled:
     t0 = time.perf_counter()
     model = resolve_spec(model)  # a model path: absolute in the program (it runs in the plan directory)

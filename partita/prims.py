@@ -9,6 +9,7 @@ dims of a reshape) get fresh *fixed* labels.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import sympy
@@ -35,12 +36,45 @@ class _Labels:
 
 
 def _eq(a: sympy.Expr | int, b: sympy.Expr | int) -> bool:
+    """Whether two dims are the same expression: ``simplify(a - b) == 0``, without simplify where a
+    cheaper test decides it (issue 35: ``simplify`` cost ~7 ms a call, ~0.7 CPU s per trace of a
+    transformer, mostly to learn that ``S`` is not ``1``). Memoised: the blocks of a model repeat their shapes."""
+    try:
+        return _eq_cached(a, b)
+    except TypeError:  # an unhashable dim: decided uncached
+        return _eq_uncached(a, b)
+
+
+@functools.lru_cache(maxsize=4096)
+def _eq_cached(a: sympy.Expr | int, b: sympy.Expr | int) -> bool:
+    return _eq_uncached(a, b)
+
+
+def _eq_uncached(a: sympy.Expr | int, b: sympy.Expr | int) -> bool:
     a, b = sympy.sympify(a), sympy.sympify(b)
     if a == b:  # structurally equal (most calls): no simplify
         return True
     if a.is_Integer and b.is_Integer:
         return False
-    return bool(sympy.simplify(a - b) == 0)
+    d = a - b
+    if _nonzero_at_a_point(d):
+        return False
+    return bool(sympy.simplify(d) == 0)
+
+
+_PROBES = (7919, 7927, 7933, 7937, 7949, 7951, 7963, 7993)  # distinct primes: no accidental cancellation
+
+
+def _nonzero_at_a_point(d: sympy.Expr) -> bool:
+    """True when ``d`` evaluates to a finite nonzero number with each free symbol bound to a probe
+    value: then ``d`` is not identically zero, so ``simplify(d)`` (an equivalence transformation) is
+    not ``0`` either. Only for symbols without assumptions (the tracers' dims, ``Symbol(name)``),
+    where any value is admissible; False (undecided) otherwise, and the caller simplifies."""
+    syms = sorted(d.free_symbols, key=str)
+    if len(syms) > len(_PROBES) or any(s.assumptions0 != {"commutative": True} for s in syms):
+        return False
+    v = d.xreplace({s: sympy.Integer(p) for s, p in zip(syms, _PROBES)})
+    return bool(v.is_Number and v.is_finite and v != 0)  # a number, evaluated (not an unevaluated call)
 
 
 def elementwise(out_shape: Shape, in_shapes: Sequence[Shape]) -> DimSig:

@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("backends",),
     ("profile",),
     ("report",),
-    ("outputs", "run_checks", "progress", "fingerprint", "cli_checks"),
+    ("outputs", "run_checks", "progress", "fingerprint", "cli_checks", "gc_freeze"),
     ("driver", "api", "cli", ""),  # "" = the package root (partita/__init__.py)
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
