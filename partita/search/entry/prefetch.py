@@ -23,8 +23,6 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from partita.search.layer.ilp import load_mip
-
 MIN_SOLVES = 96  # below this, starting workers costs about what it saves (a solve is ~6 ms, a fork ~0.1 s)
 MAX_WORKERS = 4
 
@@ -67,7 +65,6 @@ def prefetch(costs: Any, wanted: Sequence[tuple[int, Any, int, int]]) -> int:
                 costs.layer(index, devices[name], tp, b)
         return len(seen)
     jobs = sorted(groups.values(), key=lambda g: (-len(g), g[0]))
-    load_mip()  # imported once here, inherited by the workers
     global _COSTS
     _COSTS = costs
     try:
@@ -127,7 +124,6 @@ def in_background(task: Any, worth: bool = True) -> Any:
     search (issue 20): the search runs in one process, the machine has more CPUs than that."""
     if not worth or workers() < 2 or "fork" not in mp.get_all_start_methods():
         return _Here(task)
-    load_mip()  # imported once here, inherited by the worker
     global _TASK
     _TASK = task
     try:

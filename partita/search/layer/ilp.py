@@ -166,12 +166,6 @@ def solve_dp(p: Problem) -> Solution | None:
     return Solution(tuple(choice), stats)
 
 
-def load_mip() -> None:
-    """Import OR-Tools' MIP wrapper now: ``search/entry/prefetch.py`` calls it before it forks, so its
-    workers inherit it (each imported it itself: ~0.3 CPU s, four or five forks per cold compile)."""
-    from ortools.linear_solver import pywraplp  # noqa: F401
-
-
 def solve(p: Problem, backend: str = "auto", time_limit_s: float = 60.0) -> Solution:
     """Minimum-cost feasible choice. Raises InfeasibleError when no choice fits the memory budget."""
     if backend not in BACKENDS:
