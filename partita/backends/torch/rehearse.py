@@ -586,7 +586,7 @@ def _child(plan_dir: str, ranks: Sequence[int]) -> int:
         for rank in ranks:
             _play(program, rank)
         return 0
-    resolve_model(program.PROGRAM["model"])  # the model's library imported once, before the forks
+    _import_once(resolve_model(program.PROGRAM["model"]))  # the imports every role makes, once, before the forks
     jobs = num_jobs(len(ranks))
     waiting = list(ranks)
     running: dict[int, tuple[int, str]] = {}  # pid -> (rank, its result file)
@@ -615,6 +615,22 @@ def _child(plan_dir: str, ranks: Sequence[int]) -> int:
                 line = _json({"rank": rank, "failure": f"the rehearsal of rank {rank} died (exit {code})"})
             print(_MARK + line, flush=True)
     return 0
+
+
+def _import_once(handle: Any) -> None:
+    """Make, in the process that forks the roles, the imports each role makes: the model's classes (its meta
+    build: ``zoo._hf_model`` imports six Hugging Face model modules), ``transformers.masking_utils`` (with
+    ``torch._dynamo``: ``unpacked_sequences``), ``torch.distributed.pipelining`` and the memory tracker. A
+    forked role made them all again: 56% of a gpt2-tiny role's CPU. Nothing is kept: no process group, no
+    tensor (meta), so each role still starts from the clean state ``run_roles`` forks for. A model that does
+    not build on meta here is left to its roles (``materialize.build_stage`` falls back, or reports)."""
+    import torch.distributed._tools.mem_tracker  # noqa: F401
+    import torch.distributed.pipelining  # noqa: F401
+
+    with materialize.unpacked_sequences():
+        pass
+    with contextlib.suppress(Exception):  # an import cache warmed, not a check: a failure is the role's to report
+        handle.build("meta")
 
 
 def num_jobs(num_roles: int) -> int:
