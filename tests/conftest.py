@@ -13,9 +13,23 @@ are still there to fill in around them.
 a file that launches several processes uses more CPU than wall time). Only the order depends on it, never
 what runs or passes; a file missing from it runs after the listed ones (list a new file that takes over a
 minute of CPU).
+
+Rehearsals (``partita rehearse``, ``rehearse.rehearse_dir``) go to one rehearsal server per test process
+(``backends/torch/rehearse_server.py``): started before the first test of a file that rehearses, it imports
+torch, transformers and Partita once and forks each rehearsal, where each would otherwise start a fresh
+process that imports them (4-5 s of CPU, half of a tiny plan's rehearsal). The fork runs the same body in
+the caller's directory, environment and output; ``PARTITA_REHEARSE_SERVER`` names it to the test process
+and its subprocesses. Not for tests marked ``serial`` (a server importing beside a timed test).
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -50,3 +64,42 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     # a stable sort: the tests of a file keep their order, unlisted files theirs
     items.sort(key=lambda item: -COST_S.get(_file(item), 0.0))
+
+
+_SERVER: dict[str, Any] = {}
+_REHEARSES: dict[str, bool] = {}
+
+
+def _rehearses(item: pytest.Item) -> bool:
+    """Whether ``item``'s file rehearses (its text names ``rehearse``)."""
+    path = str(item.path)
+    if path not in _REHEARSES:
+        _REHEARSES[path] = "rehearse" in Path(path).read_text(errors="replace")
+    return _REHEARSES[path]
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    from partita.backends.torch import rehearse_server
+
+    if _SERVER or not hasattr(os, "fork") or rehearse_server.ENV in os.environ:
+        return
+    if item.get_closest_marker("serial") is not None or not _rehearses(item):
+        return
+    where = tempfile.mkdtemp(prefix="partita-rs-")
+    path = os.path.join(where, "socket")
+    cmd = [sys.executable, "-m", "partita.backends.torch.rehearse_server", path]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    _SERVER["proc"] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env)
+    _SERVER["dir"] = where
+    os.environ[rehearse_server.ENV] = path  # until it listens, a rehearsal starts its own process (request)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    import shutil
+
+    proc = _SERVER.pop("proc", None)
+    if proc is not None:
+        proc.terminate()
+        proc.wait()
+        os.environ.pop("PARTITA_REHEARSE_SERVER", None)
+        shutil.rmtree(_SERVER.pop("dir"), ignore_errors=True)

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from partita.backends.torch import fidelity, materialize, optim, p2p_world, rehearse_record
+from partita.backends.torch import fidelity, materialize, optim, p2p_world, rehearse_record, rehearse_server
 from partita.backends.torch import parallel as tpar
 from partita.backends.torch import train as torch_train
 from partita.backends.torch.chunks import physical_plan
@@ -546,24 +546,42 @@ def _run_process(plan_dir: Path, ranks: Sequence[int], ended: Any = None) -> dic
     cmd = [sys.executable, "-m", "partita.backends.torch.rehearse", str(plan_dir), *map(str, ranks)]
     out: dict[int, RankResult | str] = {}
     last = ""
+
+    def read(lines: Any) -> None:
+        nonlocal last
+        for line in lines:
+            if not line.startswith(_MARK):
+                last = line.strip() or last
+                continue
+            d = json.loads(line[len(_MARK) :])
+            rank = int(d["rank"])
+            out[rank] = d["failure"] if "failure" in d else RankResult(**d)
+            if ended is not None:
+                ended(rank, out[rank])
+
     with tempfile.TemporaryFile("w+") as err:
-        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env) as proc:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                if not line.startswith(_MARK):
-                    last = line.strip() or last
-                    continue
-                d = json.loads(line[len(_MARK) :])
-                rank = int(d["rank"])
-                out[rank] = d["failure"] if "failure" in d else RankResult(**d)
-                if ended is not None:
-                    ended(rank, out[rank])
+        server = os.environ.get(rehearse_server.ENV, "")
+        rfd, wfd = os.pipe()
+        sock = (
+            rehearse_server.request(server, (str(plan_dir), list(ranks)), env, (wfd, err.fileno())) if server else None
+        )
+        os.close(wfd)
+        if sock is not None:  # a test run's rehearsal server forks the same body (rehearse_server)
+            with os.fdopen(rfd) as lines:
+                read(lines)
+            code = rehearse_server.exit_code(sock)
+        else:
+            os.close(rfd)
+            with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env) as proc:
+                assert proc.stdout is not None
+                read(proc.stdout)
+            code = proc.returncode
         err.seek(0)
         stderr = err.read()
     for r in ranks:
         if r not in out:
-            tail = stderr.strip().splitlines()[-1:] or ([last] if last else []) or [f"exit {proc.returncode}"]
-            out[r] = f"the rehearsal of rank {r} died (exit {proc.returncode}): {tail[0][:300]}"
+            tail = stderr.strip().splitlines()[-1:] or ([last] if last else []) or [f"exit {code}"]
+            out[r] = f"the rehearsal of rank {r} died (exit {code}): {tail[0][:300]}"
             if ended is not None:
                 ended(r, out[r])
     return out
@@ -629,8 +647,9 @@ def _import_once(handle: Any) -> None:
 
     with materialize.unpacked_sequences():
         pass
-    with contextlib.suppress(Exception):  # an import cache warmed, not a check: a failure is the role's to report
-        handle.build("meta")
+    if handle is not None:  # (rehearse_server: no model yet)
+        with contextlib.suppress(Exception):  # an import cache warmed, not a check: a failure is the role's to report
+            handle.build("meta")
 
 
 def num_jobs(num_roles: int) -> int:
