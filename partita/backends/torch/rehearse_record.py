@@ -52,7 +52,7 @@ class StepRecorder:
             if ev[0] == "p2p":
                 self.p2p.append(_p2p_record(func, args, ev, self.labels))
             return
-        formula = self._formulas.get(func)
+        formula: Any = self._formulas.get(func)
         if formula is None:
             formula = self._formulas[func] = torch_shim.flop_formula(func) or _NO_FORMULA
         if formula is not _NO_FORMULA:
@@ -122,7 +122,7 @@ def _p2p_record(func: Any, args: Sequence[Any], ev: tuple[str, str | None, int],
         from torch.distributed.distributed_c10d import _resolve_process_group
 
         try:
-            peer = dist.get_global_rank(_resolve_process_group(ev[1]), peer)
+            peer = dist.get_global_rank(_resolve_process_group(ev[1]), peer)  # type: ignore[arg-type]
         except (RuntimeError, ValueError, KeyError):
             pass
     label = labels(op, peer, tag) if labels is not None else p2p_world.OUTSIDE
