@@ -38,20 +38,21 @@ COST_S: dict[str, float] = {
     "tests/runtime/test_rehearse_real_size.py": 161.0,
     "tests/runtime_jax/test_jax_train_gpt.py": 124.0,
     "tests/runtime/test_model_matrix.py": 150.0,  # 112 before tp2 x pp2 and tp2 x dp2 per family
-    "tests/runtime/test_rehearse_schedules.py": 107.0,
+    "tests/runtime/test_rehearse_schedules.py": 61.0,  # 97 measured before the rehearsal server (s40)
     "tests/runtime_jax/test_jax_train.py": 95.0,
-    "tests/runtime/test_rehearse.py": 87.0,
+    "tests/runtime/test_rehearse.py": 42.0,  # 77 before the rehearsal server (s40)
     "tests/test_models.py": 69.0,
     "tests/runtime/test_run_reference.py": 67.0,
-    "tests/runtime/test_rehearse_hetero.py": 65.0,
+    "tests/runtime/test_rehearse_hetero.py": 55.0,  # s40, with the rehearsal server
     "tests/runtime/test_parity_matrix.py": 56.0,
     "tests/runtime_jax/test_jax_train_mlp.py": 40.0,
+    # measured alone in s40 (with the rehearsal server; before it: world 37)
+    "tests/runtime/test_rehearse_world.py": 32.0,
+    "tests/runtime/test_rehearse_pipeline_memory.py": 35.0,
     # files added on the same day, from their authors' wall times on the loaded machine (not measured alone)
     "tests/runtime/test_context_parallel_program.py": 150.0,
-    "tests/runtime/test_rehearse_world.py": 100.0,
     "tests/runtime/test_fp8_multiprocess.py": 90.0,
     "tests/runtime/test_launch_files.py": 80.0,
-    "tests/runtime/test_rehearse_pipeline_memory.py": 70.0,
 }
 
 
@@ -79,9 +80,9 @@ def _rehearses(item: pytest.Item) -> bool:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    from partita.backends.torch import rehearse_server
+    from partita.backends.torch.rehearse import SERVER_ENV
 
-    if _SERVER or not hasattr(os, "fork") or rehearse_server.ENV in os.environ:
+    if _SERVER or not hasattr(os, "fork") or SERVER_ENV in os.environ:
         return
     if item.get_closest_marker("serial") is not None or not _rehearses(item):
         return
@@ -91,7 +92,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     _SERVER["proc"] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env)
     _SERVER["dir"] = where
-    os.environ[rehearse_server.ENV] = path  # until it listens, a rehearsal starts its own process (request)
+    os.environ[SERVER_ENV] = path  # until it listens, a rehearsal starts its own process (request)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

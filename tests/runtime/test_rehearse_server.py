@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from partita.backends.torch import rehearse, rehearse_server
+from partita.backends.torch import rehearse
 from partita.backends.torch.emit import emit_torch
 from tests.runtime.plans import layout
 
@@ -37,8 +37,8 @@ def test_server_rehearses_what_a_fresh_process_rehearses(tmp_path: Path, monkeyp
     (plan_dir / "program_torch.py").write_text(emit_torch(layout("gpt2-tiny", "hetero"), "gpt2-tiny"))
     socket_path = str(tmp_path / "socket")
     # no server answers there yet: the rehearsal starts its own process (request gives None)
-    monkeypatch.setenv(rehearse_server.ENV, socket_path)
-    assert rehearse_server.request(socket_path, (str(plan_dir), [0]), dict(os.environ), (1, 2)) is None
+    monkeypatch.setenv(rehearse.SERVER_ENV, socket_path)
+    assert rehearse.ask_server(socket_path, (str(plan_dir), [0]), dict(os.environ), (1, 2)) is None
     fresh = _results(plan_dir)
     cmd = [sys.executable, "-m", "partita.backends.torch.rehearse_server", socket_path]
     with subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL) as server:
@@ -48,14 +48,14 @@ def test_server_rehearses_what_a_fresh_process_rehearses(tmp_path: Path, monkeyp
                 time.sleep(0.2)
             assert os.path.exists(socket_path), "the rehearsal server never listened"
             answered = []
-            real_request = rehearse_server.request
+            real_request = rehearse.ask_server
 
             def request(*args: object, **kwargs: object) -> object:
                 sock = real_request(*args, **kwargs)  # type: ignore[arg-type]
                 answered.append(sock is not None)
                 return sock
 
-            monkeypatch.setattr(rehearse_server, "request", request)
+            monkeypatch.setattr(rehearse, "ask_server", request)
             served = _results(plan_dir)
             assert answered == [True]  # the server ran it, not a process of its own
             assert server.poll() is None  # it served and is still there for the next one

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from partita.backends.torch import fidelity, materialize, optim, p2p_world, rehearse_record, rehearse_server
+from partita.backends.torch import fidelity, materialize, optim, p2p_world, rehearse_record
 from partita.backends.torch import parallel as tpar
 from partita.backends.torch import train as torch_train
 from partita.backends.torch.chunks import physical_plan
@@ -560,16 +560,14 @@ def _run_process(plan_dir: Path, ranks: Sequence[int], ended: Any = None) -> dic
                 ended(rank, out[rank])
 
     with tempfile.TemporaryFile("w+") as err:
-        server = os.environ.get(rehearse_server.ENV, "")
+        server = os.environ.get(SERVER_ENV, "")
         rfd, wfd = os.pipe()
-        sock = (
-            rehearse_server.request(server, (str(plan_dir), list(ranks)), env, (wfd, err.fileno())) if server else None
-        )
+        sock = ask_server(server, (str(plan_dir), list(ranks)), env, (wfd, err.fileno())) if server else None
         os.close(wfd)
         if sock is not None:  # a test run's rehearsal server forks the same body (rehearse_server)
             with os.fdopen(rfd) as lines:
                 read(lines)
-            code = rehearse_server.exit_code(sock)
+            code = server_exit_code(sock)
         else:
             os.close(rfd)
             with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env) as proc:
@@ -638,18 +636,62 @@ def _child(plan_dir: str, ranks: Sequence[int]) -> int:
 def _import_once(handle: Any) -> None:
     """Make, in the process that forks the roles, the imports each role makes: the model's classes (its meta
     build: ``zoo._hf_model`` imports six Hugging Face model modules), ``transformers.masking_utils`` (with
-    ``torch._dynamo``: ``unpacked_sequences``), ``torch.distributed.pipelining`` and the memory tracker. A
+    dynamo: ``unpacked_sequences``), ``torch.distributed.pipelining`` and the memory tracker. A
     forked role made them all again: 56% of a gpt2-tiny role's CPU. Nothing is kept: no process group, no
     tensor (meta), so each role still starts from the clean state ``run_roles`` forks for. A model that does
     not build on meta here is left to its roles (``materialize.build_stage`` falls back, or reports)."""
-    import torch.distributed._tools.mem_tracker  # noqa: F401
     import torch.distributed.pipelining  # noqa: F401
+
+    torch_shim.mem_tracker(peak_only=True)  # (its module)
 
     with materialize.unpacked_sequences():
         pass
     if handle is not None:  # (rehearse_server: no model yet)
         with contextlib.suppress(Exception):  # an import cache warmed, not a check: a failure is the role's to report
             handle.build("meta")
+
+
+SERVER_ENV = "PARTITA_REHEARSE_SERVER"  # the socket of a rehearsal server (rehearse_server), where one runs
+
+
+def ask_server(path: str, job: tuple[str, list[int]], env: dict[str, str], fds: tuple[int, int]) -> Any:
+    """Send a rehearsal (plan directory, ranks) to the rehearsal server at ``path`` (``rehearse_server``), to
+    run in ``env`` and this working directory with ``fds`` as its stdout and stderr: the connected socket
+    (read the exit code with :func:`server_exit_code`), or None when no server answers there (the caller
+    starts a process itself)."""
+    import json
+    import os
+    import socket
+    import struct
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+        body = json.dumps({"plan_dir": job[0], "ranks": job[1], "cwd": os.getcwd(), "env": env})
+        socket.send_fds(sock, [struct.pack("!I", len(body)) + body.encode()], list(fds))
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
+def server_exit_code(sock: Any) -> int:
+    """The exit code of the rehearsal sent on ``sock`` (1 when the server went away without one)."""
+    import struct
+
+    with sock:
+        data = _read_n(sock, 4)
+    return struct.unpack("!i", data)[0] if len(data) == 4 else 1
+
+
+def _read_n(sock: Any, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            break
+        out += chunk
+    return out
 
 
 def num_jobs(num_roles: int) -> int:

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._guards import active_fake_mode as _active_fake_mode
 from torch.distributed.tensor import DTensor
 
 from partita.backends.torch import fidelity, p2p_world
@@ -28,7 +27,8 @@ from partita.frontends import torch_shim
 _DEVICE = torch.ops.prim.device.default
 # MemTracker's own exception, kept: under a fake mode ``wait_tensor`` returns its input (eager does not
 # allocate a new tensor), where the meta implementation would make a new one
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
+_WAIT = torch_shim.functional_collective_ops()[-1]  # wait_tensor
+_active_fake_mode = torch_shim.active_fake_mode
 _NO_FORMULA = object()
 
 
@@ -63,18 +63,15 @@ class StepRecorder:
 
 
 def recording_tracker(tracker: Any, rec: StepRecorder) -> Any:
-    """``tracker`` (a ``MemTracker``, not yet entered) as the step's one dispatch mode: ``prim.device``
+    """``tracker`` (``torch_shim.mem_tracker(peak_only=True)``, not yet entered) as the step's one dispatch mode: ``prim.device``
     passed on untracked (no storage, no new peak); DTensor ops left to DTensor (``NotImplemented``: its
     local ops and collectives come back through this mode); every op run under the fake mode the
     tracker was entered in (not DTensor's sharding propagation, ``private_propagation_fake_mode``)
     given to ``rec`` and its outputs tracked as ``MemTracker.__torch_dispatch__`` tracks them (the
     optimizer's state, a backward's temporaries outside activation checkpointing, else activations),
     the peak updated."""
-    from torch.distributed._tools import mem_tracker as mt
-
     base = type(tracker)
-    refs = mt._MemRefType
-    peak_bw, peak_fw = mt._ModState.PEAK_BW, mt._ModState.PEAK_FW
+    refs = tracker._ref_class  # Parameter, Buffer, Gradient, Activation, Temp, Optstate, Other
 
     class Recording(base):  # type: ignore[valid-type, misc]
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -90,7 +87,7 @@ def recording_tracker(tracker: Any, rec: StepRecorder) -> Any:
             is_bw = self._mod_tracker.is_bw
             reftype = refs.OPT if self._in_opt else refs.TEMP if is_bw and not self._in_ac else refs.ACT
             _track_each(self, reftype, out)
-            self._update_peak_stats(peak_bw if is_bw else peak_fw)
+            self._update_peak_stats(None)  # a peak-only tracker: the step's peak, no module's state
             return out
 
     tracker.__class__ = Recording
@@ -106,9 +103,7 @@ def _track_each(tracker: Any, reftype: Any, out: Any) -> None:
         for o in out:
             _track_each(tracker, reftype, o)
     elif out is not None and not isinstance(out, (int, float, bool)):
-        from torch.utils._pytree import tree_map_only
-
-        tree_map_only(torch.Tensor, lambda t: tracker._track(reftype, t), out)
+        torch_shim.pytree().tree_map_only(torch.Tensor, lambda t: tracker._track(reftype, t), out)
 
 
 def _p2p_record(func: Any, args: Sequence[Any], ev: tuple[str, str | None, int], labels: Any = None) -> list[Any]:
