@@ -34,8 +34,9 @@ from typing import Any
 import pytest
 
 COST_S: dict[str, float] = {
-    # its searched plans from the plan cache of an earlier run (cold: + the searches, gpt3-13b's ~15 s)
-    "tests/runtime/test_rehearse_real_size.py": 161.0,
+    # its searched plans from the plan cache of an earlier run (cold: + the searches, gpt3-13b's ~15 s); 164
+    # measured on this branch with cold searches (the code fingerprint changed), 167 before it
+    "tests/runtime/test_rehearse_real_size.py": 164.0,
     "tests/runtime_jax/test_jax_train_gpt.py": 124.0,
     "tests/runtime/test_model_matrix.py": 150.0,  # 112 before tp2 x pp2 and tp2 x dp2 per family
     "tests/runtime/test_rehearse_schedules.py": 61.0,  # 97 measured before the rehearsal server (s40)
