@@ -50,9 +50,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-from partita.backends.torch import fidelity, materialize, optim, p2p_world
+from partita.backends.torch import fidelity, materialize, optim, p2p_world, rehearse_record
 from partita.backends.torch import parallel as tpar
 from partita.backends.torch import train as torch_train
 from partita.backends.torch.chunks import physical_plan
@@ -93,88 +92,8 @@ class RankResult:
     host_peak_bytes: int = 0  # the role's host peak: its set-up's streamed fill (HostMeter) and its step (VmHWM)
 
 
-# ---- recording -------------------------------------------------------------------------------------
-# A fake tensor's ``.device`` (its device is its own, not its meta storage's) is an op, ``prim.device``,
-# that every dispatch mode sees: the autograd engine and the fake mode ask it for most ops they run,
-# and in the mixtral-8x7b rehearsal it was 107,000 of a role's 188,000 dispatches. It allocates
-# nothing and computes nothing, so both recorders pass it straight on (:func:`_passes_device`).
-_DEVICE = torch.ops.prim.device.default
-
-
-def _passes_device(tracker: Any) -> Any:
-    """``tracker`` (a ``MemTracker``) with ``prim.device`` passed on untracked (``_DEVICE``): no
-    storage to track, no new peak."""
-    base = type(tracker)
-
-    class PassDevice(base):  # type: ignore[valid-type, misc]
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            if func is _DEVICE:
-                return func(*args, **(kwargs or {}))
-            return base.__torch_dispatch__(self, func, types, args, kwargs)
-
-    tracker.__class__ = PassDevice
-    return tracker
-
-
-class StepRecorder(torch_shim.TorchDispatchMode):
-    """Records collectives (kind, process group, bytes) and FLOPs of every op it sees.
-
-    Steps aside for DTensor ops (``NotImplemented``) so that it sees the local ops and the
-    collectives DTensor issues, at local shapes, never a DTensor op at its global shape.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.events: list[tuple[str, str | None, int]] = []
-        self.p2p: list[list[Any]] = []  # [op, peer (global rank), bytes, tag, label, group], in order (pair_p2p)
-        self.labels: p2p_world.Label | None = None  # the schedule action of a p2p operation (p2p_world)
-        self.flops = 0
-        self.entry_mode: Any = None
-
-    def __enter__(self) -> StepRecorder:
-        self.entry_mode = torch_shim.active_fake_mode()
-        return super().__enter__()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is _DEVICE:  # no collective, no FLOPs (_DEVICE)
-            return func(*args, **(kwargs or {}))
-        if DTensor in types:
-            return NotImplemented
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if torch_shim.active_fake_mode() is not self.entry_mode:
-            return out  # DTensor's sharding propagation (its own fake mode, global shapes): not the program's
-        ev = fidelity.collective_event(func, args)
-        if ev is not None:
-            self.events.append(ev)
-            if ev[0] == "p2p":
-                self.p2p.append(_p2p_record(func, args, ev, self.labels))
-        else:
-            formula = torch_shim.flop_formula(func)
-            if formula is not None:
-                self.flops += int(formula(*args, **kwargs, out_val=out))
-        return out
-
-    def summary(self, axes: Mapping[str, str]) -> dict[str, dict[str, float]]:
-        return fidelity.summarize(self.events, axes)  # type: ignore[return-value]
-
-
-def _p2p_record(func: Any, args: Sequence[Any], ev: tuple[str, str | None, int], labels: Any = None) -> list[Any]:
-    """``[op, peer, bytes, tag, label, group]`` of a ``c10d.send`` / ``c10d.recv_`` (``(tensors, group, peer,
-    tag)``): the peer as a global rank (the op names it by its rank in the group), the label from the
-    runner's schedule (``p2p_world``)."""
-    op = "send" if "send" in str(func) else "recv"
-    peer = int(args[2]) if len(args) > 2 and isinstance(args[2], int) else -1
-    tag = int(args[3]) if len(args) > 3 and isinstance(args[3], int) else 0
-    if ev[1] is not None and peer >= 0:
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        try:
-            peer = dist.get_global_rank(_resolve_process_group(ev[1]), peer)
-        except (RuntimeError, ValueError, KeyError):
-            pass
-    label = labels(op, peer, tag) if labels is not None else p2p_world.OUTSIDE
-    return [op, peer, int(ev[2]), tag, label, str(ev[1] or "")]  # + the group's name: NCCL pairs per group
+# ---- recording (rehearse_record: one dispatch mode records collectives, p2p, FLOPs and memory) ----------
+StepRecorder = rehearse_record.StepRecorder
 
 
 def pair_p2p(results: Mapping[int, RankResult], *, in_order: bool = True) -> dict[int, list[str]]:
@@ -358,7 +277,10 @@ def _measure(
                 p.grad = torch.zeros_like(p)
     opt.step()
     opt.zero_grad()
-    mt = _passes_device(torch_shim.mem_tracker(peak_only=True))  # the step's peak by category; no per-module peaks
+    rec = StepRecorder()
+    rec.labels = labels
+    # one mode: the step's peak by category (no per-module peaks), and what rec records (rehearse_record)
+    mt = rehearse_record.recording_tracker(torch_shim.mem_tracker(peak_only=True), rec)
     mt.track_external(rt.module, opt)
     root = rt.module
 
@@ -367,10 +289,8 @@ def _measure(
             mt.memory_tracking.pop(module, None)
 
     hook = torch.nn.modules.module.register_module_forward_pre_hook(forget_root)
-    rec = StepRecorder()
-    rec.labels = labels
     try:
-        with torch_shim.private_propagation_fake_mode(), mt, rec:
+        with torch_shim.private_propagation_fake_mode(), mt:
             step(1)
     finally:
         hook.remove()
@@ -626,24 +546,40 @@ def _run_process(plan_dir: Path, ranks: Sequence[int], ended: Any = None) -> dic
     cmd = [sys.executable, "-m", "partita.backends.torch.rehearse", str(plan_dir), *map(str, ranks)]
     out: dict[int, RankResult | str] = {}
     last = ""
+
+    def read(lines: Any) -> None:
+        nonlocal last
+        for line in lines:
+            if not line.startswith(_MARK):
+                last = line.strip() or last
+                continue
+            d = json.loads(line[len(_MARK) :])
+            rank = int(d["rank"])
+            out[rank] = d["failure"] if "failure" in d else RankResult(**d)
+            if ended is not None:
+                ended(rank, out[rank])
+
     with tempfile.TemporaryFile("w+") as err:
-        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env) as proc:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                if not line.startswith(_MARK):
-                    last = line.strip() or last
-                    continue
-                d = json.loads(line[len(_MARK) :])
-                rank = int(d["rank"])
-                out[rank] = d["failure"] if "failure" in d else RankResult(**d)
-                if ended is not None:
-                    ended(rank, out[rank])
+        server = os.environ.get(SERVER_ENV, "")
+        rfd, wfd = os.pipe()
+        sock = ask_server(server, (str(plan_dir), list(ranks)), env, (wfd, err.fileno())) if server else None
+        os.close(wfd)
+        if sock is not None:  # a test run's rehearsal server forks the same body (rehearse_server)
+            with os.fdopen(rfd) as lines:
+                read(lines)
+            code = server_exit_code(sock)
+        else:
+            os.close(rfd)
+            with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env) as proc:
+                assert proc.stdout is not None
+                read(proc.stdout)
+            code = proc.returncode
         err.seek(0)
         stderr = err.read()
     for r in ranks:
         if r not in out:
-            tail = stderr.strip().splitlines()[-1:] or ([last] if last else []) or [f"exit {proc.returncode}"]
-            out[r] = f"the rehearsal of rank {r} died (exit {proc.returncode}): {tail[0][:300]}"
+            tail = stderr.strip().splitlines()[-1:] or ([last] if last else []) or [f"exit {code}"]
+            out[r] = f"the rehearsal of rank {r} died (exit {code}): {tail[0][:300]}"
             if ended is not None:
                 ended(r, out[r])
     return out
@@ -666,7 +602,7 @@ def _child(plan_dir: str, ranks: Sequence[int]) -> int:
         for rank in ranks:
             _play(program, rank)
         return 0
-    resolve_model(program.PROGRAM["model"])  # the model's library imported once, before the forks
+    _import_once(resolve_model(program.PROGRAM["model"]))  # the imports every role makes, once, before the forks
     jobs = num_jobs(len(ranks))
     waiting = list(ranks)
     running: dict[int, tuple[int, str]] = {}  # pid -> (rank, its result file)
@@ -695,6 +631,67 @@ def _child(plan_dir: str, ranks: Sequence[int]) -> int:
                 line = _json({"rank": rank, "failure": f"the rehearsal of rank {rank} died (exit {code})"})
             print(_MARK + line, flush=True)
     return 0
+
+
+def _import_once(handle: Any) -> None:
+    """Make, in the process that forks the roles, the imports each role makes: the model's classes (its meta
+    build: ``zoo._hf_model`` imports six Hugging Face model modules), ``transformers.masking_utils`` (with
+    dynamo: ``unpacked_sequences``), ``torch.distributed.pipelining`` and the memory tracker. A
+    forked role made them all again: 56% of a gpt2-tiny role's CPU. Nothing is kept: no process group, no
+    tensor (meta), so each role still starts from the clean state ``run_roles`` forks for. A model that does
+    not build on meta here is left to its roles (``materialize.build_stage`` falls back, or reports)."""
+    import torch.distributed.pipelining  # noqa: F401
+
+    torch_shim.mem_tracker(peak_only=True)  # (its module)
+
+    with materialize.unpacked_sequences():
+        pass
+    if handle is not None:  # (rehearse_server: no model yet)
+        with contextlib.suppress(Exception):  # an import cache warmed, not a check: a failure is the role's to report
+            handle.build("meta")
+
+
+SERVER_ENV = "PARTITA_REHEARSE_SERVER"  # the socket of a rehearsal server (rehearse_server), where one runs
+
+
+def ask_server(path: str, job: tuple[str, list[int]], env: dict[str, str], fds: tuple[int, int]) -> Any:
+    """Send a rehearsal (plan directory, ranks) to the rehearsal server at ``path`` (``rehearse_server``), to
+    run in ``env`` and this working directory with ``fds`` as its stdout and stderr: the connected socket
+    (read the exit code with :func:`server_exit_code`), or None when no server answers there (the caller
+    starts a process itself)."""
+    import json
+    import os
+    import socket
+    import struct
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+        body = json.dumps({"plan_dir": job[0], "ranks": job[1], "cwd": os.getcwd(), "env": env})
+        socket.send_fds(sock, [struct.pack("!I", len(body)) + body.encode()], list(fds))
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
+def server_exit_code(sock: Any) -> int:
+    """The exit code of the rehearsal sent on ``sock`` (1 when the server went away without one)."""
+    import struct
+
+    with sock:
+        data = _read_n(sock, 4)
+    return struct.unpack("!i", data)[0] if len(data) == 4 else 1
+
+
+def _read_n(sock: Any, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            break
+        out += chunk
+    return out
 
 
 def num_jobs(num_roles: int) -> int:
