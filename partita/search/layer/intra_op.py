@@ -63,7 +63,7 @@ from partita.search.layer.ilp import IlpStats
 from partita.search.layer.layer_strategies import TP_STYLES, needs_grad, saved_plan_of, strategies_of
 from partita.search.layer.program_traits import program_fusion, program_width
 from partita.search.layer.reshard import Layout, grad_requirement, reshard_steps, shard_dim, shard_factor
-from partita.search.layer.saved import SavedPlan, freed_at_b
+from partita.search.layer.saved import SavedPlan, freed_at_b, stacked_low_grad
 from partita.search.layer.strategies import Strategy, linear_operands, routed_rows
 from partita.search.pricing import fp8, gemm
 from partita.search.pricing.cost_model import CostModel, program_state_bytes
@@ -431,8 +431,10 @@ class _LayerProblem:
         one backward pass, peaked 5.40 GiB over what it held before (priced 5.25); tp 4 (2 experts),
         a deferred W: 1.31 GiB over the gradients (priced 1.31)."""
         moe = n.attrs.get("moe")
-        if not moe or moe.get("role") != "weight" or s.tp_role != "expert" or not grad_bytes:
+        if not moe or moe.get("role") != "weight" or not grad_bytes:
             return 0.0, 0.0
+        if s.tp_role != "expert":  # the whole stack's gradient in the compute dtype (saved.stacked_low_grad)
+            return stacked_low_grad(grad_bytes, self.state_bytes[1], self.saved[0].low if self.saved else 4.0)
         local = max(1.0, float(moe["num_experts"]) / shard_factor(s.in_layouts[0], self.mesh))
         return 2.0 * grad_bytes, grad_bytes * (1.0 + 1.0 / local)
 
