@@ -81,7 +81,7 @@ def _rehearses(item: pytest.Item) -> bool:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    from partita.backends.torch.rehearse import SERVER_ENV
+    from partita.backends.torch.rehearse import SERVER_ENV, SERVER_PATH_ENV
 
     if _SERVER or not hasattr(os, "fork") or SERVER_ENV in os.environ:
         return
@@ -94,6 +94,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     _SERVER["proc"] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env)
     _SERVER["dir"] = where
     os.environ[SERVER_ENV] = path  # until it listens, a rehearsal starts its own process (request)
+    os.environ[SERVER_PATH_ENV] = env.get("PYTHONPATH", "")  # a caller on another PYTHONPATH starts its own
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -104,4 +105,5 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         proc.terminate()
         proc.wait()
         os.environ.pop("PARTITA_REHEARSE_SERVER", None)
+        os.environ.pop("PARTITA_REHEARSE_SERVER_PYTHONPATH", None)
         shutil.rmtree(_SERVER.pop("dir"), ignore_errors=True)

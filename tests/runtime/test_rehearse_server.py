@@ -38,6 +38,7 @@ def test_server_rehearses_what_a_fresh_process_rehearses(tmp_path: Path, monkeyp
     socket_path = str(tmp_path / "socket")
     # no server answers there yet: the rehearsal starts its own process (request gives None)
     monkeypatch.setenv(rehearse.SERVER_ENV, socket_path)
+    monkeypatch.setenv(rehearse.SERVER_PATH_ENV, os.environ.get("PYTHONPATH", ""))  # started on this path
     assert rehearse.ask_server(socket_path, (str(plan_dir), [0]), dict(os.environ), (1, 2)) is None
     fresh = _results(plan_dir)
     cmd = [sys.executable, "-m", "partita.backends.torch.rehearse_server", socket_path]
@@ -63,3 +64,13 @@ def test_server_rehearses_what_a_fresh_process_rehearses(tmp_path: Path, monkeyp
             server.terminate()
     assert served == fresh
     assert served[0]["p2p"] and served[0]["flops"] > 0 and served[0]["peak_memory_bytes"] > 0
+
+
+def test_a_caller_on_another_pythonpath_starts_its_own_process() -> None:
+    """The server's forks keep its ``sys.path``: a rehearsal whose environment adds a directory (the fp8
+    tests hand torchao's to their subprocesses) is not sent there. Failed as the fp8 rehearsal's "torchao
+    cannot be imported" when every caller was sent to the server."""
+    base = {rehearse.SERVER_ENV: "/tmp/sock", rehearse.SERVER_PATH_ENV: "/a"}
+    assert rehearse.server_for({**base, "PYTHONPATH": "/a"}) == "/tmp/sock"
+    assert rehearse.server_for({**base, "PYTHONPATH": "/a:/fp8-site"}) == ""
+    assert rehearse.server_for({"PYTHONPATH": "/a"}) == ""  # no server at all

@@ -560,7 +560,7 @@ def _run_process(plan_dir: Path, ranks: Sequence[int], ended: Any = None) -> dic
                 ended(rank, out[rank])
 
     with tempfile.TemporaryFile("w+") as err:
-        server = os.environ.get(SERVER_ENV, "")
+        server = server_for(env)
         rfd, wfd = os.pipe()
         sock = ask_server(server, (str(plan_dir), list(ranks)), env, (wfd, err.fileno())) if server else None
         os.close(wfd)
@@ -652,6 +652,17 @@ def _import_once(handle: Any) -> None:
 
 
 SERVER_ENV = "PARTITA_REHEARSE_SERVER"  # the socket of a rehearsal server (rehearse_server), where one runs
+SERVER_PATH_ENV = "PARTITA_REHEARSE_SERVER_PYTHONPATH"  # the PYTHONPATH that server was started with
+
+
+def server_for(env: dict[str, str]) -> str:
+    """The rehearsal server's socket for a rehearsal run in ``env``, or "" (start a process): only where
+    ``env``'s PYTHONPATH is the one the server started with, since its forks keep the server's
+    ``sys.path`` (a caller that adds a directory, as the fp8 tests add torchao's, needs a fresh process)."""
+    server = env.get(SERVER_ENV, "")
+    if server and env.get("PYTHONPATH", "") != env.get(SERVER_PATH_ENV, ""):
+        return ""
+    return server
 
 
 def ask_server(path: str, job: tuple[str, list[int]], env: dict[str, str], fds: tuple[int, int]) -> Any:
