@@ -187,7 +187,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from partita.gc_freeze import frozen_heap
 
     _check_cache_dir(cache_dir())
-    with frozen_heap(process_ends=True):  # the collector off the imports and the model (partita/gc_freeze.py)
+    # the collector off the imports and the model (partita/gc_freeze.py); left frozen only by the command itself
+    with frozen_heap(process_ends=_MAIN_PID == [os.getpid()]):
         result = compile_to_dir(
             model,
             cluster,

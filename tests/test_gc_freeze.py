@@ -70,3 +70,16 @@ def test_process_ends_keeps_frozen_and_own_freeze_respected() -> None:
         settle()
         assert gc.get_freeze_count() == frozen
     assert gc.get_freeze_count() == frozen
+
+
+def test_an_in_process_cli_compile_leaves_nothing_frozen(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``cli.main([...])`` called in a process (the tests, a user's script) leaves the heap as it was; only
+    the ``partita`` command, whose process ends next, keeps it frozen. Failed once the CLI froze for every
+    caller: a later compile in the same test worker found the heap frozen and froze nothing itself."""
+    from partita import cli
+
+    monkeypatch.setenv("PARTITA_CACHE_DIR", str(tmp_path / "cache"))
+    assert gc.get_freeze_count() == 0
+    argv = ["compile", "mlp", "--cluster", "4xCPU", "--global-batch", "16", "--seq", "32", "--out", str(tmp_path / "o")]
+    assert cli.main([*argv, "--json"]) == 0
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
