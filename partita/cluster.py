@@ -26,7 +26,7 @@ Three ways to name a cluster (:func:`parse_cluster`):
       - {name: MI250, peak_tflops: {bf16: 362}, memory_GB: 64, hbm_GBps: 3277}
 
 Shipped calibration (:data:`SHIPPED_PROFILES`, ``partita/data``) is applied to the preset device
-types that have one (A100) unless turned off (``calibrated=False``, ``PARTITA_CALIBRATION=off``,
+types that have one (A100, H100, H200) unless turned off (``calibrated=False``, ``PARTITA_CALIBRATION=off``,
 ``partita ... --no-calibration``, or ``profile: none`` on a node group); the plan's cluster record
 names it per group (``calibration``).
 
@@ -160,11 +160,15 @@ REFERENCE_NODES: dict[str, ReferenceNode] = {
 # Calibration profiles shipped in ``partita/data`` and applied by default to these device types
 # (``device_type(..., calibrated=True)``); ``PARTITA_CALIBRATION=off``, ``--no-calibration`` or a
 # node's ``profile: none`` turns them off. The A100 profile was fitted on measured Megatron-LM runs
-# on A100-80G (``bench/costmodel_accuracy.py``); A100-40G is the same chip with less HBM.
+# on A100-80G (``bench/costmodel_accuracy.py``); A100-40G is the same chip with less HBM. The H100 profile
+# was fitted on published H100 runs (``bench/h100_calibration.py``, judged by ``bench/published.py``'s
+# leave-one-source-out); H200 is the same die (132 SMs, the same dense peak) with more and faster HBM.
 SHIPPED_PREFIX = "partita:"
 SHIPPED_PROFILES: dict[str, str] = {
     "A100-80G": SHIPPED_PREFIX + "a100_megatron_calibration.json",
     "A100-40G": SHIPPED_PREFIX + "a100_megatron_calibration.json",
+    "H100-80G": SHIPPED_PREFIX + "h100_calibration.json",
+    "H200": SHIPPED_PREFIX + "h100_calibration.json",
 }
 DATA_DIR = Path(__file__).parent / "data"
 

@@ -157,7 +157,8 @@ def test_shipped_a100_calibration_is_applied_by_default_and_can_be_turned_off(tm
     assert on.to_dict()["groups"][0]["calibration"] == dev.profile
     assert CostModel.for_device(dev).efficiency != Efficiency()  # the fitted factors, not the defaults
     assert parse_cluster("8xA100-40G").groups[0].device.profile == dev.profile  # same chip, applies_to
-    assert parse_cluster("8xH100-80G").groups[0].device.profile == ""  # no shipped profile
+    assert parse_cluster("8xV100-32G").groups[0].device.profile == ""  # no shipped profile
+    assert parse_cluster("8xH100-80G").groups[0].device.profile == "partita:h100_calibration.json"  # its own
     off = parse_cluster("16xA100-80G", calibrated=False)
     assert off.groups[0].device.profile == "" and off.fingerprint() != on.fingerprint()
     assert CostModel.for_device(off.groups[0].device).efficiency == Efficiency()

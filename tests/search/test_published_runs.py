@@ -77,3 +77,19 @@ def test_source_subset_refuses_an_unknown_source_and_writes_nothing(capsys) -> N
         published.main(["--source", "nosuchsource"])
     assert e.value.code == 2 and "mosaicml" in capsys.readouterr().err
     assert (published.OUT.stat().st_mtime if published.OUT.exists() else None) == before
+
+
+def test_leave_one_source_out_starts_h100_from_the_preset_not_from_a_profile_fitted_on_these_rows() -> None:
+    """The shipped H100 profile is fitted on this table (``bench/h100_calibration.py``): a held-out source's
+    prediction must not start from factors fitted on it. The A100 profile (fitted on the 109-row Megatron
+    set, another data set) stays the A100 start; neither start fits the gradient-sync overlap, which is the
+    program's (``published.SYNC_AFTER_BACKWARD``)."""
+    from partita.cluster import parse_cluster
+    from partita.search.pricing.cost_model import CostModel, Efficiency
+
+    assert published.start_efficiency("H100-80G") == Efficiency()
+    assert published.start_efficiency("H200") == Efficiency()
+    a100 = CostModel.for_device(parse_cluster("8xA100-80G").groups[0].device).efficiency
+    assert published.start_efficiency("A100-40G") == a100 != Efficiency()
+    assert "comm_overlap" not in published.CANDIDATES
+    assert published.SYNC_AFTER_BACKWARD == {"megatron-lm"}
