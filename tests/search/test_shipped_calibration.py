@@ -4,9 +4,11 @@ The A100 profile was fitted on Megatron-DeepSpeed runs, which all-reduce the gra
 backward; fitted as the device's ``comm_overlap`` = 0 it priced every FSDP (ZeRO-2/3) reduce-scatter on an
 A100 exposed after the backward, although FSDP (llm-foundry's, Partita's FSDP2) reduce-scatters each unit's
 gradients inside it: MosaicML's A100-40G rows came out 3-12% too slow, the 70B one mostly in that tail.
-The benches now price Megatron's after-backward sync as the program's (``SolverCosts.flat_sync``), and no
-shipped profile carries a ``comm_overlap`` of its own. H100-80G and H200 ship the H100 profile
-(``bench/h100_calibration.py``), fitted on published H100 rows.
+Now the benches price Megatron's after-backward sync as the program's (``bench/published.py``:
+``SolverCosts.flat_sync``; ``bench/costmodel_accuracy.py``: the fitted value recorded under the profile's
+``program``, which prices only its rows), and no shipped profile's ``efficiency`` carries a ``comm_overlap``
+of its own. H100-80G and H200 ship the H100 profile (``bench/h100_calibration.py``), fitted on published
+H100 rows.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ def test_shipped_profiles_leave_the_gradient_sync_overlap_to_the_program(device:
     dev = parse_cluster(f"8x{device}").groups[0].device
     assert dev.profile == SHIPPED_PROFILES[device]
     assert CostModel.for_device(dev).efficiency.comm_overlap == Efficiency().comm_overlap
+    program = json.loads(profile_path(dev.profile).read_text()).get("program", {}).get("factors", {})
+    assert set(program) <= {"comm_overlap"}  # what a program fitted with the device factors keeps apart
 
 
 def test_fsdp_reduce_scatter_hides_under_the_backward_on_a_calibrated_a100() -> None:
