@@ -366,8 +366,10 @@ def main(argv: list[str] | None = None) -> dict:
 
         used = CostModel.for_device(parse_cluster("8xA100-80G").groups[0].device).efficiency
     else:
-        used = eff
+        used = device_only
+    # the device factors the CLI applies, and apart from them the program factors that priced these rows
     res["shipped"]["profile"] = {k: getattr(used, k) for k in CANDIDATES}
+    res["shipped"]["program"] = program_factors() if args.no_write_profile else profile["program"]["factors"]
     if args.no_write_profile:  # what a refit on all rows would ship (not shipped: --no-write-profile)
         res["shipped"]["refit_profile"] = {k: getattr(eff, k) for k in CANDIDATES}
 
