@@ -282,10 +282,12 @@ def plan_handle(
     key: str | None = None,
     graph: Graph | None = None,
     store: bool = True,
+    took: tuple[float, float] = (0.0, 0.0),
 ) -> CachedPlan:
     """The plan for ``handle`` on ``cluster``: a cache hit when the key matches (no trace), else
     trace + search, written to the cache. Used by :func:`compile_to_dir` and ``partita.parallelize``.
-    ``graph``: the traced graph when the caller has it already (a stored trace); ``handle`` is then unused."""
+    ``graph``: the traced graph when the caller has it already (a stored trace, a child's trace);
+    ``handle`` is then unused and ``took`` is what getting it took (wall, CPU seconds)."""
     t0 = time.perf_counter()
     cl = parse_cluster(cluster) if isinstance(cluster, str) else cluster
     _check_training(training)
@@ -312,7 +314,7 @@ def plan_handle(
         _refuse_batch_stats(graph)
         settle()  # the trace's garbage cycles collected, the graph frozen: the search's collections scan its own objects
         traced = Traced(handle, graph, 0.0)
-        traced.trace_time_s = time.perf_counter() - t0
+        traced.trace_time_s = time.perf_counter() - t0 + took[0]
         c1 = _cpu_s()
         if progress:
             blocks = graph.meta.get("traced_blocks")
@@ -327,7 +329,7 @@ def plan_handle(
     timings = {
         "trace_time_s": round(traced.trace_time_s, 3),
         "search_time_s": round(planned.search_time_s, 3),
-        "trace_cpu_s": round(c1 - c0, 3),
+        "trace_cpu_s": round(c1 - c0 + took[1], 3),
         "search_cpu_s": round(c2 - c1, 3),
     }
     return CachedPlan(planned.plan, False, key, cached, time.perf_counter() - t0, timings)
@@ -403,6 +405,10 @@ def _compile_to_dir(
     graph = stored_graph(model, training.seq_len, ident)
     load_s, load_cpu_s = time.perf_counter() - t1, time.process_time() - c1
     handle = None
+    if graph is None and ident is not None and not _is_factory_spec(model):
+        from partita.trace_child import named_trace  # in a child, the search imported beside it
+
+        graph, load_s, load_cpu_s = named_trace(model, training.seq_len, TRACE_BATCH, progress) or (None, 0.0, 0.0)
     if graph is None:
         from partita.models import resolve_model
 
@@ -410,10 +416,10 @@ def _compile_to_dir(
             handle = resolve_model(model)
     key = cache_key(handle, cl, training, ident)
     # a searched torch plan carries its tp roles (Stage.tp_plan): emitting it imports no torch either
-    got = plan_handle(handle, cl, training, force=force, progress=progress, key=key, graph=graph, store=False)
-    if graph is not None and not got.cache_hit:  # the trace was the stored graph's load
-        got.timings["trace_time_s"] = round(got.timings["trace_time_s"] + load_s, 3)
-        got.timings["trace_cpu_s"] = round(got.timings["trace_cpu_s"] + load_cpu_s, 3)
+    took = (load_s, load_cpu_s) if graph is not None else (0.0, 0.0)  # the stored graph's load, the child's trace
+    got = plan_handle(
+        handle, cl, training, force=force, progress=progress, key=key, graph=graph, store=False, took=took
+    )
     done = _write_outputs(
         got.plan,
         model,

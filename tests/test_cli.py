@@ -128,11 +128,15 @@ def test_child_process_quieting_is_undone(monkeypatch) -> None:
 
 
 def _torch_loaded(pid: int) -> bool:
-    """Whether process ``pid`` has torch's library mapped (it imports torch only once inside a command)."""
+    """Whether process ``pid`` or a process it forked has torch's library mapped (a command imports torch
+    only once inside its work: a cold compile in the child that traces, ``partita/trace_child.py``)."""
     try:
-        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+        if "libtorch" in Path(f"/proc/{pid}/maps").read_text():
+            return True
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     except OSError:
         return False
+    return any(_torch_loaded(int(c)) for c in children)
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux /proc to see what the command loaded")
@@ -151,7 +155,8 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path) -> None:
     )
     # Not a fixed delay: under a full suite's load a SIGINT sent at 6 s could land while the interpreter was
     # still starting (Python's own startup, before `main` handles Ctrl-C: a traceback, or the signal lost and
-    # the compile going on to exit 0). Signal once the command is inside its work: torch mapped (tracing).
+    # the compile going on to exit 0). Signal once the command is inside its work: torch mapped (tracing, in
+    # the command or the child it traces in: the SIGINT goes to the command, which ends that child).
     deadline = time.monotonic() + 300
     while p.poll() is None and time.monotonic() < deadline and not _torch_loaded(p.pid):
         time.sleep(0.05)

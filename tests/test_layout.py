@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("profile",),
     ("report",),
     ("outputs", "run_checks", "progress", "fingerprint", "cli_checks", "gc_freeze"),
-    ("driver", "api", "cli", ""),  # "" = the package root (partita/__init__.py)
+    ("driver", "trace_child", "api", "cli", ""),  # "" = the package root (partita/__init__.py)
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 MAX_LINES = 800

@@ -7,7 +7,7 @@ layer kind), runs the stage DP of ``inter_op.py`` and keeps the best plans; the 
 as a :class:`~partita.plan.Plan` with its runners-up and why they lost. Before the loop the layer
 ILPs are solved (``search/entry/prefetch.py``, in worker processes where it pays); the zero-bubble
 loop runs beside the others there, and each schedule skips what cannot beat its own bar
-(:func:`_schedule_loop`, ``search/pipeline/step_bounds.py``).
+(:func:`loops.schedule_loop`, ``search/pipeline/step_bounds.py``).
 
 Families of stage options (pruning rules R3-R6 are in ``inter_op``'s docstring):
 
@@ -43,6 +43,8 @@ from partita.plan import Plan, shards_on_tp
 from partita.search.entry import choices
 from partita.search.entry import prefetch as beside
 from partita.search.entry.infeasible import check_states_fit, infeasible
+from partita.search.entry.loops import Extras, schedule_loop
+from partita.search.entry.loops import beside as _beside
 from partita.search.entry.prefetch import in_background, prefetch
 from partita.search.pipeline import schedule as sched
 from partita.search.pipeline import schedule_cost
@@ -84,11 +86,6 @@ def layer_units(num_layers: int, max_units: int) -> list[tuple[int, int]]:
         return [(i, i + 1) for i in range(num_layers)]
     g = math.ceil(num_layers / max_units)
     return [(a, min(a + g, num_layers)) for a in range(0, num_layers, g)]
-
-
-def _third(steps: list[float]) -> float:
-    """The third smallest of ``steps`` (inf while there are fewer)."""
-    return sorted(steps)[2] if len(steps) >= 3 else math.inf
 
 
 def _pure_tables(s: Search, configs: list[tuple[int, int]]) -> list[tuple[DeviceType, int, int]]:
@@ -621,65 +618,16 @@ def _plan_one(
     # the zero-bubble configurations (the costliest) beside the others, where there are others
     here = [s for s in schedules if not sched.splits_backward(s)] or schedules
     there = [s for s in schedules if s not in here]
+    extras = Extras(yardstick, here=bool(there))
     side = in_background(
-        functools.partial(_beside, search, configs, there, chunks, yardstick), solves >= beside.MIN_SOLVES
+        functools.partial(_beside, search, configs, there, chunks, extras.beside()), solves >= beside.MIN_SOLVES
     )
     try:
-        plan, rec = _search(search, configs, here, chunks, say, side, t0, cp)
+        plan, rec = _search(search, configs, here, chunks, say, side, t0, cp, extras)
     except BaseException:
         side.cancel()
         raise
     return plan if rec is None else dataclasses.replace(plan, search={**plan.search, "best_hand_layout": rec})
-
-
-def _schedule_loop(
-    search: Search, configs: list[tuple[int, int]], schedule: str, chunks: bool
-) -> tuple[list[Candidate], list[str]]:
-    """Every configuration of one schedule: its candidates and the progress lines. Rule R6 skips
-    what cannot beat a step its candidates must beat to matter, read off this schedule's own
-    candidates only (so the schedules are searched apart, in any order, with the same results):
-    its best (the report compares the schedules' bests); where interleaved 1F1B is searched, its
-    third best (the interleaved bases are the best three of all, and the third best of all is no
-    worse); for ZB-H1 where ZB-V is, its third best multi-stage candidate (``_zbv_bases``)."""
-    options = search.options
-    own: list[Candidate] = []
-    lines = []
-    best = math.inf
-    for dp, b in configs:
-        bar = best
-        if "interleaved_1f1b" in options.schedules and chunks:
-            bar = max(bar, _third([c.step_time for c in own]))
-        if schedule == "zb_h1" and "zbv" in options.schedules and chunks:
-            bar = max(bar, _third([c.step_time for c in own if len(c.stages) > 1]))
-        search.num_configs += 1
-        found = _solve_schedule(search, dp, b, schedule, bar)
-        own.extend(found)
-        if found:
-            best = min(best, *(c.step_time for c in found))
-            lines.append(f"dp={dp} b={b} {schedule}: {min(c.step_time for c in found):.4f} s")
-    return own, lines
-
-
-def _beside(
-    search: Search, configs: list[tuple[int, int]], schedules: list[str], chunks: bool, yardstick: Any
-) -> tuple[str, Any, list[Candidate], list[str], DPStats, int]:
-    """What :func:`plan_graph` computes beside its search: the graph's hash (the plan records it), the
-    yardstick's record, and the loops of ``schedules`` with what they added to ``search``'s counts
-    (which are put back: the caller adds them, in a worker or not)."""
-    stats, num = dataclasses.replace(search.stats), search.num_configs
-    cands: list[Candidate] = []
-    lines: list[str] = []
-    for schedule in schedules:
-        got, said = _schedule_loop(search, configs, schedule, chunks)
-        cands += got
-        lines += said
-    delta = DPStats(
-        **{f.name: getattr(search.stats, f.name) - getattr(stats, f.name) for f in dataclasses.fields(stats)}
-    )
-    added = search.num_configs - num
-    search.stats, search.num_configs = stats, num
-    rec = None if yardstick is None else yardstick(search.training)
-    return search.graph.hash(), rec, cands, lines, delta, added
 
 
 def _search(
@@ -691,16 +639,20 @@ def _search(
     side: Any,
     t0: float,
     cp: int = 1,
+    extras: Extras | None = None,
 ) -> tuple[Plan, Any]:
     """:func:`plan_graph`'s outer loop and what follows it; ``(plan, yardstick record)``."""
     options = search.options
     cands: list[Candidate] = []
     for schedule in schedules:
-        got, lines = _schedule_loop(search, configs, schedule, chunks)
+        got, lines = schedule_loop(search, configs, schedule, chunks)
         cands += got
         for line in lines:
             say(line)
+    mine = extras(search) if extras is not None and extras.here else None
     graph_hash, rec, there, lines, delta, added = side()
+    if mine is not None:
+        graph_hash, rec = mine
     for c in there:
         c.search = search  # (sent without it)
     cands += there
@@ -789,10 +741,3 @@ def _zbv_bases(search: Search, cands: list[Candidate]) -> list[Candidate]:
                 if search.training.global_batch % (b * dp) == 0:
                     zb += [c for c in solve_zero_bubble(search, dp, b, "zb_h1") if len(c.stages) > 1]
     return sorted(zb, key=lambda c: c.step_time)[:3]
-
-
-def _solve_schedule(search: Search, dp: int, b: int, schedule: str, incumbent: float) -> list[Candidate]:
-    """One outer configuration; zero-bubble schedules (issue 19) search as ``search/pipeline/zero_bubble.py`` says."""
-    if not sched.splits_backward(schedule):
-        return search.solve_config(dp, b, schedule, incumbent=incumbent)
-    return solve_zero_bubble(search, dp, b, schedule, incumbent)

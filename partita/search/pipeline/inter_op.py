@@ -166,6 +166,9 @@ def _bands(p: StageProblem, by_seg: list[list[_Table]], t_max: float) -> list[li
     return out
 
 
+_MIN = np.minimum.reduce  # ndarray.min without its Python wrapper (the same floats)
+
+
 def _masked(x: np.ndarray, t_max: float) -> np.ndarray:
     return x if t_max == INF else np.where(x <= t_max, x, INF)
 
@@ -258,7 +261,7 @@ def _run(p: StageProblem, t_max: float, chain: float = 0.0, lead: float = 1.0) -
                     cand = (x if lead == 1.0 else lead * x) + prev[None, : nk + 1, : lim + 1 - w]
                     if chain:
                         np.maximum(cand, chain * x, out=cand)
-                    cand = cand.min(axis=1)
+                    cand = _MIN(cand, axis=1)
                 else:  # cand[k] = min_d diag[k, d] + G[s - 1][k + 1 + d]
                     d = pm.diag()[:nk, :width, s]
                     if pm.mask_at != INF:
@@ -267,7 +270,7 @@ def _run(p: StageProblem, t_max: float, chain: float = 0.0, lead: float = 1.0) -
                     cand = (x if lead == 1.0 else lead * x) + win[:, :width, : lim + 1 - w]
                     if chain:
                         np.maximum(cand, chain * x, out=cand)
-                    cand = cand.min(axis=1)  # [U - s + 1, lim + 1 - w]
+                    cand = _MIN(cand, axis=1)  # [U - s + 1, lim + 1 - w]
                 np.minimum(cur[:nk, w : lim + 1], cand, out=cur[:nk, w : lim + 1])
             if lim < cap:
                 cur[:nk, lim + 1 :] = cur[:nk, lim, None]

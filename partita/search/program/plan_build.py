@@ -54,7 +54,7 @@ class Candidate:
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled without its search (a worker sends candidates to the process that has it:
-        ``planner._beside``), which the receiver sets back."""
+        ``loops.beside``), which the receiver sets back."""
         return {**self.__dict__, "search": None}
 
     def _arr(self, i: int) -> Any:
