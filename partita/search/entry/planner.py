@@ -39,7 +39,7 @@ from partita.cluster import Cluster, DeviceType
 from partita.device_reserve import tensor_cap
 from partita.errors import ConfigError
 from partita.ir import Graph
-from partita.plan import Plan, shards_on_tp
+from partita.plan import Plan, chunks_per_rank, shards_on_tp
 from partita.search.entry import choices
 from partita.search.entry import prefetch as beside
 from partita.search.entry.infeasible import check_states_fit, infeasible
@@ -259,6 +259,7 @@ class Search:
         p2p_mult: int,
         num_micro_batches: int | None = None,  # StageParts.memory: gradients live at the activation peak or not
         split_backward: bool = False,  # a zero-bubble schedule: W's gradient copy (stage_cost.static_memory)
+        chunked: bool = False,  # model chunks per rank group (interleaved v > 1, zbv): the flat ZeRO-0 sync
     ) -> tuple[list, list[tuple[int, str]], np.ndarray] | None:
         """Per combo arrays for a device class, the combos, and their times (inf where a combo does
         not fit on every device of the class) stacked ``[C, U, U+1, S+1]``."""
@@ -285,7 +286,11 @@ class Search:
                 p2p = scatter_gather_p2p(p2p, tp, dev, cm)
             kinds = ("all_reduce", "reduce_scatter", "all_gather")
             prices.append((p2p, *(affine(cm, kind, link) for kind in kinds)))
-        flat_sync = getattr(self.costs, "flat_sync", False)  # torch program: sync after the schedule
+        # the ZeRO-0 sync as the program runs it (stage_cost.StageCosts.grad_sync): the torch program's buckets
+        # inside the last backward, except with model chunks (one flat all-reduce after the schedule, as JAX)
+        grad_sync = getattr(self.costs, "grad_sync", "flat" if getattr(self.costs, "flat_sync", False) else "overlap")
+        flat_sync = grad_sync == "flat" or (grad_sync == "buckets" and chunked)
+        buckets = grad_sync == "buckets" and not chunked
         terms: dict[tuple, Any] = {}  # stage_parts' terms shared by the combos (per recompute / ZeRO stage)
         for z, r in combos:
             worst: Any = None
@@ -307,6 +312,7 @@ class Search:
                     factors=self.factors,
                     flat_sync=flat_sync,
                     split_backward=split_backward,
+                    buckets=buckets,
                 )
                 a = parts.arrays(in_flight, num_micro_batches)
                 fit = a.memory <= tensor_cap(dev)
@@ -446,6 +452,7 @@ class Search:
                     sched.p2p_multiplier(schedule, v),
                     None if sched.splits_backward(schedule) else m,
                     split_backward=sched.splits_backward(schedule),
+                    chunked=chunks_per_rank(schedule, v) > 1,
                 )
                 if got is None:
                     continue
