@@ -57,7 +57,7 @@ from partita.search.pipeline.stage_cost import (
     p2p_time_fn,
     scatter_gather_p2p,
 )
-from partita.search.pipeline.stage_ranges import StageParts, stage_parts
+from partita.search.pipeline.stage_ranges import StageParts, stage_parts, sync_mode
 from partita.search.pipeline.step_bounds import (
     area_floor,
     chain_bound,
@@ -286,11 +286,7 @@ class Search:
                 p2p = scatter_gather_p2p(p2p, tp, dev, cm)
             kinds = ("all_reduce", "reduce_scatter", "all_gather")
             prices.append((p2p, *(affine(cm, kind, link) for kind in kinds)))
-        # the ZeRO-0 sync as the program runs it (stage_cost.StageCosts.grad_sync): the torch program's buckets
-        # inside the last backward, except with model chunks (one flat all-reduce after the schedule, as JAX)
-        grad_sync = getattr(self.costs, "grad_sync", "flat" if getattr(self.costs, "flat_sync", False) else "overlap")
-        flat_sync = grad_sync == "flat" or (grad_sync == "buckets" and chunked)
-        buckets = grad_sync == "buckets" and not chunked
+        flat_sync, buckets = sync_mode(self.costs, chunked)  # the ZeRO-0 sync as the program runs it
         terms: dict[tuple, Any] = {}  # stage_parts' terms shared by the combos (per recompute / ZeRO stage)
         for z, r in combos:
             worst: Any = None
@@ -444,16 +440,9 @@ class Search:
                 if tp > cap or not self.same_layout(cls, tp):
                     continue
                 # a split backward (zero bubble) makes the gradients while its W still holds the activations
-                got = self.arrays(
-                    cls,
-                    dp,
-                    tp,
-                    in_flight,
-                    sched.p2p_multiplier(schedule, v),
-                    None if sched.splits_backward(schedule) else m,
-                    split_backward=sched.splits_backward(schedule),
-                    chunked=chunks_per_rank(schedule, v) > 1,
-                )
+                split = sched.splits_backward(schedule)
+                mult, chunked = sched.p2p_multiplier(schedule, v), chunks_per_rank(schedule, v) > 1
+                got = self.arrays(cls, dp, tp, in_flight, mult, None if split else m, split, chunked)
                 if got is None:
                     continue
                 per_combo, combos, stack = got

@@ -345,6 +345,14 @@ def _first_rows(n: int) -> np.ndarray:
     return (np.arange(n) == 0)[:, None]
 
 
+def sync_mode(costs: Any, chunked: bool) -> tuple[bool, bool]:
+    """``(flat_sync, buckets)`` for :func:`stage_parts`: the ZeRO-0 sync as the program runs it
+    (``stage_cost.StageCosts.grad_sync``): the torch program's buckets inside the last backward, except
+    with model chunks (one flat all-reduce after the schedule, as the JAX program's)."""
+    mode = getattr(costs, "grad_sync", "flat" if getattr(costs, "flat_sync", False) else "overlap")
+    return mode == "flat" or (mode == "buckets" and chunked), mode == "buckets" and not chunked
+
+
 def sync_copy(costs: Any, grads: float, dp: int, zero: int, chunked: bool) -> tuple[float, bool]:
     """``(bytes, bucketed)``: the gradient copy of a stage's ZeRO-0 sync at dp > 1 as :func:`stage_parts`
     prices it (``StageParts.grads`` / ``bucketed``), for the stage-level callers (``plan_build``,
@@ -353,9 +361,9 @@ def sync_copy(costs: Any, grads: float, dp: int, zero: int, chunked: bool) -> tu
     ``GRAD_BUCKET_BYTES`` (``Stage.grad_buckets``), another engine's overlapped sync nothing."""
     if dp <= 1 or zero != 0:
         return 0.0, False
-    mode = getattr(costs, "grad_sync", "flat" if getattr(costs, "flat_sync", False) else "overlap")
-    if mode == "flat" or (mode == "buckets" and chunked):
+    flat, buckets = sync_mode(costs, chunked)
+    if flat:
         return float(grads), False
-    if mode == "buckets":
+    if buckets:
         return min(float(grads), float(GRAD_BUCKETS_IN_FLIGHT * GRAD_BUCKET_BYTES)), True
     return 0.0, False
