@@ -100,6 +100,7 @@ def test_bucketed_program_syncs_inside_the_backward(tmp_path: Path) -> None:
     assert got.collectives["all_reduce@dp"]["count"] == n
     assert got.in_backward == {"all_reduce@dp": n}
     assert _sync_problems(plan.stages[0], got) == []
+    assert rehearse.compare_stage(plan.stages[0], [got])["issued_in_backward"] == {"all_reduce@dp": n}  # the table's
 
 
 def test_program_syncing_after_the_schedule_fails_a_plan_that_says_backward(

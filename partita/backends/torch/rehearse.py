@@ -375,6 +375,7 @@ def compare_stage(stage: Stage, results: Sequence[RankResult]) -> dict[str, Any]
         "ranks_rehearsed": [r.rank for r in results],
         "collectives": got,
         "planned_collectives": planned,
+        "issued_in_backward": first.in_backward,  # kind@axis -> count issued while a backward ran (phases)
         "peak_memory_bytes": peak,
         "planned_memory_bytes": planned_mem,
         "memory_by_category": mem_rank.memory_by_category,

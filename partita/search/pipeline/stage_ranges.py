@@ -60,8 +60,8 @@ class StageParts:
     rs_held: np.ndarray | None  # reduce_scatter_in_flight where any, else None
     recompute: str
     flat_copy: bool  # the gradient copy of the program's ZeRO-0 sync at dp > 1 (flat, or its buckets: ``grads``)
-    bucketed: bool  # the copy is the torch program's buckets in flight (Stage.grad_buckets), not a flat copy
     table: UnitTable  # the option's table at its dp and ZeRO stage (what a zero_bubble.HeldCounts reads)
+    bucketed: bool = False  # the copy is the torch program's buckets in flight (Stage.grad_buckets), not a flat one
 
     def arrays(self, in_flight: InFlight, num_micro_batches: int | None) -> StageArrays:
         return StageArrays(self.time, self.memory(in_flight, num_micro_batches), self.tail, self.compute, self.comm)
@@ -275,8 +275,8 @@ def _zero_terms(
     """``flat_sync`` (the JAX program's ZeRO-0 sync): one all-reduce after the schedule, fully exposed, and a
     copy of all the gradients; ``buckets`` (the torch program's, ``Stage.grad_buckets``): the buckets overlap
     the last backward (``exposed = max(sync / n, sync - window)``, as for any overlapped sync) and the copy
-    is the buckets in flight, at most ``GRAD_BUCKETS_IN_FLIGHT * GRAD_BUCKET_BYTES``
-    (``backends/torch/parallel.GradBuckets``); neither: another engine's overlapped sync without a copy."""
+    is the buckets in flight, priced ``GRAD_BUCKETS_IN_FLIGHT * GRAD_BUCKET_BYTES`` (``backends/torch/
+    parallel.GradBuckets``; a bucket's overshoot past the cap, its last parameter, is not counted); neither: another engine's overlapped sync without a copy."""
     r = tab.ranged
     bwd = r("bwd")
     params, grads, opt = r("params"), r("grads"), r("opt")
