@@ -78,7 +78,7 @@ from typing import Any
 from partita.backends.torch import chunks as vchunks
 from partita.backends.torch import launch as torch_launch
 from partita.errors import PartitaError, PlanError
-from partita.plan import GRAD_BUCKET_BYTES, Plan, Stage, shares
+from partita.plan import Plan, Stage, shares
 from partita.search.pipeline.schedule import pipeline_actions, splits_backward
 from partita.search.program import context_parallel as cp_records
 from partita.search.program import records
@@ -363,10 +363,9 @@ def _bucket_lines(plan: Plan, s: Stage, over: str) -> list[str]:
     """``Stage.grad_buckets`` written literally: the parameter names of each bucket, in the order the
     backward finishes them (``backends/torch/grad_buckets.py``)."""
     shr = list(shares(s, plan.micro_batch_size))
-    mib = GRAD_BUCKET_BYTES / 2**20
     lines = [
         f"    # Data parallel, ZeRO-0, {s.dp} replicas with batch shares {shr}: the gradients are all-reduced (SUM) over",
-        f"    # {over} in {len(s.grad_buckets)} bucket(s) of <= {mib:g} MiB of f32 gradients (Stage.grad_buckets), each issued",
+        f"    # {over} in the plan's {len(s.grad_buckets)} bucket(s) (Stage.grad_buckets, below: parameter names), each issued",
         "    # inside the stage's last backward as soon as its gradients are made (post-accumulate-grad hooks),",
         "    # waited for before the optimizer step; losses are weighted by share, so the sum is the mean.",
         "    rt.grad_buckets = tpar.GradBuckets(",
