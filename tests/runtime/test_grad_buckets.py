@@ -8,8 +8,9 @@ What these tests prove (each fails on the code before ``Stage.grad_buckets``):
   first, each bucket but the last at least the cap; their records are one ``all_reduce@dp`` per bucket in
   phase ``backward`` whose bytes add up to the flat sync's;
 * the rehearsal (``rehearse_rank`` in this process, the program's own entry on a fake world): the bucketed
-  program issues every bucket inside the backward and matches the plan; the same program with its hooks
-  made inert (every bucket then issued by ``finish`` after the schedule, as a flat sync would be) fails the
+  program issues every bucket inside the backward and matches the plan, alone and as two pipelined stages
+  (1F1B, ZB-H1); the same program with its hooks made inert (every bucket then issued by ``finish`` after
+  the schedule, as a flat sync would be) fails the
   comparison, naming the phase; the flat program issues its sync outside the backward, and a plan that
   claims it for the backward fails;
 * the search prices what the program runs: the torch program's ZeRO-0 sync overlapped (``stage_ranges``'
@@ -37,7 +38,7 @@ from partita.backends.torch.grad_buckets import GradBuckets
 from partita.errors import PlanError
 from partita.plan import GRAD_BUCKET_BYTES, GRAD_BUCKETS_IN_FLIGHT, Plan
 from partita.search.program import records
-from tests.runtime.plans import BUCKET_TEST_BYTES, _graph, layout
+from tests.runtime.plans import BUCKET_TEST_BYTES, _graph, layout, with_records
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 MODEL = "gpt2-tiny"
@@ -101,6 +102,18 @@ def test_bucketed_program_syncs_inside_the_backward(tmp_path: Path) -> None:
     assert got.in_backward == {"all_reduce@dp": n}
     assert _sync_problems(plan.stages[0], got) == []
     assert rehearse.compare_stage(plan.stages[0], [got])["issued_in_backward"] == {"all_reduce@dp": n}  # the table's
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_pipelined_stages_sync_inside_the_backward(tmp_path: Path, schedule: str) -> None:
+    # two stages of dp 2, 2 micro-batches: the hooks count accumulations through the pipeline runner's actions
+    # (zb_h1: the W actions of a split backward make the weight gradients)
+    plan = with_records(dataclasses.replace(layout(MODEL, "pp_dp_buckets"), schedule=schedule), MODEL)
+    program = _program(tmp_path, plan)
+    for s in plan.stages:
+        got = rehearse.rehearse_rank(program, s.ranks[0])
+        assert len(s.grad_buckets) > 1 and got.in_backward.get("all_reduce@dp") == len(s.grad_buckets)
+        assert _sync_problems(s, got) == []
 
 
 def test_program_syncing_after_the_schedule_fails_a_plan_that_says_backward(
