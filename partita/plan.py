@@ -20,8 +20,8 @@ Vocabulary (Megatron's, so hand-made configurations read the same):
   with every stage in fp8, as its program ran;
 * gradient buckets (issue 32 item 1): ``Stage.grad_buckets`` lists a ZeRO-0 stage's (dp > 1) gradient
   buckets, each a tuple of parameter names in the order the backward finishes them (the model's last
-  layers first), each closed once it holds :data:`GRAD_BUCKET_BYTES` of f32 gradient (DDP's ``bucket_cap_mb=25``,
-  filled as DDP fills its buckets: a bucket may pass the cap by its last parameter, the last bucket is smaller). The
+  layers first), each at most :data:`GRAD_BUCKET_BYTES` of f32 gradient (DDP's ``bucket_cap_mb=25``) or one
+  larger parameter alone (synced in place, without a copy). The
   torch program all-reduces each bucket as soon as the stage's last backward has made all of its
   gradients (``backends/torch/parallel.GradBuckets``). Empty (the default, not written to plan.json): one
   flat all-reduce of all the stage's gradients after the schedule, as every plan before this field;
@@ -58,7 +58,7 @@ from partita.errors import PlanError
 
 PLAN_FORMAT = "partita.plan"
 PLAN_VERSION = 1
-GRAD_BUCKET_BYTES = 25 * 2**20  # Stage.grad_buckets: a bucket closes at this many f32 bytes (DDP bucket_cap_mb)
+GRAD_BUCKET_BYTES = 25 * 2**20  # Stage.grad_buckets: f32 bytes per bucket at most (DDP bucket_cap_mb), or one parameter
 GRAD_BUCKETS_IN_FLIGHT = 2  # bucket copies the program holds at once (parallel.GradBuckets)
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")  # = search.schedule.SCHEDULE_FAMILIES
 RECOMPUTE = ("none", "selective", "full")

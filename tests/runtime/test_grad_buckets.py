@@ -5,7 +5,8 @@ What these tests prove (each fails on the code before ``Stage.grad_buckets``):
 * the plan: ``Stage.grad_buckets`` is written only when set (a plan without it reads and writes byte for
   byte as before and means the flat sync), round-trips, and is refused where the program cannot bucket;
 * the buckets (``records.grad_buckets``): every parameter the stage holds exactly once, the last layer's
-  first, each bucket but the last at least the cap; their records are one ``all_reduce@dp`` per bucket in
+  first, each bucket at most the cap (or one larger parameter alone) and full (the next bucket's first
+  parameter would pass the cap); their records are one ``all_reduce@dp`` per bucket in
   phase ``backward`` whose bytes add up to the flat sync's;
 * the rehearsal (``rehearse_rank`` in this process, the program's own entry on a fake world): the bucketed
   program issues every bucket inside the backward and matches the plan, alone and as two pipelined stages
@@ -83,7 +84,14 @@ def test_buckets_hold_every_parameter_once_last_layer_first() -> None:
     assert names[-1].startswith(("transformer.wte", "transformer.wpe"))  # the embedding's last
     sizes = [c.bytes for c in _dp(s.collectives)]
     assert all(c.phase == "backward" for c in _dp(s.collectives)) and len(sizes) == len(s.grad_buckets)
-    assert all(b >= BUCKET_TEST_BYTES for b in sizes[:-1])
+    numel = records._held_sizes(facts, plan, 0)
+    for k, b in enumerate(s.grad_buckets):
+        assert sizes[k] == 4 * sum(numel[n] for n in b)
+        assert sizes[k] <= BUCKET_TEST_BYTES or len(b) == 1  # within the cap, or one larger parameter alone
+        if k + 1 < len(s.grad_buckets):  # full: the next parameter would have passed the cap
+            assert sizes[k] + 4 * numel[s.grad_buckets[k + 1][0]] > BUCKET_TEST_BYTES
+    big = [b for b in s.grad_buckets if 4 * sum(numel[n] for n in b) > BUCKET_TEST_BYTES]
+    assert big and all(len(b) == 1 for b in big)  # gpt2-tiny's larger matrices: a bucket each, synced in place
     flat = _dp(layout(MODEL, "dp").stages[0].collectives)
     assert [c.phase for c in flat] == ["optimizer"] and sum(sizes) == flat[0].bytes
     assert records.grad_buckets(_graph(MODEL), plan, 0) == (tuple(names),)  # 25 MiB: one bucket at this size

@@ -14,7 +14,8 @@ the step. Every micro-batch's backward on the stage (a plain backward, or the B 
 read twice, GPT-2's tied ``wte`` / ``lm_head``, before its one accumulation), so a parameter's gradient is
 final at its ``num_micro_batches``-th accumulation: in the stage's last backward action, whichever runner
 runs the schedule (``LocalSchedule``, ``TorchPipeline``, ``P2PPipeline``). When every parameter of a
-bucket is final, its gradients are flattened (one copy per dtype), and ``dist.all_reduce(SUM,
+bucket is final, its gradients are flattened (one copy per dtype; a bucket of one parameter, one larger than
+the cap, is synced in place), and ``dist.all_reduce(SUM,
 async_op=True)`` is issued over the stage's replicas, buckets strictly in plan order on every rank (a
 collective's order must agree across ranks). At most ``GRAD_BUCKETS_IN_FLIGHT`` copies are held: issuing
 one more first waits for the oldest and copies it back (on CUDA ``wait`` only orders the compute stream
@@ -138,6 +139,10 @@ class GradBuckets:
         for grads in by_dtype.values():
             while len(self._flight) >= GRAD_BUCKETS_IN_FLIGHT:
                 self._complete(self._flight.pop(0))
+            if len(grads) == 1 and grads[0].is_contiguous():  # one parameter (above the cap): in place, no copy
+                work = dist.all_reduce(grads[0], group=self.group, async_op=True)
+                self._flight.append((work, grads[0], []))
+                continue
             with torch.no_grad():
                 flat = torch.cat([g.reshape(-1) for g in grads])
             work = dist.all_reduce(flat, group=self.group, async_op=True)

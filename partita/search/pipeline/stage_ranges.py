@@ -275,8 +275,8 @@ def _zero_terms(
     """``flat_sync`` (the JAX program's ZeRO-0 sync): one all-reduce after the schedule, fully exposed, and a
     copy of all the gradients; ``buckets`` (the torch program's, ``Stage.grad_buckets``): the buckets overlap
     the last backward (``exposed = max(sync / n, sync - window)``, as for any overlapped sync) and the copy
-    is the buckets in flight, priced ``GRAD_BUCKETS_IN_FLIGHT * GRAD_BUCKET_BYTES`` (``backends/torch/
-    parallel.GradBuckets``; a bucket's overshoot past the cap, its last parameter, is not counted); neither: another engine's overlapped sync without a copy."""
+    is the buckets in flight, at most ``GRAD_BUCKETS_IN_FLIGHT * GRAD_BUCKET_BYTES`` (``backends/torch/
+    parallel.GradBuckets``; a parameter above the cap is a bucket alone, synced in place); neither: another engine's overlapped sync without a copy."""
     r = tab.ranged
     bwd = r("bwd")
     params, grads, opt = r("params"), r("grads"), r("opt")

@@ -241,8 +241,10 @@ def _held_sizes(facts: GraphFacts, plan: Plan, i: int) -> dict[str, int]:
 
 def grad_buckets(graph: Graph, plan: Plan, i: int, cap: float = GRAD_BUCKET_BYTES) -> tuple[tuple[str, ...], ...]:
     """``Stage.grad_buckets`` of stage ``i`` (``plan.py``): its parameters in the order the backward finishes
-    their gradients, cut into buckets of at least ``cap`` f32 bytes (the last one smaller), as DDP fills its
-    buckets; ``()`` where the program syncs flat (dp = 1, ZeRO > 0, model chunks)."""
+    their gradients, cut into buckets of at most ``cap`` f32 bytes, a parameter larger than ``cap`` in a
+    bucket of its own (all-reduced in place, no copy: ``GradBuckets``), so the copies in flight stay within
+    ``GRAD_BUCKETS_IN_FLIGHT * cap`` as priced (``stage_ranges.sync_copy``); ``()`` where the program syncs
+    flat (dp = 1, ZeRO > 0, model chunks)."""
     s = plan.stages[i]
     if (
         s.dp * s.cp < 2
@@ -255,11 +257,11 @@ def grad_buckets(graph: Graph, plan: Plan, i: int, cap: float = GRAD_BUCKET_BYTE
     bucket: list[str] = []
     nbytes = 0
     for name, n in _held_sizes(GraphFacts(graph), plan, i).items():
-        bucket.append(name)
-        nbytes += F32 * n
-        if nbytes >= cap:
+        if bucket and nbytes + F32 * n > cap:  # full: this parameter starts the next one
             out.append(tuple(bucket))
             bucket, nbytes = [], 0
+        bucket.append(name)
+        nbytes += F32 * n
     if bucket:
         out.append(tuple(bucket))
     return tuple(out)
