@@ -18,6 +18,13 @@ Vocabulary (Megatron's, so hand-made configurations read the same):
   trains in ``training.dtype`` (a mixed cluster's types without FP8 tensor cores). Not written when
   unset; a plan from before per-stage precision (``training.fp8`` and no stage saying ``fp8``) reads
   with every stage in fp8, as its program ran;
+* gradient buckets (issue 32 item 1): ``Stage.grad_buckets`` lists a ZeRO-0 stage's (dp > 1) gradient
+  buckets, each a tuple of parameter names in the order the backward finishes them (the model's last
+  layers first), each at most :data:`GRAD_BUCKET_BYTES` of f32 gradient (DDP's ``bucket_cap_mb=25``) or one
+  larger parameter alone (synced in place, without a copy). The
+  torch program all-reduces each bucket as soon as the stage's last backward has made all of its
+  gradients (``backends/torch/parallel.GradBuckets``). Empty (the default, not written to plan.json): one
+  flat all-reduce of all the stage's gradients after the schedule, as every plan before this field;
 * ``micro_batch_size`` is samples per micro-batch per data-parallel replica; a stage whose replicas
   run on different device types may split each micro-batch unevenly: ``batch_shares[i]`` samples
   for replica ``i`` (they sum to ``micro_batch_size * dp``), and gradients are averaged with those
@@ -51,6 +58,8 @@ from partita.errors import PlanError
 
 PLAN_FORMAT = "partita.plan"
 PLAN_VERSION = 1
+GRAD_BUCKET_BYTES = 25 * 2**20  # Stage.grad_buckets: f32 bytes per bucket at most (DDP bucket_cap_mb), or one parameter
+GRAD_BUCKETS_IN_FLIGHT = 2  # bucket copies the program holds at once (parallel.GradBuckets)
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")  # = search.schedule.SCHEDULE_FAMILIES
 RECOMPUTE = ("none", "selective", "full")
 
@@ -129,6 +138,9 @@ class Stage:
     predicted: Mapping[str, float] = dataclasses.field(default_factory=dict)  # compute_s, comm_s, memory...
     cp: int = 1  # context parallelism: the sequence split over a mesh axis between dp and tp (module docstring)
     fp8: str | None = None  # this stage's linears train in FP8 with this torchao recipe (module docstring)
+    # ZeRO-0, dp > 1: the gradient buckets all-reduced inside the last backward (module docstring); () = one flat
+    # all-reduce after the schedule
+    grad_buckets: tuple[tuple[str, ...], ...] = ()
     # tp > 1 and nothing placed on tp (:func:`shards_on_tp`): every tp rank holds and computes the whole stage on
     # the same batch. Derived from the fields above when the stage is made, written to plan.json, checked when
     # read, stated by the report and by the program (issue 31: gpt-oss at tp=2 replicated every weight, unsaid).
@@ -227,6 +239,8 @@ class Plan:
                 del s["cp"]
             if s["fp8"] is None:  # bf16 stage: not written (plans without fp8 stay byte-identical)
                 del s["fp8"]
+            if not s["grad_buckets"]:  # flat gradient sync: not written (older plans stay byte-identical)
+                del s["grad_buckets"]
             if len(s["ranks"]) > RANK_RUNS_ABOVE:
                 s["ranks"] = rank_runs(s["ranks"])
         used = d["cluster"].get("rank_map")  # plan rank -> cluster rank, as runs when large
@@ -407,12 +421,30 @@ def _read_stage(field: _FieldReader, s: Any, k: int) -> Stage:
         predicted=field(s, "predicted", dict, {}),
         cp=field(s, "cp", int, 1),
         fp8=field(s, "fp8", str, None),
+        grad_buckets=tuple(tuple(str(n) for n in b) for b in field(s, "grad_buckets", list, [])),
     )
     said = field(s, "tp_shards_nothing", bool, stage.tp_shards_nothing)  # plans before issue 31 lack it
     if said is not stage.tp_shards_nothing:  # derived from the stage's fields: a file that disagrees was edited
         raise ValueError(f"{said!r} disagrees with the stage's placements and tp_plan ({stage.tp_shards_nothing!r})")
     field.prefix = ""
     return stage
+
+
+def _check_buckets(plan: Plan, s: Stage, where: str) -> None:
+    """Gradient buckets belong to a ZeRO-0 stage with dp > 1 of an unchunked plan, and name each parameter once."""
+    if s.dp * s.cp < 2 or s.zero_stage != 0 or plan.chunked:
+        raise PlanError(
+            f"{where} lists gradient buckets, but only a ZeRO-0 stage with dp > 1 of a plan without model chunks "
+            f"syncs its gradients in buckets (this stage: dp {s.dp}, ZeRO-{s.zero_stage}"
+            f"{', model chunks' if plan.chunked else ''}).",
+            "recompile the plan; do not edit plan.json by hand.",
+        )
+    names = [n for b in s.grad_buckets for n in b]
+    if len(set(names)) != len(names) or not all(s.grad_buckets):
+        raise PlanError(
+            f"{where}: grad_buckets names a parameter twice or holds an empty bucket.",
+            "recompile the plan; do not edit plan.json by hand.",
+        )
 
 
 def _legacy_fp8(training: Mapping[str, Any], raw: Any, stages: tuple[Stage, ...]) -> tuple[Stage, ...]:
@@ -541,6 +573,8 @@ def validate(plan: Plan, source: str = "plan") -> None:
         where = f"{source}: stage {s.index}"
         if s.cp != 1:
             _check_cp(plan, s, where)
+        if s.grad_buckets:
+            _check_buckets(plan, s, where)
         if s.fp8 is not None and s.fp8 != plan.training.get("fp8"):
             raise PlanError(
                 f"{where} trains in fp8 ({s.fp8!r}) but training.fp8 is {plan.training.get('fp8')!r}: a plan's "

@@ -142,6 +142,15 @@ def with_records(plan: Plan, model: str) -> Plan:
     return records.complete(bare, _graph(model))
 
 
+BUCKET_TEST_BYTES = 20_000  # several buckets per tiny stage (the plans' 25 MiB would hold each stage whole)
+
+
+def _pp_dp(model: str, a: list[str], b: list[str]) -> Plan:
+    """Two equal stages of dp=2 (ZeRO-0) on torch.distributed.pipelining's 1F1B, 2 micro-batches."""
+    stages = [dict(layers=a, ranks=[0, 1], dp=2, tp=1), dict(layers=b, ranks=[2, 3], dp=2, tp=1)]
+    return make_plan(model, stages, micro_batch_size=2, num_micro_batches=2)
+
+
 def layout(model: str, name: str) -> Plan:
     """The named test layout for ``model`` (layer lists split in the middle for two stages)."""
     L = LAYERS[model]
@@ -182,6 +191,10 @@ def layout(model: str, name: str) -> Plan:
             micro_batch_size=4, num_micro_batches=2,
         ),
     }  # fmt: skip
+    if name.endswith("_buckets"):  # issue 32: the ZeRO-0 sync in buckets of BUCKET_TEST_BYTES inside the last backward
+        plan = table[name[: -len("_buckets")]]() if name != "pp_dp_buckets" else _pp_dp(model, a, b)
+        bare = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, collectives=()) for s in plan.stages))
+        return with_records(records.with_grad_buckets(bare, _graph(model), cap=BUCKET_TEST_BYTES), model)
     if name.endswith("_bf16"):  # the same layout trained in bf16 (issue 15 item 2)
         plan = table[name[: -len("_bf16")]]()
         return with_records(dataclasses.replace(plan, training={**plan.training, "dtype": "bf16"}), model)
@@ -256,7 +269,7 @@ def expected(model: str, plan: Plan) -> dict[int, dict[str, int]]:
         blocks = [x for x in s.layers if x not in ("embed", "head")]
         units = len(blocks) + 1 if model != "mlp" else sum(1 for x in blocks if x != "act")
         if s.dp > 1 and s.zero_stage == 0:
-            add("all_reduce", 1)  # one flattened gradient all-reduce
+            add("all_reduce", max(1, len(s.grad_buckets)))  # one flattened gradient all-reduce, or one per bucket
         elif s.dp > 1:  # ZeRO-1: gather once, reduce once; ZeRO-2: reduce per micro-batch; ZeRO-3: both
             add("all_gather", units if s.zero_stage < 3 else 2 * m * units)
             add("reduce_scatter", units if s.zero_stage == 1 else m * units)

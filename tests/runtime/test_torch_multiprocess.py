@@ -5,6 +5,8 @@ steps 1 and 3 (rtol 1e-4, atol 1e-5), and, per stage and kind, the collectives c
 step: per kind equal to the counts derived from the layout (``plans.expected``), and per
 ``kind@axis`` (counts, bytes within 2%) equal to the plan's own records (``search/program/records.py``), as
 the run's own check (``fidelity.compare``) reports. The DCP test saves at step 2, resumes, and compares step 3.
+``*_buckets`` layouts sync their ZeRO-0 gradients in ``Stage.grad_buckets`` inside the last backward
+(``backends/torch/grad_buckets.py``): one all-reduce per bucket, the same sums as the flat sync.
 
 ``*_bf16`` layouts train in the plan's bf16 (issue 15 item 2) against a reference computing in bf16
 the same way (``train.reference_run(precision=...)``: autocast, or bf16 parameter copies where the
@@ -46,6 +48,9 @@ MATRIX += [
     ("gpt2-tiny", "zero3_bf16"),
     ("llama-tiny", "hetero_bf16"),
 ]
+# issue 32: the ZeRO-0 sync in several buckets inside the last backward (plans.BUCKET_TEST_BYTES): one stage,
+# a pipeline of two dp=2 stages with 2 micro-batches (the hooks fire in the last backward only), tp=2 x dp=2
+MATRIX += [("gpt2-tiny", "dp_buckets"), ("gpt2-tiny", "pp_dp_buckets"), ("gpt2-tiny", "dp_tp_buckets")]
 U_BF16 = 2.0**-8  # bf16 unit roundoff
 _REF: dict = {}
 

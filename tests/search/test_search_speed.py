@@ -272,10 +272,11 @@ def test_stage_parts_key_holds_every_input(graph: Graph) -> None:
     with search.sharing_stage_parts():
         first = search.stage_parts(tab, **base)
         assert search.stage_parts(tab, **base) is first  # shared within the scope
-        for name, value in [*changes.items(), ("flat_sync", False)]:
+        for name, value in [*changes.items(), ("flat_sync", False), ("buckets", True)]:
             at: dict[str, Any] = {
                 **base,
-                **({"zero": 0} if name in ("allreduce", "flat_sync") else {}),
+                **({"zero": 0} if name in ("allreduce", "flat_sync", "buckets") else {}),
+                **({"flat_sync": False} if name == "buckets" else {}),  # the torch program's buckets (issue 32)
             }  # ZeRO-0's sync
             kw = {**at, name: value}
             got, fresh = search.stage_parts(tab, **kw), stage_parts(tab, **kw)

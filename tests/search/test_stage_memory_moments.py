@@ -56,6 +56,11 @@ def test_a_later_backward_holds_the_first_backwards_gradients_beside_the_activat
     assert _memory(_parts(rs_held=RS), 2.0, 2) == pytest.approx(later + RS)
     # ZeRO-0's flat copy of the gradients, after the last backward, when it is the larger
     assert _memory(_parts(flat_copy=True), 2.0, 2) == pytest.approx(max(later, STATIC + 2 * GRADS))
+    # the torch program's buckets in flight (Stage.grad_buckets) instead: the gradients plus the bucket copies
+    big = STATIC + 2 * SAVED + TRANSIENT + 2 * GRADS  # activations larger than the later backward's moment
+    buckets = dataclasses.replace(_parts(flat_copy=True), bucketed=True, grads=np.array([[0.0, big - STATIC - GRADS]]))
+    assert _memory(buckets, 2.0, 2) == pytest.approx(big)
+    assert _memory(dataclasses.replace(buckets, bucketed=False), 2.0, 2) == pytest.approx(STATIC + 2 * GRADS)
 
 
 def test_one_micro_batch_has_no_later_backward_and_more_in_flight_keep_gradients() -> None:

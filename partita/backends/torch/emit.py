@@ -335,6 +335,8 @@ def _setup_stage(plan: Plan, s: Stage, facts: StageFacts) -> str:
             "so torch_train multiplies",
             f"    # the sharded gradients by {replicas} after backward (set_gradient_divide_factor(1) needs PREMUL_SUM: no gloo).",
         ]
+    elif replicas > 1 and s.grad_buckets:
+        lines += _bucket_lines(plan, s, over)
     elif replicas > 1:
         shr = list(shares(s, plan.micro_batch_size))
         lines.append(
@@ -355,6 +357,32 @@ def _setup_stage(plan: Plan, s: Stage, facts: StageFacts) -> str:
         lines.append(f"    # ZeRO-{s.zero_stage} asked with dp = 1: nothing to shard over, no fully_shard.")
     lines.append("    return module")
     return "\n".join(lines)
+
+
+def _bucket_lines(plan: Plan, s: Stage, over: str) -> list[str]:
+    """``Stage.grad_buckets`` written literally: the parameter names of each bucket, in the order the
+    backward finishes them (``backends/torch/grad_buckets.py``)."""
+    shr = list(shares(s, plan.micro_batch_size))
+    lines = [
+        f"    # Data parallel, ZeRO-0, {s.dp} replicas with batch shares {shr}: the gradients are all-reduced (SUM) over",
+        f"    # {over} in the plan's {len(s.grad_buckets)} bucket(s) (Stage.grad_buckets, below: parameter names), each issued",
+        "    # inside the stage's last backward as soon as its gradients are made (post-accumulate-grad hooks),",
+        "    # waited for before the optimizer step; losses are weighted by share, so the sum is the mean.",
+        "    rt.grad_buckets = tpar.GradBuckets(",
+        "        [",
+    ]
+    for b in s.grad_buckets:
+        one = f"            {list(b)!r},"
+        lines += (
+            [one] if len(one) <= 110 else ["            [", *(f"                {n!r}," for n in b), "            ],"]
+        )
+    lines += [
+        "        ],",
+        f"        num_micro_batches={plan.num_micro_batches},",
+        f"        stage_index={s.index},",
+        "    )",
+    ]
+    return lines
 
 
 def _make_runner(plan: Plan, kind: str) -> str:

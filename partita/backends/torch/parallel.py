@@ -34,6 +34,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from partita.backends.torch import moe as torch_moe
 from partita.backends.torch import stages as torch_stages
 from partita.backends.torch import tp as torch_tp
+from partita.backends.torch.grad_buckets import GradBuckets  # noqa: F401 - the emitted program's API
 from partita.backends.torch.tp import parse_placement  # noqa: F401 - the emitted program's API
 from partita.errors import PlanError
 from partita.frontends import torch_shim
@@ -407,9 +408,10 @@ def scale_grads(module: nn.Module, factor: float) -> None:
 
 
 def all_reduce_grads(module: nn.Module, group: dist.ProcessGroup) -> None:
-    """Data-parallel gradient sync without ZeRO: the stage's gradients are flattened into one bucket
-    per dtype and summed by one all-reduce over ``dp`` (the plan prices exactly this: one bucketed
-    gradient all-reduce per stage).
+    """Data-parallel gradient sync without ZeRO and without ``Stage.grad_buckets`` (a plan with model chunks,
+    or written before them): the stage's gradients are flattened into one bucket per dtype and summed by
+    one all-reduce over ``dp`` after the schedule (the plan prices exactly this, fully exposed). With
+    buckets, ``grad_buckets.GradBuckets`` syncs them inside the last backward instead.
 
     A sum, not a mean: each replica's loss is already weighted by its batch share (see
     ``torch_train.loss_scale``), which is how uneven shares weight the average.

@@ -90,6 +90,7 @@ class RankResult:
     seconds: float = 0.0
     p2p: list[list[Any]] = dataclasses.field(default_factory=list)  # [op, peer rank, bytes, tag, label] in order
     host_peak_bytes: int = 0  # the role's host peak: its set-up's streamed fill (HostMeter) and its step (VmHWM)
+    in_backward: dict[str, int] = dataclasses.field(default_factory=dict)  # "kind@axis" -> issued inside a backward
 
 
 # ---- recording (rehearse_record: one dispatch mode records collectives, p2p, FLOPs and memory) ----------
@@ -195,6 +196,7 @@ def _rehearse_rank(program: Any, rank: int) -> RankResult:
             seconds=time.perf_counter() - t0,
             p2p=rec.p2p,
             host_peak_bytes=max(host_peak(), meter.peak),
+            in_backward=rec.issued_in_backward(axes),
         )
     finally:
         dist.destroy_process_group()
@@ -344,6 +346,7 @@ def compare_stage(stage: Stage, results: Sequence[RankResult]) -> dict[str, Any]
             problems.append(
                 f"{key}: {_fmt(g['bytes'])} rehearsed, {_fmt(p['bytes'])} planned ({_pct(g['bytes'], p['bytes'])})"
             )
+    problems += rehearse_record.phase_mismatches(stage.collectives, first.in_backward)
     peak = max(r.peak_memory_bytes for r in results)
     mem_rank = max(results, key=lambda r: r.peak_memory_bytes)
     planned_mem = stage.predicted.get("memory_bytes")
@@ -372,6 +375,7 @@ def compare_stage(stage: Stage, results: Sequence[RankResult]) -> dict[str, Any]
         "ranks_rehearsed": [r.rank for r in results],
         "collectives": got,
         "planned_collectives": planned,
+        "issued_in_backward": first.in_backward,  # kind@axis -> count issued while a backward ran (phases)
         "peak_memory_bytes": peak,
         "planned_memory_bytes": planned_mem,
         "memory_by_category": mem_rank.memory_by_category,

@@ -30,6 +30,10 @@ _DEVICE = torch.ops.prim.device.default
 _WAIT = torch_shim.functional_collective_ops()[-1]  # wait_tensor
 _active_fake_mode = torch_shim.active_fake_mode
 _NO_FORMULA = object()
+# The autograd engine's current graph task (-1 outside any backward): a collective issued while it runs was
+# issued inside the backward (a gradient bucket's hook, a tp all-reduce), else outside it (the flat sync
+# after the schedule). Private, read here only (torch 2.13: torch._C._current_graph_task_id).
+_graph_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
 class StepRecorder:
@@ -40,6 +44,7 @@ class StepRecorder:
 
     def __init__(self) -> None:
         self.events: list[tuple[str, str | None, int]] = []
+        self.in_backward: list[bool] = []  # per event: issued while the autograd engine ran a backward
         self.p2p: list[list[Any]] = []  # [op, peer (global rank), bytes, tag, label, group], in order (pair_p2p)
         self.labels: p2p_world.Label | None = None  # the schedule action of a p2p operation (p2p_world)
         self.flops = 0
@@ -49,6 +54,7 @@ class StepRecorder:
         ev = fidelity.collective_event(func, args)
         if ev is not None:
             self.events.append(ev)
+            self.in_backward.append(_graph_task() != -1)
             if ev[0] == "p2p":
                 self.p2p.append(_p2p_record(func, args, ev, self.labels))
             return
@@ -60,6 +66,35 @@ class StepRecorder:
 
     def summary(self, axes: Any) -> dict[str, dict[str, float]]:
         return fidelity.summarize(self.events, axes)  # type: ignore[return-value]
+
+    def issued_in_backward(self, axes: Any) -> dict[str, int]:
+        """``kind@axis`` -> how many of the step's collectives of that key were issued inside a backward."""
+        inside = [ev for ev, bw in zip(self.events, self.in_backward) if bw]
+        return {k: int(v["count"]) for k, v in fidelity.summarize(inside, axes).items()}
+
+
+# the data-parallel gradient sync's keys: where the plan says it is issued is a plan decision (Stage.grad_buckets)
+SYNC_KEYS = ("all_reduce@dp", "all_reduce@dp_cp")
+
+
+def phase_mismatches(collectives: Sequence[Any], in_backward: dict[str, int]) -> list[str]:
+    """The dp gradient all-reduces the plan records in phase ``backward`` (``Stage.grad_buckets``, issued
+    inside the last backward) against those the program issued while a backward ran, per key; the others
+    (phase ``optimizer``: the flat sync, gradient clipping) must be issued outside it. ``collectives``: the
+    stage's ``Stage.collectives``; ``in_backward``: :meth:`StepRecorder.issued_in_backward` of its first rank
+    (``rehearse.compare_stage``)."""
+    out = []
+    for key in SYNC_KEYS:
+        kind, axis = key.split("@")
+        mine = [c for c in collectives if c.kind == kind and c.axis == axis]
+        planned = sum(int(c.count) for c in mine if c.phase == "backward")
+        issued = int(in_backward.get(key, 0))
+        if mine and issued != planned:
+            out.append(
+                f"{key}: {issued} issued inside the backward, the plan records {planned} there "
+                f"(and {sum(int(c.count) for c in mine) - planned} after the schedule)"
+            )
+    return out
 
 
 def recording_tracker(tracker: Any, rec: StepRecorder) -> Any:

@@ -258,6 +258,7 @@ class StageRuntime:
     fsdp_modules: list[Any] = dataclasses.field(default_factory=list)
     replicas: Any = None  # cp stage: the ("dp_cp",) mesh its parameters are replicated over (parallel.replica_mesh)
     sequence: Any = None  # cp stage: this rank's context_parallel.SequenceSplit (set by setup_stage)
+    grad_buckets: Any = None  # ZeRO-0, dp > 1: Stage.grad_buckets as a parallel.GradBuckets (set by setup_stage)
 
     @property
     def coords(self) -> tuple[int, int]:
@@ -544,17 +545,27 @@ def forward_backward(runner: Any, rt: StageRuntime, me: Mapping[str, Any], xs: l
     """One step's schedule (forward + backward over the micro-batches), then the gradient syncs the
     plan asks for: tp alignment, FSDP's dp mean undone (losses are pre-weighted), the dp
     all-reduce at ZeRO-0 (over dp x cp under context parallelism, whose sequence split runs first), tied
-    weights. Shared by this loop and ``parallelize_torch.ParallelModel``."""
+    weights. Shared by this loop and ``parallelize_torch.ParallelModel``.
+
+    ZeRO-0 with ``Stage.grad_buckets`` (``rt.grad_buckets``): the buckets are all-reduced inside the
+    stage's last backward (``grad_buckets.GradBuckets``, hooked before the schedule) and waited for here;
+    without them, one flat all-reduce after the schedule (``parallel.all_reduce_grads``)."""
     if rt.sequence is not None:  # context parallelism: this rank's 1/cp of each sequence, labels shifted first
         xs, ys = [rt.sequence.inputs(x) for x in xs], [rt.sequence.labels(y) for y in ys]
+    replicas = me["dp"] * me.get("cp", 1)  # parameters are replicated over dp x cp (one group: rt.replicas)
+    group = None
+    if me["zero_stage"] == 0 and replicas > 1:
+        group = rt.replicas.get_group() if me.get("cp", 1) > 1 else rt.mesh.get_group("dp")
+        if rt.grad_buckets is not None:
+            rt.grad_buckets.attach(rt.module, group)
     local = runner.step(xs, ys)
     if me["tp"] > 1 and not rt.fsdp_modules:
         tpar.align_grads(rt.module)
-    replicas = me["dp"] * me.get("cp", 1)  # parameters are replicated over dp x cp (one group: rt.replicas)
     if rt.fsdp_modules:
         tpar.scale_grads(rt.module, float(replicas))
-    if me["zero_stage"] == 0 and replicas > 1:
-        group = rt.replicas.get_group() if me.get("cp", 1) > 1 else rt.mesh.get_group("dp")
+    if group is not None and rt.grad_buckets is not None:
+        rt.grad_buckets.finish()  # issued inside the last backward: wait, copy back
+    elif group is not None:
         tpar.all_reduce_grads(rt.module, group)
     tpar.sync_tied_grads(rt.module, *tied)
     return local

@@ -142,7 +142,8 @@ def heterogeneity_unaware(
             options, zero_stages=(st.zero_stage,), recompute=(st.recompute,), max_layer_units=0
         )
         mult, split = sched.p2p_multiplier(plan.schedule, v), sched.splits_backward(plan.schedule)
-        got = real.arrays(devs, st.dp, st.tp, in_flight, mult, split_backward=split)  # stage_cost.static_memory
+        flat = plan.chunked or not st.grad_buckets  # the ZeRO-0 sync the plan runs: flat, or its buckets
+        got = real.arrays(devs, st.dp, st.tp, in_flight, mult, split_backward=split, chunked=flat)
         if got is None:
             return plan, math.inf
         per_combo, combos, stack = got

@@ -45,7 +45,7 @@ from partita.cluster import Cluster
 from partita.device_reserve import tensor_cap
 from partita.errors import ConfigError
 from partita.ir import Graph, Prim, dim_size
-from partita.plan import chunk_position
+from partita.plan import chunk_position, chunks_per_rank
 from partita.search.entry.layout_price import layout_candidate
 from partita.search.entry.planner import Search
 from partita.search.pipeline import schedule as sched
@@ -58,7 +58,7 @@ from partita.search.pipeline.stage_cost import (
     reduce_scatter_in_flight,
     static_memory,
 )
-from partita.search.pipeline.stage_ranges import grad_transient
+from partita.search.pipeline.stage_ranges import grad_transient, sync_copy
 from partita.search.pipeline.zero_bubble import RUNNABLE_ZERO, counts
 from partita.search.pricing import context_parallel as cpx
 from partita.search.pricing.config import SearchOptions, TrainingConfig
@@ -396,16 +396,18 @@ def memory_by_category(cand: Candidate, i: int) -> dict[str, float]:
     rs = float(reduce_scatter_in_flight(max_params, cand.dp, z, tab.gather_ratio, tab.fsdp_copies))
     if in_flight > 1.0 or r != "none":
         act += rs
-    flat = getattr(search.costs, "flat_sync", False) and cand.dp > 1 and z == 0
-    if flat:
-        act = max(act, float(tab.ranged("grads")[k, j]))
+    copy, bucketed = sync_copy(
+        search.costs, float(tab.ranged("grads")[k, j]), cand.dp, z, chunks_per_rank(cand.schedule, cand.v) > 1
+    )
+    if copy:  # the flat copy, or the buckets in flight (stage_ranges.sync_copy)
+        act = max(act, copy)
     grads = cats["gradients"]
     if r == "none" and not sched.splits_backward(cand.schedule) and in_flight >= cand.m:
         # no forward after the first backward (stage_ranges.StageParts.memory): the largest of the last forward
         # (no gradients), a later micro-batch's backward beside the first's gradients, the gradients alone
         held = float(tab.act[sl].sum()) * in_flight + transient
         later = held - float(tab.act[sl].sum()) + grads + rs if cand.m >= 2 else -1.0
-        with_grads = max(later, grads * (2.0 if flat else 1.0))
+        with_grads = max(later, grads + copy if bucketed else grads * (2.0 if copy else 1.0))
         act, grads = (held, 0.0) if held > with_grads else (with_grads - grads, grads)
     act += receive_buffers.stage_bytes(cand, i)  # torch pipelining's per micro-batch buffers (Candidate.memory)
     return {

@@ -25,6 +25,7 @@ import numpy as np
 
 from partita.cluster import DeviceType
 from partita.errors import ConfigError
+from partita.plan import chunks_per_rank
 from partita.search.entry.planner import Option, Search
 from partita.search.pipeline import schedule as sched
 from partita.search.pipeline.zero_bubble import HeldCounts, in_flight_table
@@ -70,7 +71,14 @@ def layout_candidate(
     options: dict[int, Option] = {}  # per degree, its stage option (the arrays of every layer range)
     for t in sorted(set(tps)):
         got = search.arrays(  # the arguments Search.options_for passes for this schedule
-            devs, dp, t, in_flight, sched.p2p_multiplier(schedule, v), None if split else m, split_backward=split
+            devs,
+            dp,
+            t,
+            in_flight,
+            sched.p2p_multiplier(schedule, v),
+            None if split else m,
+            split_backward=split,
+            chunked=chunks_per_rank(schedule, v) > 1,
         )
         if got is None:
             raise ConfigError(f"the model cannot run with tp={t} on {dev.name}.", "use another tp.")

@@ -39,7 +39,7 @@ from partita.cluster import Cluster, DeviceType
 from partita.device_reserve import tensor_cap
 from partita.errors import ConfigError
 from partita.ir import Graph
-from partita.plan import Plan, shards_on_tp
+from partita.plan import Plan, chunks_per_rank, shards_on_tp
 from partita.search.entry import choices
 from partita.search.entry import prefetch as beside
 from partita.search.entry.infeasible import check_states_fit, infeasible
@@ -59,7 +59,7 @@ from partita.search.pipeline.stage_cost import (
     p2p_time_fn,
     scatter_gather_p2p,
 )
-from partita.search.pipeline.stage_ranges import StageParts, stage_parts
+from partita.search.pipeline.stage_ranges import StageParts, stage_parts, sync_mode
 from partita.search.pipeline.step_bounds import (
     area_floor,
     chain_bound,
@@ -256,6 +256,7 @@ class Search:
         p2p_mult: int,
         num_micro_batches: int | None = None,  # StageParts.memory: gradients live at the activation peak or not
         split_backward: bool = False,  # a zero-bubble schedule: W's gradient copy (stage_cost.static_memory)
+        chunked: bool = False,  # model chunks per rank group (interleaved v > 1, zbv): the flat ZeRO-0 sync
     ) -> tuple[list, list[tuple[int, str]], np.ndarray] | None:
         """Per combo arrays for a device class, the combos, and their times (inf where a combo does
         not fit on every device of the class) stacked ``[C, U, U+1, S+1]``."""
@@ -282,7 +283,7 @@ class Search:
                 p2p = scatter_gather_p2p(p2p, tp, dev, cm)
             kinds = ("all_reduce", "reduce_scatter", "all_gather")
             prices.append((p2p, *(affine(cm, kind, link) for kind in kinds)))
-        flat_sync = getattr(self.costs, "flat_sync", False)  # torch program: sync after the schedule
+        flat_sync, buckets = sync_mode(self.costs, chunked)  # the ZeRO-0 sync as the program runs it
         terms: dict[tuple, Any] = {}  # stage_parts' terms shared by the combos (per recompute / ZeRO stage)
         for z, r in combos:
             worst: Any = None
@@ -304,6 +305,7 @@ class Search:
                     factors=self.factors,
                     flat_sync=flat_sync,
                     split_backward=split_backward,
+                    buckets=buckets,
                 )
                 a = parts.arrays(in_flight, num_micro_batches)
                 fit = a.memory <= tensor_cap(dev)
@@ -435,15 +437,9 @@ class Search:
                 if tp > cap or not self.same_layout(cls, tp):
                     continue
                 # a split backward (zero bubble) makes the gradients while its W still holds the activations
-                got = self.arrays(
-                    cls,
-                    dp,
-                    tp,
-                    in_flight,
-                    sched.p2p_multiplier(schedule, v),
-                    None if sched.splits_backward(schedule) else m,
-                    split_backward=sched.splits_backward(schedule),
-                )
+                split = sched.splits_backward(schedule)
+                mult, chunked = sched.p2p_multiplier(schedule, v), chunks_per_rank(schedule, v) > 1
+                got = self.arrays(cls, dp, tp, in_flight, mult, None if split else m, split, chunked)
                 if got is None:
                     continue
                 per_combo, combos, stack = got

@@ -31,12 +31,15 @@ gradients alone (``stage_ranges.StageParts.memory``).
 Tail after the pipeline drains (bucketed wait-free backprop): the dp gradient all-reduce (ZeRO-0)
 or reduce-scatter (ZeRO-1..3) overlaps the last backward, ``exposed = max(sync / n, sync -
 overlap * bwd)`` for a stage of ``n`` layers (``overlap`` = ``StageFactors.grad_overlap`` times the
-device's ``Efficiency.comm_overlap``). ``flat_sync=True`` prices what the torch program runs at
-ZeRO-0 instead (``backends/torch/parallel.all_reduce_grads``, issue 15 item 3): one all-reduce of
-the flattened gradients after the whole schedule, fully exposed, and its ``torch.cat`` copy of the
-stage's gradients in memory (peak: static + max(activations, gradients), since the copy is made
-once the activations are freed); the JAX program does the same (one flattened ``psum`` per dtype in
-its update, ``backends/jax/train._flat_psum``). ZeRO-1/2 then all-gather the updated parameters; the
+device's ``Efficiency.comm_overlap``). The torch program runs exactly that at ZeRO-0 (issue 32 item 1):
+``Stage.grad_buckets``, each bucket all-reduced inside the stage's last backward once its gradients are
+made (``backends/torch/parallel.GradBuckets``), with the buckets in flight as the copy in memory
+(``stage_ranges.StageParts.grads``); plans with model chunks keep the flat sync below.
+``flat_sync=True`` prices what the JAX program runs at ZeRO-0 (one flattened ``psum`` per dtype in
+its update, ``backends/jax/train._flat_psum``), and the torch program of a chunked plan
+(``backends/torch/parallel.all_reduce_grads``): one all-reduce of the flattened gradients after the
+whole schedule, fully exposed, and its copy of the stage's gradients in memory (peak: static +
+max(activations, gradients), since the copy is made once the activations are freed). ZeRO-1/2 then all-gather the updated parameters; the
 optimizer step streams its states through HBM (at ``Efficiency.optimizer_memory`` of it) and pays
 ``Efficiency.optimizer_tensor_s`` per parameter tensor (eager per-tensor Adam kernels; 0 on GPUs).
 """
@@ -431,11 +434,12 @@ class SolverCosts:
     ``"megatron_sp"``: Megatron-LM's program with sequence parallelism (``evaluate_config`` with
     ``sequence_parallel=True`` on a ``"megatron"`` layout): layers hand each other s/tp rows (``SP_BOUNDARY``)
     and their non-matmul ops run on them (``layer_strategies.node_strategies``); its sends are already split.
-    ``flat_sync``: price the program's ZeRO-0 gradient sync (``stage_ranges.StageParts``): the torch program's
-    and the JAX program's (``backends/jax/train._flat_psum`` in the update, after the schedule), on
-    for every JAX graph; off for a torch graph priced ``"megatron"`` / ``"auto"`` asked explicitly,
-    which price another engine (``"torch"`` asked explicitly, as ``search/entry/hand_plan.py`` does, is the
-    torch program).
+    ``grad_sync``: the program's ZeRO-0 gradient sync (``stage_ranges.StageParts``): ``"flat"`` for every JAX
+    graph (``backends/jax/train._flat_psum`` in the update, after the schedule; ``flat_sync`` is True),
+    ``"buckets"`` for the torch program (``Stage.grad_buckets``, overlapped with the last backward; the
+    planner prices a chunked candidate ``"flat"``, as its program runs), ``"overlap"`` for a torch graph
+    priced ``"megatron"`` / ``"auto"`` asked explicitly, which price another engine (``"torch"`` asked
+    explicitly, as ``search/entry/hand_plan.py`` does, is the torch program).
     """
 
     def __init__(self, graph, cluster, training, memo=None, tp_style: str | None = None) -> None:  # noqa: ANN001
@@ -443,9 +447,14 @@ class SolverCosts:
 
         self.graph, self.cluster, self.training = graph, cluster, training
         self.scatter_gather = tp_style == "megatron"  # megatron_sp: its boundary is already s/tp rows per rank
-        # the torch and JAX programs' ZeRO-0 sync runs after the schedule (stage_ranges.StageParts' flat_sync); an
-        # explicit style on a torch graph prices another engine (Megatron-LM's overlapped DDP: evaluate)
-        self.flat_sync = tp_style in (None, "torch") or graph.meta.get("framework") == "jax"
+        # the JAX program's ZeRO-0 sync runs after the schedule (stage_ranges.StageParts' flat_sync), the torch
+        # program's in buckets inside the last backward; an explicit style on a torch graph prices another
+        # engine (Megatron-LM's overlapped DDP: evaluate)
+        if graph.meta.get("framework") == "jax":
+            self.grad_sync = "flat"
+        else:
+            self.grad_sync = "buckets" if tp_style in (None, "torch") else "overlap"
+        self.flat_sync = self.grad_sync == "flat"
         if tp_style is None:
             tp_style = "auto" if graph.meta.get("framework") == "jax" else "torch"
         self.tp_style = tp_style  # "megatron" / "torch": the tp axis shards weights only (intra_op.solve_layer)

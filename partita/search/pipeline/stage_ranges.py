@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from partita.plan import GRAD_BUCKET_BYTES, GRAD_BUCKETS_IN_FLIGHT
 from partita.search.pipeline.stage_cost import (
     StageFactors,
     UnitTable,
@@ -53,13 +54,14 @@ class StageParts:
     static: np.ndarray  # parameters + optimizer state; inf where k >= j
     base: np.ndarray  # static + gradients; inf where k >= j
     gradients: np.ndarray
-    grads: np.ndarray  # the range's gradient bytes (the flat copy)
+    grads: np.ndarray  # the gradient copy's bytes: the range's gradients (flat), or the bucket copies in flight
     saved: np.ndarray  # saved activation bytes per micro-batch in flight
     transient: Any  # [U, U + 1] or 0.0
     rs_held: np.ndarray | None  # reduce_scatter_in_flight where any, else None
     recompute: str
-    flat_copy: bool  # the flat gradient copy (flat_sync at ZeRO-0, dp > 1)
+    flat_copy: bool  # the gradient copy of the program's ZeRO-0 sync at dp > 1 (flat, or its buckets: ``grads``)
     table: UnitTable  # the option's table at its dp and ZeRO stage (what a zero_bubble.HeldCounts reads)
+    bucketed: bool = False  # the copy is the torch program's buckets in flight (Stage.grad_buckets), not a flat one
 
     def arrays(self, in_flight: InFlight, num_micro_batches: int | None) -> StageArrays:
         return StageArrays(self.time, self.memory(in_flight, num_micro_batches), self.tail, self.compute, self.comm)
@@ -103,6 +105,8 @@ class StageParts:
         if last is not None:  # gradients only after the last forward
             # (docstring); a recomputing backward re-runs blocks while earlier blocks' gradients exist
             after = self.gradients * (2.0 if self.flat_copy else 1.0)
+            if self.flat_copy and self.bucketed:  # the buckets in flight beside the gradients, not a second copy
+                after = self.gradients + self.grads
             peak = np.maximum(held, after[:, :, None])
             if num_micro_batches is not None and num_micro_batches >= 2:  # a later micro-batch's backward
                 later = held - self.saved[:, :, None]
@@ -129,6 +133,7 @@ def stage_parts(
     factors: StageFactors,
     flat_sync: bool = False,
     split_backward: bool = False,
+    buckets: bool = False,
     terms: dict[tuple, Any] | None = None,
     p2p_overlap: bool = False,
 ) -> StageParts:
@@ -145,14 +150,27 @@ def stage_parts(
     rec = memo.get(rkey)
     if rec is None or rec[0] is not tab:
         rec = memo[rkey] = (tab, _recompute_terms(tab, recompute))
-    zkey = (id(tab), dp, zero, allreduce, reduce_scatter, all_gather, hbm_bandwidth, factors, flat_sync, split_backward)
+    zkey = (
+        id(tab), dp, zero, allreduce, reduce_scatter, all_gather, hbm_bandwidth, factors, flat_sync, split_backward,
+        buckets,
+    )  # fmt: skip
     zt = memo.get(zkey)
     if zt is None or zt[0] is not tab:
         zt = memo[zkey] = (
             tab,
             _zero_terms(
-                tab, dp, zero, allreduce, reduce_scatter, all_gather, hbm_bandwidth, factors, flat_sync, split_backward
-            ),
+                tab,
+                dp,
+                zero,
+                allreduce,
+                reduce_scatter,
+                all_gather,
+                hbm_bandwidth,
+                factors,
+                flat_sync,
+                split_backward,
+                buckets,
+            ),  # fmt: skip
         )
     pkey = (id(tab), p2p, p2p_mult)
     rv = memo.get(pkey)
@@ -194,6 +212,7 @@ def stage_parts(
         rs_held=z.rs_held,
         recompute=recompute,
         flat_copy=z.flat_copy,
+        bucketed=z.bucketed,
         table=tab,
     )
     parts.time.flags.writeable = False  # shared by the StageArrays of every pass that reuses the parts
@@ -237,6 +256,7 @@ class _ZeroTerms:
     grads: np.ndarray
     rs_held: np.ndarray | None
     flat_copy: bool
+    bucketed: bool
 
 
 def _zero_terms(
@@ -250,7 +270,13 @@ def _zero_terms(
     factors: StageFactors,
     flat_sync: bool,
     split_backward: bool,
+    buckets: bool = False,
 ) -> _ZeroTerms:
+    """``flat_sync`` (the JAX program's ZeRO-0 sync): one all-reduce after the schedule, fully exposed, and a
+    copy of all the gradients; ``buckets`` (the torch program's, ``Stage.grad_buckets``): the buckets overlap
+    the last backward (``exposed = max(sync / n, sync - window)``, as for any overlapped sync) and the copy
+    is the buckets in flight, at most ``GRAD_BUCKETS_IN_FLIGHT * GRAD_BUCKET_BYTES`` (``backends/torch/
+    parallel.GradBuckets``; a parameter above the cap is a bucket alone, synced in place); neither: another engine's overlapped sync without a copy."""
     r = tab.ranged
     bwd = r("bwd")
     params, grads, opt = r("params"), r("grads"), r("opt")
@@ -293,9 +319,10 @@ def _zero_terms(
         static=np.where(valid, mem_static, inf),
         base=np.where(valid, mem_static + cats["gradients"], inf),
         gradients=cats["gradients"],
-        grads=grads,
+        grads=np.minimum(grads, GRAD_BUCKETS_IN_FLIGHT * GRAD_BUCKET_BYTES) if buckets and not flat_sync else grads,
         rs_held=np.asarray(rs_held) if np.any(rs_held) else None,
-        flat_copy=flat_sync and dp > 1 and zero == 0,
+        flat_copy=(flat_sync or buckets) and dp > 1 and zero == 0,
+        bucketed=buckets and not flat_sync,
     )
     for x in (terms.sync_comm, terms.tail, terms.static, terms.base, terms.gradients):
         x.flags.writeable = False  # shared by every combo and pass that reuses them
@@ -316,3 +343,27 @@ def grad_transient(tab: UnitTable, split_backward: bool) -> np.ndarray:
 def _first_rows(n: int) -> np.ndarray:
     """``[U, 1]``: True on the ranges that start at unit 0 (the model's first layer)."""
     return (np.arange(n) == 0)[:, None]
+
+
+def sync_mode(costs: Any, chunked: bool) -> tuple[bool, bool]:
+    """``(flat_sync, buckets)`` for :func:`stage_parts`: the ZeRO-0 sync as the program runs it
+    (``stage_cost.StageCosts.grad_sync``): the torch program's buckets inside the last backward, except
+    with model chunks (one flat all-reduce after the schedule, as the JAX program's)."""
+    mode = getattr(costs, "grad_sync", "flat" if getattr(costs, "flat_sync", False) else "overlap")
+    return mode == "flat" or (mode == "buckets" and chunked), mode == "buckets" and not chunked
+
+
+def sync_copy(costs: Any, grads: float, dp: int, zero: int, chunked: bool) -> tuple[float, bool]:
+    """``(bytes, bucketed)``: the gradient copy of a stage's ZeRO-0 sync at dp > 1 as :func:`stage_parts`
+    prices it (``StageParts.grads`` / ``bucketed``), for the stage-level callers (``plan_build``,
+    ``evaluate``, ``v_layout``) that sum one range: a flat sync copies all ``grads`` (the JAX program; the
+    torch program of a chunked plan), the torch program's buckets at most ``GRAD_BUCKETS_IN_FLIGHT`` of
+    ``GRAD_BUCKET_BYTES`` (``Stage.grad_buckets``), another engine's overlapped sync nothing."""
+    if dp <= 1 or zero != 0:
+        return 0.0, False
+    flat, buckets = sync_mode(costs, chunked)
+    if flat:
+        return float(grads), False
+    if buckets:
+        return min(float(grads), float(GRAD_BUCKETS_IN_FLIGHT * GRAD_BUCKET_BYTES)), True
+    return 0.0, False

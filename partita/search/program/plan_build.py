@@ -19,7 +19,7 @@ from typing import Any
 from partita import device_reserve
 from partita.ir import dim_size
 from partita.passes.annotate import HEAVY_PRIMS, layer_stats
-from partita.plan import Collective, Plan, Stage, validate
+from partita.plan import Collective, Plan, Stage, chunks_per_rank, validate
 from partita.search.pipeline import schedule as sched
 from partita.search.pipeline import schedule_cost
 from partita.search.pipeline.stage_cost import (
@@ -28,6 +28,7 @@ from partita.search.pipeline.stage_cost import (
     reduce_scatter_in_flight,
     static_memory_of,
 )
+from partita.search.pipeline.stage_ranges import sync_copy
 from partita.search.pricing import fp8
 from partita.search.program import receive_buffers, records
 from partita.search.program.jax_records import jax_records
@@ -187,12 +188,13 @@ def _stage_records(
         # micro-batch's backward beside the first's gradients (one micro-batch's saved activations fewer,
         # a ZeRO-2/3 unit's gradients in flight added), or the gradients (and the flat copy) after the last
         # backward (stage_ranges.StageParts, num_micro_batches); the receive buffers are beside all three
-        flat = 2.0 if getattr(search.costs, "flat_sync", False) and best.dp > 1 and z == 0 else 1.0
+        copy, bucketed = sync_copy(search.costs, grads, best.dp, z, chunks_per_rank(best.schedule, best.v) > 1)
+        with_copy = grads + copy if bucketed else grads * (2.0 if copy else 1.0)  # stage_ranges.StageParts.memory
         tab = search.table(dev0, tp, mb).for_stage(best.dp, z)
         unit = float(tab.ranged("max_layer_params")[p.k, p.j])
         held_rs = float(reduce_scatter_in_flight(unit, best.dp, z, tab.gather_ratio, tab.fsdp_copies))
         later = best.m >= 2 and grads + held_rs >= float(tab.ranged("act")[p.k, p.j])
-        after = total - params - opt - receive_buffers.stage_bytes(best, i) <= flat * grads * (1 + 1e-9)
+        after = total - params - opt - receive_buffers.stage_bytes(best, i) <= with_copy * (1 + 1e-9)
         grads = grads if later or after else 0.0
     env = {"B": 1 if search.costs.linear_batch else mb, "S": search.training.seq_len}
     fwd = bwd = 0.0
@@ -429,6 +431,8 @@ def build_plan(search: Any, cands: list[Candidate], elapsed_s: float, graph_hash
         partita_version=__version__,
     )
     if g.meta.get("framework") != "jax":  # the torch program's complete records (search/program/records.py)
+        if getattr(search.costs, "grad_sync", None) == "buckets":  # ZeRO-0 sync in buckets, as priced (stage_ranges)
+            plan = records.with_grad_buckets(plan, g)
         plan = records.complete(plan, g)
     validate(plan)
     return plan

@@ -17,7 +17,10 @@ a collective moves (all-gather output, reduce-scatter input):
   collectives run again, except its last all-reduce (the row-parallel output feeds only the
   residual add, which ``torch.utils.checkpoint`` never needs to rebuild).
 * data parallel, ZeRO-0: one all-reduce over ``dp`` of all the stage's gradients, flattened (f32:
-  the program keeps f32 master parameters and gradients under autocast) (``parallel.all_reduce_grads``).
+  the program keeps f32 master parameters and gradients under autocast) (``parallel.all_reduce_grads``),
+  after the schedule (phase ``optimizer``); with ``Stage.grad_buckets`` (:func:`grad_buckets`) one per
+  bucket, issued inside the stage's last backward (phase ``backward``; ``parallel.GradBuckets``), which
+  ``partita rehearse`` checks (``rehearse.compare_stage``: the dp all-reduces issued in the backward).
 * data parallel, ZeRO-1/2/3 (FSDP2, one unit per block holding parameters + the stage root when it
   holds any): per unit, all-gathers of its parameters in the compute dtype (``MixedPrecisionPolicy
   .param_dtype``) and reduce-scatters of its gradients in f32 (``reduce_dtype``): ZeRO-1 one of each
@@ -44,7 +47,7 @@ from typing import Any
 
 from partita.ir import DTYPE_BYTES, Graph, Role, dim_size
 from partita.passes import boundaries
-from partita.plan import Collective, Plan, Stage, chunk_position, shares
+from partita.plan import GRAD_BUCKET_BYTES, Collective, Plan, Stage, chunk_position, chunks_per_rank, shares
 from partita.search.layer.saved import FLOAT_DTYPES
 from partita.search.pipeline.schedule import pipeline_actions
 
@@ -185,7 +188,12 @@ def stage_collectives(facts: GraphFacts, plan: Plan, i: int, batch_scale: float 
             _add(out, c.kind, c.axis, nbytes, c.count * m, "forward", "recomputed: " + c.reason)
     if s.recompute == "full" and s.tp > 1 and blocks:
         _drop_last_all_reduces(out, m * blocks)
-    if s.dp > 1 and s.zero_stage == 0 and _first_chunk(plan, i):  # one all-reduce per rank group, all its chunks
+    if s.dp > 1 and s.zero_stage == 0 and s.grad_buckets:  # one per bucket, inside the last backward
+        sizes = _held_sizes(facts, plan, i)
+        for k, bucket in enumerate(s.grad_buckets):
+            nbytes = F32 * sum(sizes[n] for n in bucket)
+            _add(out, "all_reduce", "dp", nbytes, 1, "backward", f"gradient bucket {k} (dp, f32)")
+    elif s.dp > 1 and s.zero_stage == 0 and _first_chunk(plan, i):  # one all-reduce per rank group, all its chunks
         held = {
             t: _numel(facts.graph, t) // _tp_factor(c, facts.names(t))
             for c in _chunks(plan, i)
@@ -213,6 +221,59 @@ def stage_collectives(facts: GraphFacts, plan: Plan, i: int, batch_scale: float 
     if tr.get("dtype") == "f16" and once:
         _add(out, "all_reduce", world, 8.0, 1, "optimizer", "loss-scale overflow check")
     return tuple(Collective(k, a, b, n, p, r) for (k, a, b, p, r), n in out.items())
+
+
+def _held_sizes(facts: GraphFacts, plan: Plan, i: int) -> dict[str, int]:
+    """Elements of each parameter stage ``i``'s rank holds (its tp shard), in the order the backward finishes
+    their gradients (the stage's last layer first, each layer's parameters last first; a parameter several
+    layers use at the layer using it first), under the name the stage's module holds it (a tied parameter
+    first used by another stage under its alias, ``plan_build._held_names``)."""
+    s = plan.stages[i]
+    order: dict[str, str] = {}  # tensor -> name
+    for layer in reversed(s.layers):
+        for t in reversed(facts.params.get(layer, [])):
+            first = facts.users.get(t, [layer])[0]
+            aliases = facts.graph.tensors[t].aliases
+            order.pop(t, None)  # an earlier layer uses it too: its gradient is final there
+            order[t] = aliases[0] if aliases and first not in s.layers else facts.fqn(t)
+    return {name: _numel(facts.graph, t) // _tp_factor(s, facts.names(t)) for t, name in order.items()}
+
+
+def grad_buckets(graph: Graph, plan: Plan, i: int, cap: float = GRAD_BUCKET_BYTES) -> tuple[tuple[str, ...], ...]:
+    """``Stage.grad_buckets`` of stage ``i`` (``plan.py``): its parameters in the order the backward finishes
+    their gradients, cut into buckets of at most ``cap`` f32 bytes, a parameter larger than ``cap`` in a
+    bucket of its own (all-reduced in place, no copy: ``GradBuckets``), so the copies in flight stay within
+    ``GRAD_BUCKETS_IN_FLIGHT * cap`` as priced (``stage_ranges.sync_copy``); ``()`` where the program syncs
+    flat (dp = 1, ZeRO > 0, model chunks)."""
+    s = plan.stages[i]
+    if (
+        s.dp * s.cp < 2
+        or s.zero_stage != 0
+        or plan.chunked
+        or chunks_per_rank(plan.schedule, plan.num_virtual_stages) > 1
+    ):
+        return ()  # model chunks (laid out or priced): the flat sync after the schedule (stage_ranges.sync_copy)
+    out: list[tuple[str, ...]] = []
+    bucket: list[str] = []
+    nbytes = 0
+    for name, n in _held_sizes(GraphFacts(graph), plan, i).items():
+        if bucket and nbytes + F32 * n > cap:  # full: this parameter starts the next one
+            out.append(tuple(bucket))
+            bucket, nbytes = [], 0
+        bucket.append(name)
+        nbytes += F32 * n
+    if bucket:
+        out.append(tuple(bucket))
+    return tuple(out)
+
+
+def with_grad_buckets(plan: Plan, graph: Graph, cap: float = GRAD_BUCKET_BYTES) -> Plan:
+    """``plan`` with :func:`grad_buckets` on every stage: the torch program's ZeRO-0 sync overlapped with the
+    last backward, as the search prices it (``stage_ranges.StageParts``, ``buckets``)."""
+    stages = tuple(
+        dataclasses.replace(s, grad_buckets=grad_buckets(graph, plan, i, cap)) for i, s in enumerate(plan.stages)
+    )
+    return dataclasses.replace(plan, stages=stages)
 
 
 def _prefetches_again(facts: GraphFacts, plan: Plan, i: int) -> bool:

@@ -61,6 +61,7 @@ from partita.search.pipeline import schedule as sched
 from partita.search.pipeline import schedule_cost
 from partita.search.pipeline.pipeline_sim import step_time
 from partita.search.pipeline.stage_cost import costs_held, static_memory_of
+from partita.search.pipeline.stage_ranges import sync_copy
 from partita.search.program import records
 from partita.search.program.chunk_layout import _chunk
 from partita.search.program.plan_build import Candidate, StagePick, _stage_records
@@ -234,7 +235,7 @@ def group_memory(c: VCandidate, r: int) -> dict[str, float]:
     acts, held_grads = peak_acts + transient, peak_grads
     # the step's end: every gradient and no activation; with the torch program's ZeRO-0 sync over dp > 1
     # also its flat copy of them, made once the activations are gone (stage_ranges.StageParts)
-    flat = getattr(s.costs, "flat_sync", False) and c.dp > 1 and z == 0
+    flat = sync_copy(s.costs, 1.0, c.dp, z, chunked=True)[0] > 0  # chunks: the torch program's sync is flat too
     end = grads_now() * (2.0 if flat else 1.0)
     if end > acts + held_grads:
         acts, held_grads = end - grads_now(), grads_now()
