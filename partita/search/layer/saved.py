@@ -23,6 +23,8 @@ layer, answered once per precision mode:
     stays f32, matmuls and attention run in the low dtype on a low *copy* of each f32 activation
     input (one per consuming op: autocast caches only casts of parameters) and of each weight (kept
     for the input gradient, per micro-batch), norms return f32.
+    In both low modes Hugging Face's RMSNorms run fused (``backends/torch/norms.py``, :func:`fused_norm_groups`):
+    each keeps its input as it arrives and a per-row statistic, not HF's f32 copies.
     With ``fp8`` (torchao's ``Float8Linear``, ``search/pricing/fp8.saved_copies``) a linear keeps no
     weight copy (it saves the f32 weight) and, on CPU, no input copy (it saves the f32 input itself).
 
@@ -154,6 +156,7 @@ def saved_plan(
 
     produced = {o for name in layer.nodes for o in g.node(name).outputs}
     into_weights = _into_weights(g, layer)
+    fused = fused_norm_groups(g, layer) if mode != "f32" else {}
     for name in layer.nodes:
         n = g.node(name)
         ins = [it(t) for t in n.inputs]
@@ -207,6 +210,8 @@ def saved_plan(
             if alias is not None and alias in up:
                 up.add(o)
         pos, out_saved = _rule(n, g, grad)
+        if name in fused:  # a fused RMSNorm (backends/torch/norms.py): its input as it arrives, nothing else
+            pos, out_saved = ((0,) if fused[name] and any(o in grad for o in n.outputs) else ()), False
         cast = mode == "autocast" and prim in (Prim.MATMUL, Prim.CONV, Prim.ATTENTION)
         f8 = (
             fp8 if cast and prim is Prim.MATMUL and any(g.tensors[t].role is Role.PARAMETER for t in n.inputs) else None
@@ -232,6 +237,32 @@ def saved_plan(
                 keep(o, n)
     at_dispatch = dispatch_kept(g, layer, root, produced, keepers)
     return SavedPlan(item, root, frozenset(saved), owner, copies, weights, low, at_dispatch)
+
+
+_RMS_OPS = ("to", "pow", "mean", "add", "rsqrt", "mul", "to", "mul")
+
+
+def fused_norm_groups(g: Graph, layer: Layer) -> dict[str, bool]:
+    """The nodes of each Hugging Face RMSNorm in ``layer`` that a low-precision program runs as one fused
+    op (``backends/torch/norms.py``, written into the program for every bf16 / f16 stage), each mapped
+    to whether it is the norm's first node (the up-cast of the norm's input, the one tensor the fused
+    norm keeps besides its per-row statistic). A norm is the nodes of one module path whose ops are
+    exactly HF's ``weight * (x.to(f32) * rsqrt(x.pow(2).mean(-1) + eps)).to(dtype)`` with the module's
+    own ``weight``; anything else (Gemma's ``1 + weight``) is left to the per-op rules, as the program
+    leaves it."""
+    by_module: dict[str, list[Node]] = {}
+    for name in layer.nodes:
+        n = g.node(name)
+        if n.module:
+            by_module.setdefault(n.module, []).append(n)
+    out: dict[str, bool] = {}
+    for mod, nodes in by_module.items():
+        if tuple(_op(n) for n in nodes) != _RMS_OPS or f"{mod}.weight" not in nodes[-1].inputs:
+            continue
+        if g.tensors[f"{mod}.weight"].role is not Role.PARAMETER:
+            continue
+        out.update({n.name: i == 0 for i, n in enumerate(nodes)})
+    return out
 
 
 def dispatch_kept(
