@@ -16,15 +16,16 @@ variant for this model, derived op by op from what autograd saves (flash attenti
 output and an f32 log-sum-exp instead of the ``5as/h`` softmax and dropout terms; the rotary
 multiplications by cos / sin save only the tables; ``add`` saves nothing):
 
-* ``12 sbh``: two RMSNorms, each run fused (``backends/torch/norms.py``, the program's
-  ``norms.fuse_rms_norms(module)`` line for a bf16 stage) on the f32 residual stream: its f32 input,
+* ``12 sbh``: two RMSNorms, each run fused (``backends/torch/fused.py``, the program's
+  ``fused.fuse_ops(module)`` line for a bf16 stage) on the f32 residual stream: its f32 input,
   4 bytes, and a per-row statistic; and one bf16 copy of each norm's output, shared by its column
   siblings (the program casts once before the DTensor boundary), 2 bytes each. (HF's RMSNorm as written
   also kept the f32 normalized tensor, 4 bytes each: ``20 sbh`` before issue 32.)
 * ``10 sbh / t``: q and k after rotary, v, the attention output, and o's input (the output made
   contiguous as ``[b, s, h/t]``), 2 bytes each;
-* ``8 sbf / t``: gate's output (SiLU's input), SiLU's output, up's output and their product (down's
-  input), 2 bytes each;
+* ``6 sbf / t``: gate's output (SiLU's input), up's output and their product (down's input), 2 bytes
+  each: the SwiGLU product runs fused (the same ``fused.fuse_ops`` line) and recomputes SiLU's output in
+  the backward (HF's ``act(gate) * up`` as written also kept it: ``8 sbf / t``);
 * ``2 (4h^2 + 3hf) / t``: autocast's bf16 copy of each local weight, which the matmul keeps for its
   input gradient (autocast caches casts within a forward; the copy lives as long as the graph);
 * ``4 a s b / t``: flash attention's f32 log-sum-exp.
@@ -71,10 +72,10 @@ all-gathered input itself, so for HF Llama as written the variant is:
 
 * ``8 sbh / t``: the two fused RMSNorms' f32 input (the residual stream is this rank's ``s/t`` rows);
 * ``4 sbh``: each norm's bf16 output, all-gathered before q/k/v and gate/up and kept by their matmuls;
-* ``10 sbh / t``, ``8 sbf / t``, ``2 (4h^2 + 3hf) / t``, ``4 a s b / t``: as without it (already split
+* ``10 sbh / t``, ``6 sbf / t``, ``2 (4h^2 + 3hf) / t``, ``4 a s b / t``: as without it (already split
   over heads / features);
 
-``sbh (4 + 18/t) + 8 sbf / t + 2 (4h^2 + 3hf) / t + 4 a s b / t`` in all. Traffic per
+``sbh (4 + 18/t) + 6 sbf / t + 2 (4h^2 + 3hf) / t + 4 a s b / t`` in all. Traffic per
 layer: 2 all-gathers (attention's and the MLP's input) and 2 reduce-scatters (o's and down's output) of
 ``b s h`` bf16 forward, and in the backward 2 reduce-scatters (the inputs' gradients) and 2 all-gathers
 (the outputs' gradients); plus one all-reduce over tp of each norm's f32 weight gradient (``4h``
@@ -163,7 +164,7 @@ def test_megatron_layout_per_layer_traffic_and_activations_follow_closed_forms(
     assert (ar4["count"] - ar2["count"]) / 2 == 4
     assert (ar4["bytes"] - ar2["bytes"]) / 2 == pytest.approx(4 * sbh * 2, rel=0.05)
     # activations (module docstring)
-    closed = 12 * sbh + 10 * sbh / T + 8 * sbf / T + 2 * (4 * H * H + 3 * H * F) / T + 4 * A * S * B / T
+    closed = 12 * sbh + 10 * sbh / T + 6 * sbf / T + 2 * (4 * H * H + 3 * H * F) / T + 4 * A * S * B / T
     per_layer = (four["memory_by_category"]["activations"] - two["memory_by_category"]["activations"]) / 2
     assert per_layer == pytest.approx(closed, rel=0.05)
     # the plan prices the same layer (its activation record, the same difference)
@@ -211,7 +212,7 @@ def test_sequence_parallel_per_layer_activations_and_traffic_follow_closed_forms
     monkeypatch.setenv("PARTITA_CACHE_DIR", str(tmp_path / "cache"))
     sbh, sbf = S * B * H, S * B * F
     forms = {
-        "none": sbh * (4 + 18 / T) + 8 * sbf / T + 2 * (4 * H * H + 3 * H * F) / T + 4 * A * S * B / T,
+        "none": sbh * (4 + 18 / T) + 6 * sbf / T + 2 * (4 * H * H + 3 * H * F) / T + 4 * A * S * B / T,
         "selective": sbh * (8 + 14 / T) + 4 * sbf / T,
     }  # module docstring
     for recompute, closed in forms.items():

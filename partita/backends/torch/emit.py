@@ -270,18 +270,17 @@ def _cp_lines(plan: Plan, s: Stage) -> list[str]:
     ]
 
 
-def _norm_lines(plan: Plan, s: Stage) -> list[str]:
-    """A low-dtype stage's RMSNorms as one fused op (``backends/torch/norms.py``; priced by
-    ``search/layer/saved.fused_norm_groups``): written for every bf16 / f16 stage, a no-op for a model
-    without Hugging Face RMSNorms (GPT-2's LayerNorm already keeps only its input)."""
+def _fused_lines(plan: Plan, s: Stage) -> list[str]:
+    """A low-dtype stage's RMSNorms and SwiGLU products as fused ops (``backends/torch/fused.py``; priced by
+    ``search/layer/saved.py``): written for every bf16 / f16 stage, a no-op for a model without them
+    (GPT-2's LayerNorm and GeLU already keep only their inputs)."""
     if _precision(plan, s) not in ("fsdp", "autocast"):
         return []
-    held = "in the residual stream's dtype (f32 under autocast)" if _precision(plan, s) == "autocast" else "in the low dtype"
+    held = "the residual stream's dtype, f32 under autocast" if _precision(plan, s) == "autocast" else plan.training["dtype"]
     return [
-        "    # RMSNorms (Llama, Mistral, Qwen) as one fused op: each keeps its input as it arrives "
-        f"({held}) and a per-row f32",
-        "    # statistic for backward, not Hugging Face's f32 copies (Megatron's fused norm).",
-        "    norms.fuse_rms_norms(module)",
+        f"    # Fused ops, as Megatron-LM keeps them: each RMSNorm keeps its input ({held}) and a per-row f32",
+        "    # statistic, not Hugging Face's f32 copies; each SwiGLU keeps gate's and up's outputs and recomputes SiLU.",
+        "    fused.fuse_ops(module)",
     ]
 
 
@@ -295,7 +294,7 @@ def _setup_stage(plan: Plan, s: Stage, facts: StageFacts) -> str:
     ]
     if s.cp > 1:
         lines += _cp_lines(plan, s)
-    lines += _norm_lines(plan, s)
+    lines += _fused_lines(plan, s)
     recipe = s.fp8
     if recipe:
         lines += [
@@ -590,7 +589,7 @@ def emit_torch(plan: Plan, model_spec: str) -> str:
     if any(_precision(plan, s) in ("fsdp", "autocast") for s in plan.stages):
         header = header.replace(
             "from partita.backends.torch import parallel as tpar",
-            "from partita.backends.torch import norms\nfrom partita.backends.torch import parallel as tpar",
+            "from partita.backends.torch import fused\nfrom partita.backends.torch import parallel as tpar",
         )
     parts = [
         header.format(
