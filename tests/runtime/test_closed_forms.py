@@ -66,25 +66,27 @@ too many, 5.3% over): they are one tensor held by the stage, now left out.
 al. 2022, sec. 4.2.2: with sequence parallelism Megatron's GPT keeps ``sbh (34/t + 5as/(ht))`` per layer,
 everything split over tp, and each layer's tp traffic is 2 all-gathers + 2 reduce-scatters of
 ``b s h`` forward, the same backward (an all-reduce is a reduce-scatter plus an all-gather: the same
-bytes on a ring). Megatron re-gathers the column input in the backward and keeps only the shard; torch's
-``ColwiseParallel(input_layouts=Shard(1))``, as torchtitan applies it, and this runtime keep the
-all-gathered input itself, so for HF Llama as written the variant is:
+bytes on a ring). Megatron re-gathers the column input in the backward and keeps only the shard, and so
+does this runtime without recompute (``backends/torch/regather.py``: torch's
+``ColwiseParallel(input_layouts=Shard(1))``, as torchtitan applies it, would keep the all-gathered input,
+``4 sbh`` here), so for HF Llama the variant is:
 
 * ``8 sbh / t``: the two fused RMSNorms' f32 input (the residual stream is this rank's ``s/t`` rows);
-* ``4 sbh``: each norm's bf16 output, all-gathered before q/k/v and gate/up and kept by their matmuls;
+* ``4 sbh / t``: each norm's bf16 output, this rank's rows, all-gathered before q/k/v and gate/up and
+  again in the backward for their weight gradients;
 * ``10 sbh / t``, ``6 sbf / t``, ``2 (4h^2 + 3hf) / t``, ``4 a s b / t``: as without it (already split
   over heads / features);
 
-``sbh (4 + 18/t) + 6 sbf / t + 2 (4h^2 + 3hf) / t + 4 a s b / t`` in all. Traffic per
+``sbh 22/t + 6 sbf / t + 2 (4h^2 + 3hf) / t + 4 a s b / t`` in all. Traffic per
 layer: 2 all-gathers (attention's and the MLP's input) and 2 reduce-scatters (o's and down's output) of
 ``b s h`` bf16 forward, and in the backward 2 reduce-scatters (the inputs' gradients) and 2 all-gathers
-(the outputs' gradients); plus one all-reduce over tp of each norm's f32 weight gradient (``4h``
+(the outputs' gradients) and 2 more (the re-gathered inputs); plus one all-reduce over tp of each norm's f32 weight gradient (``4h``
 bytes, twice a layer), which Megatron also runs (its layer-norm gradients under sequence parallelism).
 
 With selective recompute on top, the policy keeps (as above) the block input, the matmul outputs and the
 collectives' outputs: ``4 sbh / t`` (input) ``+ 6 sbh / t`` (q, k, v) ``+ 2 sbh + 2 sbh / t`` (o's output,
 its reduce-scatter) ``+ 4 sbf / t`` ``+ 2 sbh + 2 sbh / t`` (down) ``+ 4 sbh`` (the two all-gathered
-inputs, collective outputs): ``sbh (8 + 14/t) + 4 sbf / t``. Korthikanti's selective + SP form for
+inputs, collective outputs, which the policy keeps: nothing re-gathered): ``sbh (8 + 14/t) + 4 sbf / t``. Korthikanti's selective + SP form for
 its GPT, ``34 sbh / t``, keeps matmul inputs, not outputs.
 """
 
@@ -212,7 +214,7 @@ def test_sequence_parallel_per_layer_activations_and_traffic_follow_closed_forms
     monkeypatch.setenv("PARTITA_CACHE_DIR", str(tmp_path / "cache"))
     sbh, sbf = S * B * H, S * B * F
     forms = {
-        "none": sbh * (4 + 18 / T) + 6 * sbf / T + 2 * (4 * H * H + 3 * H * F) / T + 4 * A * S * B / T,
+        "none": sbh * 22 / T + 6 * sbf / T + 2 * (4 * H * H + 3 * H * F) / T + 4 * A * S * B / T,
         "selective": sbh * (8 + 14 / T) + 4 * sbf / T,
     }  # module docstring
     for recompute, closed in forms.items():
@@ -222,12 +224,13 @@ def test_sequence_parallel_per_layer_activations_and_traffic_follow_closed_forms
         assert per_layer == pytest.approx(closed, rel=0.05), recompute
         acts = [_planned(d)["predicted"]["memory_by_category"]["activations"] for d in dirs]
         assert (acts[1] - acts[0]) / 2 == pytest.approx(closed, rel=0.05), recompute
-        # traffic per layer: 2 all-gathers + 2 reduce-scatters of b*s*h bf16 forward, the same backward,
-        # no all-reduce of b*s*h left; the norms' weight gradients: 2 all-reduces of 4h bytes
+        # traffic per layer: 2 all-gathers + 2 reduce-scatters of b*s*h bf16 forward, the same backward (and
+        # without recompute 2 all-gathers more: the re-gathered column inputs), no all-reduce of b*s*h left; the
+        # norms' weight gradients: 2 all-reduces of 4h bytes
         c2, c4 = two["collectives"], four["collectives"]
-        for kind in ("all_gather@tp", "reduce_scatter@tp"):
-            assert (c4[kind]["count"] - c2[kind]["count"]) / 2 == 4, (recompute, kind)
-            assert (c4[kind]["bytes"] - c2[kind]["bytes"]) / 2 == pytest.approx(4 * sbh * 2, rel=0.05)
+        for kind, n in (("all_gather@tp", 6 if recompute == "none" else 4), ("reduce_scatter@tp", 4)):
+            assert (c4[kind]["count"] - c2[kind]["count"]) / 2 == n, (recompute, kind)
+            assert (c4[kind]["bytes"] - c2[kind]["bytes"]) / 2 == pytest.approx(n * sbh * 2, rel=0.05)
         ar = c4["all_reduce@tp"]["count"] - c2["all_reduce@tp"]["count"]
         assert ar / 2 == 2 and (c4["all_reduce@tp"]["bytes"] - c2["all_reduce@tp"]["bytes"]) / 2 == 2 * 4 * H
         for got, plan_dir in zip((two, four), dirs):  # and the rehearsed collectives are the plan's records

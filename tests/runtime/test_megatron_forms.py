@@ -71,24 +71,26 @@ SHAPES = {
 }
 
 
-def megatron(shape: str) -> float:
-    """Megatron-LM's bytes per layer for ``shape`` (module docstring), no dropout, fused attention."""
+def megatron(shape: str, sp: bool = False) -> float:
+    """Megatron-LM's bytes per layer for ``shape`` (module docstring), no dropout, fused attention; with
+    sequence parallelism ``sp`` the ``8 sbh`` of norm and column inputs is split over tp too."""
     cfg = SHAPES[shape][0]
     h = int(cfg.get("hidden_size") or cfg["n_embd"])
     sbh = S * B * h
+    rest = 8 / T if sp else 8
     if shape == "gpt":
-        return sbh * (8 + 24 / T)
-    return sbh * (8 + 8 / T) + 6 * S * B * int(cfg["intermediate_size"]) / T
+        return sbh * (rest + 24 / T)
+    return sbh * (rest + 8 / T) + 6 * S * B * int(cfg["intermediate_size"]) / T
 
 
-def _compiled(tmp: Path, shape: str, layers: int, recompute: str) -> Path:
+def _compiled(tmp: Path, shape: str, layers: int, recompute: str, sp: bool = False) -> Path:
     cfg, key = SHAPES[shape]
     path = tmp / f"{shape}{layers}.json"
     path.write_text(json.dumps({**cfg, key: layers}))
-    out = tmp / f"plan-{shape}{layers}-{recompute}"
+    out = tmp / f"plan-{shape}{layers}-{recompute}{'-sp' * sp}"
     args = ["compile", str(path), "--cluster", "16xH100-80G", "--global-batch", "2", "--seq", str(S)]
     args += ["--tp", str(T), "--pp", "1", "--dp", "2", "--zero", "1", "--micro-batch", str(B)]
-    args += ["--precision", "bf16", "--recompute", recompute, "--out", str(out)]
+    args += ["--precision", "bf16", "--recompute", recompute, "--out", str(out)] + ["--sequence-parallel"] * sp
     assert cli_main(args) == 0
     return out
 
@@ -117,3 +119,18 @@ def test_bf16_tp8_layer_holds_megatrons_activations(
     rehearsed, planned = _per_layer(dirs)
     assert rehearsed == pytest.approx(megatron(shape), rel=0.10), (shape, recompute, rehearsed / megatron(shape))
     assert planned == pytest.approx(rehearsed, rel=0.02)  # the plan prices what the program keeps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", ["llama", "gpt"])
+def test_bf16_tp8_sequence_parallel_layer_holds_megatrons_activations(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shape: str
+) -> None:
+    """With sequence parallelism (no recompute) the column inputs are kept as this rank's rows and gathered
+    again in the backward (``backends/torch/regather.py``), as Megatron's column layer does."""
+    monkeypatch.setenv("PARTITA_CACHE_DIR", str(tmp_path / "cache"))
+    dirs = [_compiled(tmp_path, shape, n, "none", sp=True) for n in (2, 4)]
+    rehearsed, planned = _per_layer(dirs)
+    want = megatron(shape, sp=True)
+    assert rehearsed == pytest.approx(want, rel=0.10), (shape, rehearsed / want)
+    assert planned == pytest.approx(rehearsed, rel=0.02)
