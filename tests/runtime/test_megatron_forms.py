@@ -27,6 +27,14 @@ contiguous input copy (``2 sbh / t``): 2.2% over (7.3% with HF's product, which 
 Llama layer kept each norm's f32 input and a bf16 normalized copy, ``sbh (16 + 10/t) + 8 sbf/t``: 80%
 over. Selective recompute keeps the matmul outputs (``backends/torch/parallel._save_matmuls``), not
 Megatron's inputs: within 10% either way.
+
+**Sequence parallelism** (sec. 4.2.2; ``--sequence-parallel``, no recompute): Megatron splits the ``8 sbh``
+of norm and column inputs over tp too, keeping each column layer's input as its ``s/t`` rows and
+all-gathering it again in the backward: ``sbh (8/t + 24/t)`` (GPT), ``sbh (16/t) + 6 sbf / t`` (Llama).
+The program does the same (``backends/torch/regather.py``); before it, torch's ``ColwiseParallel`` kept
+the all-gathered inputs whole (``+ 4 sbh (1 - 1/t)``, about 1.9x Megatron's). Selective recompute with
+sequence parallelism is not lean yet: the policy keeps the all-gathered inputs and the row matmuls' whole
+partial sums (collective and matmul outputs), ``8 sbh`` more than Megatron's ``32 sbh / t``; not tested here.
 """
 
 from __future__ import annotations

@@ -276,14 +276,11 @@ def _fused_lines(plan: Plan, s: Stage) -> list[str]:
     (GPT-2's LayerNorm and GeLU already keep only their inputs)."""
     if _precision(plan, s) not in ("fsdp", "autocast"):
         return []
-    held = (
-        "the residual stream's dtype, f32 under autocast"
-        if _precision(plan, s) == "autocast"
-        else plan.training["dtype"]
-    )
+    held = "f32 under autocast" if _precision(plan, s) == "autocast" else plan.training["dtype"]
     return [
-        f"    # Fused ops, as Megatron-LM keeps them: each RMSNorm keeps its input ({held}) and a per-row f32",
-        "    # statistic, not Hugging Face's f32 copies; each SwiGLU keeps gate's and up's outputs and recomputes SiLU.",
+        "    # Fused ops, as Megatron-LM keeps them (none in a model without them): each RMSNorm keeps its",
+        f"    # input ({held}) and a per-row f32 statistic, not Hugging Face's f32 copies; each SwiGLU keeps",
+        "    # gate's and up's outputs and recomputes SiLU in the backward.",
         "    fused.fuse_ops(module)",
     ]
 
