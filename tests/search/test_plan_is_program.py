@@ -96,6 +96,34 @@ def test_torch_zero0_sync_is_priced_as_the_program_runs_it() -> None:
         assert whole.memory[0, u, 1] == pytest.approx(static + max(acts, grads), rel=1e-9)
 
 
+def test_each_gradient_bucket_pays_its_own_latency(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The program issues one all-reduce per bucket (``records.grad_buckets``), so the priced sync pays the
+    latency term once per bucket: with a cap of a third of the gradients, at least three of them. The
+    price once charged one latency for the whole sync however many buckets the program issued."""
+    from partita.search.pipeline import stage_ranges
+
+    g = _graph("gpt2-tiny", 16)
+    cl = parse_shorthand("2xCPU")
+    probe = Search(g, cl, TrainingConfig(global_batch=8, seq_len=16, dtype="f32"), SearchOptions(zero_stages=(0,)))
+    dev = cl.device_types()[0]
+    u = len(probe.units)
+    grads = float(probe.table(dev, 1, 2).ranged("grads")[0, u])
+    monkeypatch.setattr(stage_ranges, "GRAD_BUCKET_BYTES", grads / 3)
+    s = Search(g, cl, TrainingConfig(global_batch=8, seq_len=16, dtype="f32"), SearchOptions(zero_stages=(0,)))
+    in_flight = np.array([0.0, 1.0])
+    two = s.arrays(((dev, 2, 2),), 2, 1, in_flight, 1)
+    one = s.arrays(((dev, 1, 2),), 1, 1, in_flight, 1)
+    assert two is not None and one is not None
+    tab = s.table(dev, 1, 2)
+    a0, a1 = affine(s.costs.cost_model(dev), "all_reduce", dp_link(dev, 2, 1, 2, cl.network))
+    assert a0 > 0  # the latency term exists, so one and three calls differ
+    sync = 3 * a0 + a1 * grads
+    window = s.factors.grad_overlap * tab.comm_overlap * float(tab.ranged("bwd")[0, u])
+    hidden = max(sync / float(tab.ranged("num_layers")[0, u]), sync - window)
+    for arr, alone in zip(two[0], one[0]):
+        assert arr.tail[0, u] == pytest.approx(alone.tail[0, u] + hidden, rel=1e-9)
+
+
 def test_a_tied_weight_is_priced_once_per_stage_that_holds_it() -> None:
     """GPT-2's ``wte`` is read by the embedding and by the LM head (``lm_head.weight``, tied). A stage
     holding both holds one tensor, so the parameter, gradient and optimizer sums of a layer range count

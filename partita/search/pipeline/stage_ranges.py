@@ -274,7 +274,8 @@ def _zero_terms(
 ) -> _ZeroTerms:
     """``flat_sync`` (the JAX program's ZeRO-0 sync): one all-reduce after the schedule, fully exposed, and a
     copy of all the gradients; ``buckets`` (the torch program's, ``Stage.grad_buckets``): the buckets overlap
-    the last backward (``exposed = max(sync / n, sync - window)``, as for any overlapped sync) and the copy
+    the last backward (``exposed = max(sync / n, sync - window)``, as for any overlapped sync; the latency
+    term once per bucket, at least ``ceil(grads / GRAD_BUCKET_BYTES)`` of them) and the copy
     is the buckets in flight, at most ``GRAD_BUCKETS_IN_FLIGHT * GRAD_BUCKET_BYTES`` (``backends/torch/
     parallel.GradBuckets``; a parameter above the cap is a bucket alone, synced in place); neither: another engine's overlapped sync without a copy."""
     r = tab.ranged
@@ -298,7 +299,9 @@ def _zero_terms(
     mem_static = cats["parameters"] + cats["optimizer"]
     rs_held = reduce_scatter_in_flight(max_params, dp, zero, tab.gather_ratio, tab.fsdp_copies)
     if dp > 1:
-        sync = allreduce[0] + allreduce[1] * grads if zero == 0 else rs
+        # the torch program's buckets are one all-reduce each: the latency term once per bucket
+        calls = np.maximum(np.ceil(grads / GRAD_BUCKET_BYTES), 1.0) if buckets and not flat_sync else 1.0
+        sync = allreduce[0] * calls + allreduce[1] * grads if zero == 0 else rs
     else:
         sync = np.zeros_like(grads)
     window = factors.grad_overlap * tab.comm_overlap * bwd
