@@ -325,3 +325,18 @@ def fsdp_reduce_grads(root: Any) -> None:
         for group in st._fsdp_param_groups:
             group.post_backward()
     state._root_post_backward_final_callback()
+
+
+def saved_tensor_hooks_active() -> bool:
+    """Whether a ``saved_tensors_hooks`` context is active (``torch.utils.checkpoint``'s, a split backward's):
+    ``backends/torch/tp.py``'s sequence-parallel re-gather steps aside inside one (private
+    ``torch._C._autograd._top_saved_tensors_default_hooks``)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+def storage_ref(t: Any) -> Any:
+    """A weak reference to ``t``'s storage that compares equal for tensors sharing it (fake tensors too):
+    ``StorageWeakRef`` (``torch.multiprocessing.reductions``)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())

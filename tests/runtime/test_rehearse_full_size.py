@@ -52,10 +52,11 @@ def test_llama_7b_full_size_tp_counts_and_gradient_sync(work: Path) -> None:
     col_row = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
     local = sum(p.numel() // (TP if any(k in n for k in col_row) else 1) for n, p in model.named_parameters())
     assert st["collectives"]["all_reduce@dp"] == {"count": 1, "bytes": 4 * local}
-    # peak (end of the only micro-batch's forward): f32 parameters and Adam's two f32 moments, no
-    # gradients yet (zero_grad frees them between steps)
+    # peak: f32 parameters and Adam's two f32 moments, and either no gradients yet (the end of the only
+    # micro-batch's forward; zero_grad frees them between steps) or every f32 gradient (the step's end): with
+    # the fused norms and SwiGLU (backends/torch/fused.py, issue 32) the forward keeps less than before
     mem = st["memory_by_category"]
-    assert 4 * local <= mem["parameters"] <= 4 * local + 2**20 and mem["gradients"] == 0
+    assert 4 * local <= mem["parameters"] <= 4 * local + 2**20 and mem["gradients"] in (0, 4 * local)
     assert 8 * local <= mem["optimizer"] <= 8 * local + 2**20
 
 

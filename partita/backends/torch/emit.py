@@ -270,6 +270,21 @@ def _cp_lines(plan: Plan, s: Stage) -> list[str]:
     ]
 
 
+def _fused_lines(plan: Plan, s: Stage) -> list[str]:
+    """A low-dtype stage's RMSNorms and SwiGLU products as fused ops (``backends/torch/fused.py``; priced by
+    ``search/layer/saved.py``): written for every bf16 / f16 stage, a no-op for a model without them
+    (GPT-2's LayerNorm and GeLU already keep only their inputs)."""
+    if _precision(plan, s) not in ("fsdp", "autocast"):
+        return []
+    held = "f32 under autocast" if _precision(plan, s) == "autocast" else plan.training["dtype"]
+    return [
+        "    # Fused ops, as Megatron-LM keeps them (none in a model without them): each RMSNorm keeps its",
+        f"    # input ({held}) and a per-row f32 statistic, not Hugging Face's f32 copies; each SwiGLU keeps",
+        "    # gate's and up's outputs and recomputes SiLU in the backward.",
+        "    fused.fuse_ops(module)",
+    ]
+
+
 def _setup_stage(plan: Plan, s: Stage, facts: StageFacts) -> str:
     mesh, shape = _mesh_text(s)
     lines = [
@@ -280,6 +295,7 @@ def _setup_stage(plan: Plan, s: Stage, facts: StageFacts) -> str:
     ]
     if s.cp > 1:
         lines += _cp_lines(plan, s)
+    lines += _fused_lines(plan, s)
     recipe = s.fp8
     if recipe:
         lines += [
@@ -598,6 +614,11 @@ def emit_torch(plan: Plan, model_spec: str) -> str:
         header = header.replace(
             "from partita.backends.torch import parallel as tpar",
             "from partita.backends.torch import fp8\nfrom partita.backends.torch import parallel as tpar",
+        )
+    if any(_precision(plan, s) in ("fsdp", "autocast") for s in plan.stages):
+        header = header.replace(
+            "from partita.backends.torch import parallel as tpar",
+            "from partita.backends.torch import fused\nfrom partita.backends.torch import parallel as tpar",
         )
     parts = [
         header.format(

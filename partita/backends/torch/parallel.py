@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from partita.backends.torch import fused as torch_fused
 from partita.backends.torch import moe as torch_moe
 from partita.backends.torch import stages as torch_stages
 from partita.backends.torch import tp as torch_tp
@@ -340,6 +341,7 @@ def reference_forward(model: nn.Module, x: torch.Tensor, precision: str, dtype: 
     if precision == "f32" or dtype not in LOW_PRECISION:
         return model(x)
     dt = LOW_PRECISION[dtype]
+    torch_fused.fuse_ops(model)  # as the program's low-dtype stages (emit._fused_lines)
     if precision == "autocast":
         torch_moe.experts_in_autocast_dtype(model)  # as apply_autocast: grouped experts in dt too
         with torch.autocast(x.device.type, dtype=dt):

@@ -89,6 +89,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
 from partita.backends.torch import moe
+from partita.backends.torch.regather import Regather
 from partita.errors import PlanError
 from partita.frontends.torch_shim import strided_shard
 
@@ -552,7 +553,9 @@ def tensor_parallel(
     _region_params(module, mesh, derived, hooks)
     _sequence_region(module, mesh, [p for p, r in derived.items() if r == SEQUENCE])
     for parent in sorted({p.rpartition(".")[0] for p, r in derived.items() if r == COLUMN_SP}):
-        module.get_submodule(parent).register_forward_pre_hook(_gather_rows(mesh), with_kwargs=True)
+        gather, done = _gather_rows(mesh)
+        module.get_submodule(parent).register_forward_pre_hook(gather, with_kwargs=True)
+        module.get_submodule(parent).register_forward_hook(done)
     for parent in {p.rpartition(".")[0] for p, r in derived.items() if r in (COLUMN, COLUMN_GATHER, COLUMN_SP)}:
         owner = module.get_submodule(parent)  # the shared input lives for one call of the parent
         owner.register_forward_pre_hook(lambda m, a, parent=parent: hooks.clear(parent))
@@ -560,12 +563,15 @@ def tensor_parallel(
     return derived
 
 
-def _gather_rows(mesh: DeviceMesh) -> Any:
-    """Forward pre-hook of a ``colwise_sp`` parent (torchtitan's ``PrepareModuleInput(Shard(1) ->
+def _gather_rows(mesh: DeviceMesh) -> tuple[Any, Any]:
+    """Forward pre- and post-hook of a ``colwise_sp`` parent (torchtitan's ``PrepareModuleInput(Shard(1) ->
     Replicate)`` on attention / MLP): its hidden states, this rank's rows (cast to the autocast dtype
     first, as :meth:`_Hooks.replicated`), become one all-gathered Replicate DTensor that its column
     modules share (their input gradients meet in one reduce-scatter). Inside the parent the shapes are
-    the whole sequence's (``view(*input_shape, -1, head_dim)``)."""
+    the whole sequence's (``view(*input_shape, -1, head_dim)``). Without recompute the parent's saved
+    copies of the gathered tensor are this rank's rows, gathered again in the backward (``regather.py``)."""
+
+    active: list[Regather | None] = []
 
     def gather(x: Any) -> Any:
         if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
@@ -573,14 +579,23 @@ def _gather_rows(mesh: DeviceMesh) -> Any:
         dev = x.device.type
         if x.is_floating_point() and torch.is_autocast_enabled(dev):
             x = x.to(torch.get_autocast_dtype(dev))
-        return DTensor.from_local(x, mesh, [Shard(SEQ_DIM)], run_check=False).redistribute(mesh, [Replicate()])
+        full = DTensor.from_local(x, mesh, [Shard(SEQ_DIM)], run_check=False).redistribute(mesh, [Replicate()])
+        if active and active[-1] is None and Regather.wanted(mesh):  # keep x's rows, gather again in backward
+            active[-1] = Regather(mesh, x, full, SEQ_DIM).__enter__()
+        return full
 
     def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        active.append(None)
         if args:
             return (gather(args[0]), *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": gather(kwargs["hidden_states"])}
 
-    return hook
+    def done(mod: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        ctx = active.pop() if active else None
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+
+    return hook, done
 
 
 def _sequence_region(module: nn.Module, mesh: DeviceMesh, blocks: Sequence[str]) -> None:

@@ -23,6 +23,9 @@ layer, answered once per precision mode:
     stays f32, matmuls and attention run in the low dtype on a low *copy* of each f32 activation
     input (one per consuming op: autocast caches only casts of parameters) and of each weight (kept
     for the input gradient, per micro-batch), norms return f32.
+    In both low modes Hugging Face's RMSNorms and SwiGLU products run fused (``backends/torch/fused.py``,
+    :func:`fused_norm_groups`, :func:`fused_swiglu_muls`): a norm keeps its input as it arrives and a per-row
+    statistic, not HF's f32 copies; the product keeps SiLU's input and up's output, not SiLU's output.
     With ``fp8`` (torchao's ``Float8Linear``, ``search/pricing/fp8.saved_copies``) a linear keeps no
     weight copy (it saves the f32 weight) and, on CPU, no input copy (it saves the f32 input itself).
 
@@ -154,6 +157,8 @@ def saved_plan(
 
     produced = {o for name in layer.nodes for o in g.node(name).outputs}
     into_weights = _into_weights(g, layer)
+    fused = fused_norm_groups(g, layer) if mode != "f32" else {}
+    swiglu = fused_swiglu_muls(g, layer) if mode != "f32" else frozenset()
     for name in layer.nodes:
         n = g.node(name)
         ins = [it(t) for t in n.inputs]
@@ -207,6 +212,10 @@ def saved_plan(
             if alias is not None and alias in up:
                 up.add(o)
         pos, out_saved = _rule(n, g, grad)
+        if name in fused:  # a fused RMSNorm (backends/torch/fused.py): its input as it arrives, nothing else
+            pos, out_saved = ((0,) if fused[name] and any(o in grad for o in n.outputs) else ()), False
+        if name in swiglu:  # a fused SwiGLU: up's output; SiLU's input is kept by the silu node, its output by none
+            pos = tuple(i for i in pos if i != 0)
         cast = mode == "autocast" and prim in (Prim.MATMUL, Prim.CONV, Prim.ATTENTION)
         f8 = (
             fp8 if cast and prim is Prim.MATMUL and any(g.tensors[t].role is Role.PARAMETER for t in n.inputs) else None
@@ -232,6 +241,52 @@ def saved_plan(
                 keep(o, n)
     at_dispatch = dispatch_kept(g, layer, root, produced, keepers)
     return SavedPlan(item, root, frozenset(saved), owner, copies, weights, low, at_dispatch)
+
+
+_RMS_OPS = ("to", "pow", "mean", "add", "rsqrt", "mul", "to", "mul")
+
+
+def fused_norm_groups(g: Graph, layer: Layer) -> dict[str, bool]:
+    """The nodes of each Hugging Face RMSNorm in ``layer`` that a low-precision program runs as one fused
+    op (``backends/torch/fused.py``, written into the program for every bf16 / f16 stage), each mapped
+    to whether it is the norm's first node (the up-cast of the norm's input, the one tensor the fused
+    norm keeps besides its per-row statistic). A norm is the nodes of one module path whose ops are
+    exactly HF's ``weight * (x.to(f32) * rsqrt(x.pow(2).mean(-1) + eps)).to(dtype)`` with the module's
+    own ``weight``; anything else (Gemma's ``1 + weight``) is left to the per-op rules, as the program
+    leaves it."""
+    by_module: dict[str, list[Node]] = {}
+    for name in layer.nodes:
+        n = g.node(name)
+        if n.module:
+            by_module.setdefault(n.module, []).append(n)
+    out: dict[str, bool] = {}
+    for mod, nodes in by_module.items():
+        if tuple(_op(n) for n in nodes) != _RMS_OPS or f"{mod}.weight" not in nodes[-1].inputs:
+            continue
+        if g.tensors[f"{mod}.weight"].role is not Role.PARAMETER:
+            continue
+        out.update({n.name: i == 0 for i, n in enumerate(nodes)})
+    return out
+
+
+def fused_swiglu_muls(g: Graph, layer: Layer) -> frozenset[str]:
+    """The ``mul`` nodes of ``layer`` that a low-precision program runs as a fused SwiGLU
+    (``backends/torch/fused.py``): Hugging Face's ``act_fn(gate_proj(x)) * up_proj(x)`` in module ``M``, the
+    ``silu`` of ``M.act_fn`` on ``M.gate_proj``'s output times ``M.up_proj``'s output (operand 0 is the
+    SiLU's output, which the fused product does not keep)."""
+    producer = {o: g.node(name) for name in layer.nodes for o in g.node(name).outputs}
+    out = set()
+    for name in layer.nodes:
+        n = g.node(name)
+        if _op(n) != "mul" or len(n.inputs) != 2 or not n.module:
+            continue
+        act, up = (producer.get(t) for t in n.inputs)
+        if act is None or up is None or _op(act) != "silu" or act.module != f"{n.module}.act_fn":
+            continue
+        gate = producer.get(act.inputs[0]) if act.inputs else None
+        if up.module == f"{n.module}.up_proj" and gate is not None and gate.module == f"{n.module}.gate_proj":
+            out.add(name)
+    return frozenset(out)
 
 
 def dispatch_kept(

@@ -14,14 +14,18 @@ program carries it literally and every record stays the one prediction:
   input forward (Korthikanti et al. 2022, sec. 4.2.2: ``g`` / ``g-bar``); the region's ends: the
   first block's input gradient and the last block's output are all-gathered (in the residual
   stream's dtype: f32 under autocast on the first stage, the received activation's dtype on later
-  ones, the training dtype under FSDP2); each plain parameter inside the blocks (the norms' weights)
-  has its gradient (f32; FSDP2's unsharded one in the training dtype) all-reduced over tp once per
+  ones, the training dtype under FSDP2); without recompute each column parent's input is all-gathered
+  once more in the backward (its saved copy is this rank's rows, ``backends/torch/regather.py``, as in
+  Megatron-LM; recorded but not timed, like the region's ends below: Megatron overlaps it with the
+  input-gradient GEMM, this program runs it when the first column module's backward needs it); each
+  plain parameter inside the blocks (the norms' weights) has its gradient (f32; FSDP2's unsharded one in the training dtype) all-reduced over tp once per
   micro-batch;
 * ``Stage.predicted["memory_by_category"]["activations"]`` (and ``memory_bytes``): the saved
   activations of the block region that the program now keeps for ``s/t`` rows (:func:`_memory`, by
   ``search/layer/saved.py``'s rules for the tensors the tp-replicated ops save). Times stay the layout's
   without sequence parallelism: on a ring an all-reduce costs a reduce-scatter plus an all-gather; the
-  region's two boundary all-gathers and the norms' small all-reduces are recorded but not timed.
+  region's two boundary all-gathers, the backward re-gathers and the norms' small all-reduces are
+  recorded but not timed.
 
 Not built (refused by :func:`check`, with the reason): model chunks (interleaved 1F1B, ZB-V) and split
 backwards (zero-bubble), full recompute, and blocks whose tp modules are not Megatron column / row pairs
@@ -163,6 +167,9 @@ def _stage(plan: Plan, graph: Graph, i: int) -> Stage:
         other = "backward" if c.phase == "forward" else "forward"
         out.append(dataclasses.replace(c, kind="reduce_scatter", reason=f"sequence parallel: {c.reason}"))
         out.append(dataclasses.replace(c, kind="all_gather", phase=other, reason=f"sequence parallel: {c.reason}"))
+        if c.phase == "backward" and s.recompute == "none":  # a column parent's input, gathered again
+            why = f"sequence parallel: re-gather for backward ({c.reason})"
+            out.append(dataclasses.replace(c, kind="all_gather", phase="backward", reason=why))
     rows = (hi - lo) * facts.boundary_elems(blocks[-1], seq) * residual
     out.append(Collective("all_gather", "tp", rows, m, "forward", "sequence parallel: last block's output"))
     out.append(Collective("all_gather", "tp", rows, m, "backward", "sequence parallel: first block's input gradient"))
@@ -265,8 +272,9 @@ def activation_delta(
     for the Plan (:func:`_memory`) and ``partita evaluate`` (``search/entry/evaluate.py``):
 
     * no recompute: every saved tensor the tp-replicated ops of a block count (``saved.replicated_bytes``:
-      the norms' inputs and outputs, the block input) is kept for this rank's rows; the column modules'
-      inputs stay whole (all-gathered, saved by their matmuls);
+      the norms' inputs and outputs, the block input) is kept for this rank's rows, and so is each column
+      group's input, which the program all-gathers again in the backward (``backends/torch/regather.py``,
+      as Megatron-LM's column layer does);
     * selective recompute: of what the policy keeps (block input, matmul and collective outputs), the
       block input and each row module's collective output are this rank's rows, and each column
       group's all-gathered input (a collective output) is kept whole in the training dtype; with
@@ -283,14 +291,17 @@ def activation_delta(
     delta = 0.0
     for name in blocks:
         lay = index[name]
+        elems = rows * facts.boundary_elems(name, seq)  # b*s*h: the block input, a row output, a column input
+        # each column group's gathered input, once (q/k/v or gate/up read one normed tensor)
+        parents = {_activation_input(graph, n) for n in lay.nodes if _role(strategy.get(n, "")) == "col"}
         if recompute == "none":
             sp = saved_plan(graph, lay, mode, low, grad)
             kept = frozenset(n for n in lay.nodes if strategy.get(n, "R") == "R")
             delta -= (1 - 1 / t) * replicated_bytes(graph, lay, sp, kept, env)
+            # the column inputs, kept for s/t rows and all-gathered again in the backward (both programs:
+            # backends/torch/regather.py, Megatron-LM's column layer), in the training dtype
+            delta -= (1 - 1 / t) * elems * low * len(parents)
             continue
-        elems = rows * facts.boundary_elems(name, seq)  # b*s*h: the block input, a row output, a column input
-        # each column group's gathered input, once (q/k/v or gate/up read one normed tensor)
-        parents = {_activation_input(graph, n) for n in lay.nodes if _role(strategy.get(n, "")) == "col"}
         num_rows = sum(1 for n in lay.nodes if _role(strategy.get(n, "")) == "row")
         delta -= (1 - 1 / t) * elems * (low if fsdp else records.F32)  # the block input (the residual stream)
         delta -= (1 - 1 / t) * elems * low * num_rows  # each row output: reduce-scattered
