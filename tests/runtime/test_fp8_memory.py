@@ -95,7 +95,7 @@ _KEPT = """
 import json, sys
 import torch
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-from partita.backends.torch import fp8
+from partita.backends.torch import fp8, fused
 from partita.models.zoo import resolve_model
 
 B, S = int(sys.argv[3]), int(sys.argv[4])
@@ -105,6 +105,7 @@ for mode in ("low", "autocast"):
     model = resolve_model(sys.argv[2]).build("cpu")
     if mode == "low":
         model = model.to(torch.bfloat16)
+    fused.fuse_ops(model)  # as the program's low-dtype stages, before the conversion
     config = Float8LinearConfig.from_recipe_name("tensorwise")
     model = convert_to_float8_training(model, config=config, module_filter_fn=fp8.runs_in_fp8)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}

@@ -17,7 +17,8 @@ plan dtype is bf16 / f16 (FSDP2's ``MixedPrecisionPolicy`` and ``torch.autocast`
   product; this rounds once, after it (one bf16 rounding apart, within the parity tolerance).
 * **SwiGLU** (:func:`swiglu`). HF's ``down(act(gate(x)) * up(x))`` keeps gate's output (SiLU's input),
   SiLU's output and up's output (the product's operands): three ``[b, s, f/t]`` tensors. Megatron's
-  ``bias_swiglu`` keeps gate's and up's outputs and recomputes SiLU in the backward: two.
+  ``bias_swiglu`` keeps gate's and up's outputs and recomputes SiLU in the backward: two. Its backward runs
+  the very ops autograd runs for HF's form, so its gradients are bitwise HF's.
 """
 
 from __future__ import annotations
@@ -123,14 +124,12 @@ class _SwiGLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        # The ops autograd runs for HF's unfused ``act_fn(g) * u`` (mul's backward, then SiLU's one-kernel
+        # backward), in the same dtype and order: bitwise the same gradients, and the same transient
+        # ``[b, s, f/t]`` tensors in the input dtype (an f32 chain here held ~8 of them at once).
         g, u = ctx.saved_tensors
-        with torch.autocast(g.device.type, enabled=False):
-            wide = _wide(g)
-            gf, uf, df = g.to(wide), u.to(wide), grad.to(wide)
-            sig = torch.sigmoid(gf)
-            silu = gf * sig
-            gg = (df * uf * sig * (1 + gf * (1 - sig))).to(g.dtype) if ctx.needs_input_grad[0] else None
-            gu = (df * silu).to(u.dtype) if ctx.needs_input_grad[1] else None
+        gg = torch.ops.aten.silu_backward(grad * u, g) if ctx.needs_input_grad[0] else None
+        gu = grad * torch.nn.functional.silu(g) if ctx.needs_input_grad[1] else None
         return gg, gu
 
 

@@ -380,7 +380,7 @@ def memory_by_category(cand: Candidate, i: int) -> dict[str, float]:
         bool(copies_deferred_gradients(sched.splits_backward(cand.schedule), search.units[k][0])),
     )
     # the activations as stage_ranges.StageParts adds them: saved x in flight + the transient (one layer's
-    # recomputed activations, the loss's backward buffers), a ZeRO-2/3 unit's gradients in flight to the
+    # recomputed activations, the loss's backward buffers), a ZeRO-1/2/3 unit's gradients in flight to the
     # reduce-scatter where the backward runs beside other activations, and ZeRO-0's flat gradient copy
     if r == "none":
         act, transient = float(tab.act[sl].sum()) * in_flight, 0.0

@@ -75,7 +75,7 @@ class StageParts:
         between steps) are not yet there at the activation peak: memory is then the largest of three
         moments, activations without gradients (the last forward), the backward of every micro-batch
         after the first (``m >= 2``: the gradients the first backward made, one micro-batch's saved
-        activations fewer, the transient and a ZeRO-2/3 unit's gradients in flight to its
+        activations fewer, the transient and a ZeRO-1/2/3 unit's gradients in flight to its
         reduce-scatter), and gradients (and the flat copy) without activations (after the last
         backward). The tiny Llama's first stage (dp 2 x pp 2, ZeRO-1, ``m = 2``) rehearsed its peak in
         its second backward: f32 gradients 180,736 B beside the second micro-batch's activations,
@@ -94,10 +94,10 @@ class StageParts:
         acts = self.saved[:, :, None] * flight
         acts += np.asarray(self.transient)[..., None]
         held = acts.copy() if last is not None else acts  # the activations without the gradients (read if last)
-        # a ZeRO-2/3 unit's gradients in flight to the reduce-scatter (reduce_scatter_in_flight), held with
+        # a ZeRO-1/2/3 unit's gradients (in flight to the reduce-scatter) (reduce_scatter_in_flight), held with
         # the activations where the backward runs beside them: other micro-batches' (more than one in
         # flight) or the recomputed block's; a lone micro-batch without recompute peaks in its forward
-        if self.rs_held is not None:  # (all zero, as for ZeRO < 2, adds nothing: skipped)
+        if self.rs_held is not None:  # (all zero, as for ZeRO 0, adds nothing: skipped)
             acts += np.where((flight > 1.0) | (self.recompute != "none"), self.rs_held[..., None], 0.0)
         if self.flat_copy:  # the flat gradient copy, made after the activations are freed
             np.maximum(acts, self.grads[:, :, None], out=acts)

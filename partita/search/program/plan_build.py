@@ -186,7 +186,7 @@ def _stage_records(
     if not split and r == "none" and sched.in_flight(best.schedule, i, len(best.stages), best.m, best.v) >= best.m:
         # no forward after the first backward: the peak is the activations before any gradient, a later
         # micro-batch's backward beside the first's gradients (one micro-batch's saved activations fewer,
-        # a ZeRO-2/3 unit's gradients in flight added), or the gradients (and the flat copy) after the last
+        # a ZeRO-1/2/3 unit's gradients in flight added), or the gradients (and the flat copy) after the last
         # backward (stage_ranges.StageParts, num_micro_batches); the receive buffers are beside all three
         copy, bucketed = sync_copy(search.costs, grads, best.dp, z, chunks_per_rank(best.schedule, best.v) > 1)
         with_copy = grads + copy if bucketed else grads * (2.0 if copy else 1.0)  # stage_ranges.StageParts.memory
