@@ -367,6 +367,8 @@ def memory_by_category(cand: Candidate, i: int) -> dict[str, float]:
     else:
         in_flight = sched.in_flight(cand.schedule, i, len(cand.stages), cand.m, cand.v)
     max_params = float(tab.max_layer_params[sl].max())
+    # a deferred W's gradient copy (stage_cost.static_memory), not on the first stage
+    deferred = bool(copies_deferred_gradients(sched.splits_backward(cand.schedule), search.units[k][0]))
     cats = static_memory(  # range sums: a parameter shared by the range's layers counts once (UnitTable.shared)
         float(tab.ranged("params")[k, j]),
         float(tab.ranged("grads")[k, j]),
@@ -376,8 +378,7 @@ def memory_by_category(cand: Candidate, i: int) -> dict[str, float]:
         z,
         tab.gather_ratio,
         tab.fsdp_copies,
-        # a deferred W's gradient copy (stage_cost.static_memory), not on the first stage
-        bool(copies_deferred_gradients(sched.splits_backward(cand.schedule), search.units[k][0])),
+        deferred,
     )
     # the activations as stage_ranges.StageParts adds them: saved x in flight + the transient (one layer's
     # recomputed activations, the loss's backward buffers), a ZeRO-1/2/3 unit's gradients in flight to the
@@ -393,7 +394,7 @@ def memory_by_category(cand: Candidate, i: int) -> dict[str, float]:
     if tab.grad_transient is not None:  # parameter gradients beside .grad (stage_ranges.grad_transient)
         transient = max(transient, float(grad_transient(tab, sched.splits_backward(cand.schedule))[k, j]))
     act += transient
-    rs = float(reduce_scatter_in_flight(max_params, cand.dp, z, tab.gather_ratio, tab.fsdp_copies))
+    rs = float(reduce_scatter_in_flight(max_params, cand.dp, z, tab.gather_ratio, tab.fsdp_copies, deferred))
     if in_flight > 1.0 or r != "none":
         act += rs
     copy, bucketed = sync_copy(

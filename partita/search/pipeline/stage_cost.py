@@ -405,7 +405,9 @@ def static_memory(
     }
 
 
-def reduce_scatter_in_flight(max_params: Any, dp: int, zero: int, gather_ratio: float, fsdp_copies: bool) -> Any:
+def reduce_scatter_in_flight(
+    max_params: Any, dp: int, zero: int, gather_ratio: float, fsdp_copies: bool, deferred_copy: Any = False
+) -> Any:
     """Bytes a ZeRO-2/3 backward holds for FSDP2's per-unit reduce-scatter (``stage_ranges.StageParts`` adds them
     to the activations where the backward runs beside them): a unit's unsharded gradients in
     ``param_dtype`` (``gather_ratio`` of its f32 bytes ``max_params``) are copied into an f32
@@ -418,11 +420,14 @@ def reduce_scatter_in_flight(max_params: Any, dp: int, zero: int, gather_ratio: 
     bf16, ``m = 2``) rehearsed its peak at the end of its block's second backward with exactly those
     (73,856 B of 'gradients' beside the accumulator), +13.2% over its plan without them once the fused
     norm and SwiGLU (``backends/torch/fused.py``) made the activations priced no more than held
-    (``tests/runtime/test_fp8_multiprocess.py``); 0 without FSDP2 (``fsdp_copies``), dp 1 or ZeRO 0."""
+    (``tests/runtime/test_fp8_multiprocess.py``). In f32 (``gather_ratio`` 1) FSDP2 keeps no separate
+    accumulator: autograd adds each gradient into ``.grad`` in place. A zero-bubble stage's deferred W
+    holds the whole stage's such gradients already (``deferred_copy``, :func:`static_memory`'s copy; a
+    bool or 0/1 per layer range): nothing more there. 0 without FSDP2 (``fsdp_copies``), dp 1 or ZeRO 0."""
     if dp > 1 and zero >= 2 and fsdp_copies:
         return max_params * (1.0 + gather_ratio)
-    if dp > 1 and zero == 1 and fsdp_copies:
-        return max_params * gather_ratio
+    if dp > 1 and zero == 1 and fsdp_copies and gather_ratio < 1.0:
+        return max_params * gather_ratio * (1.0 - np.asarray(deferred_copy, dtype=np.float64))
     return 0.0 * max_params
 
 
@@ -702,14 +707,21 @@ class SolverCosts:
         recomputes every other op; the block input is the checkpoint's input; the layers outside the
         blocks (``embed``, ``head``) are never checkpointed. JAX (``backends/jax/parallel``): any
         recompute is ``jax.checkpoint`` of the stage's layers, priced here as full recompute.
-        ``alt``: in the solution's second precision mode (``LayerSolution.activation_bytes_alt``)."""
+        ``alt``: in the solution's second precision mode (``LayerSolution.activation_bytes_alt``).
+
+        Torch's dropped bytes may be negative: the policy keeps every matmul's output, which no-recompute
+        autograd does not keep (a row linear's partial sum and its reduced copy), so once the norms and the
+        attention core are lean (``backends/torch/fused.py``, flash attention) a selective layer holds more
+        than without recompute (tp 8 bf16: 11.75 vs 11.01 sbh GPT, 12.09 vs 11.15 Llama,
+        ``tests/runtime/test_megatron_forms.py``). Priced as held; the search then prefers no recompute
+        there, as it should (it was clamped at 0 and priced 6-8% under the program)."""
         act = sol.activation_bytes_alt if alt else sol.activation_bytes
         keep = sol.selective_keep_bytes_alt if alt else sol.selective_keep_bytes
         if self.graph.meta.get("framework") == "jax":
             return max(0.0, act - inputs), sol.forward_time_s
         if self.graph.layers[index].name in _NOT_CHECKPOINTED:
             return 0.0, 0.0
-        return max(0.0, act - inputs - keep), sol.selective_forward_s
+        return act - inputs - keep, sol.selective_forward_s
 
     @functools.cached_property
     def _num_readers(self) -> dict[str, int]:

@@ -297,7 +297,7 @@ def _zero_terms(
     copies = copies_deferred_gradients(split_backward, np.arange(len(tab.fwd))[:, None])
     cats = static_memory(params, grads, opt, max_params, dp, zero, tab.gather_ratio, tab.fsdp_copies, copies)
     mem_static = cats["parameters"] + cats["optimizer"]
-    rs_held = reduce_scatter_in_flight(max_params, dp, zero, tab.gather_ratio, tab.fsdp_copies)
+    rs_held = reduce_scatter_in_flight(max_params, dp, zero, tab.gather_ratio, tab.fsdp_copies, copies)
     if dp > 1:
         # the torch program's buckets are one all-reduce each: the latency term once per bucket
         calls = np.maximum(np.ceil(grads / GRAD_BUCKET_BYTES), 1.0) if buckets and not flat_sync else 1.0
