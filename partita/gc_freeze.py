@@ -13,12 +13,12 @@ again after it (the trace's garbage collected first, so nothing unreachable is p
 computed changes: the collector only frees unreachable cycles, and the ones made after a freeze are
 still freed.
 
-A process forked for one task that ends with it (``trace_child.py``'s trace, the search's workers in
-``search/entry/prefetch.py``) runs with the collector off (:func:`throwaway`): the cycles it makes are
-freed when it exits, moments later. Measured on the Qwen2-72B-shape compile: ~300 young collections,
-0.15 CPU seconds, in the trace child and 0.03-0.08 s in each search worker, all on the critical path;
-the peak memory of the trace and the search is the same with the collector off (436 vs 438 MiB, 253
-MiB), as they make almost no garbage cycles.
+A process forked for one task that ends with it runs with the collector off: ``trace_child.py``'s
+trace (:func:`throwaway`) and the search's workers (``search/entry/prefetch.py``, which may not import
+this module, does the same). The cycles it makes are freed when it exits, moments later. Measured on
+the Qwen2-72B-shape compile: ~300 young collections, 0.15 CPU seconds, in the trace child and
+0.03-0.08 s in each search worker, all on the critical path; the peak memory of the trace and of the
+search is the same with the collector off (436 vs 438 MiB, 253 MiB): they make almost no cycles.
 """
 
 from __future__ import annotations

@@ -10,13 +10,14 @@ grouped so that the memo hits a worker sees are those the serial order sees).
 
 Workers fork (the graph and the cost models are inherited, nothing is re-traced) and ignore Ctrl-C:
 the parent's ``KeyboardInterrupt`` ends the pool. They run without the cyclic collector (they end with
-their pool: ``gc_freeze.throwaway``). Where ``fork`` is not available, one CPU is, fewer
+their pool). Where ``fork`` is not available, one CPU is, fewer
 than :data:`MIN_SOLVES` solves are left, JAX is imported, or ``PARTITA_WORKERS=1``, the same solves run here, one after
 another: which tables are solved never depends on the machine, so neither do the plan's statistics.
 """
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import signal
@@ -88,11 +89,10 @@ def prefetch(costs: Any, wanted: Sequence[tuple[int, Any, int, int]]) -> int:
 
 def _worker_init() -> None:
     """A worker ignores Ctrl-C (the parent ends the pool) and runs without the cyclic collector: it
-    ends with its pool (``gc_freeze.throwaway``)."""
-    from partita.gc_freeze import throwaway
-
+    ends with its pool, and the cycles it makes are freed then (as ``gc_freeze.throwaway`` does for the
+    trace child; measured: 0.03-0.08 CPU s of collections per worker on the Qwen2-72B-shape compile)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    throwaway()
+    gc.disable()
 
 
 def _solve_group(group: list[tuple[int, str, int, int]]) -> tuple[dict, dict, list, tuple]:
