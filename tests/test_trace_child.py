@@ -102,3 +102,17 @@ def test_the_search_workers_run_without_the_cyclic_collector() -> None:
         "print(prefetch.in_background(gc.isenabled)()); print(gc.isenabled())"
     )
     assert _in_child(code) == ["False", "True"]
+
+
+def test_a_search_worker_dies_on_sigterm_without_a_python_handler() -> None:
+    """``Pool.terminate`` ends the workers with SIGTERM; a Python handler inherited from the command
+    (``cli._on_sigterm``) can miss it when it lands just before the worker blocks on the task queue's
+    lock, and the compile then waits forever (``prefetch._worker_init``). The worker takes the default
+    action; the parent keeps its handler."""
+    code = (
+        "import signal; from partita.search.entry import prefetch; "
+        "signal.signal(signal.SIGTERM, lambda s, f: None); "
+        "print(prefetch.in_background(lambda: signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)()); "
+        "print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)"
+    )
+    assert _in_child(code) == ["True", "False"]

@@ -88,10 +88,19 @@ def prefetch(costs: Any, wanted: Sequence[tuple[int, Any, int, int]]) -> int:
 
 
 def _worker_init() -> None:
-    """A worker ignores Ctrl-C (the parent ends the pool) and runs without the cyclic collector: it
-    ends with its pool, and the cycles it makes are freed then (as ``gc_freeze.throwaway`` does for the
-    trace child; measured: 0.03-0.08 CPU s of collections per worker on the Qwen2-72B-shape compile)."""
+    """A worker ignores Ctrl-C (the parent ends the pool), dies at once on SIGTERM, and runs without the
+    cyclic collector: it ends with its pool, and the cycles it makes are freed then (as
+    ``gc_freeze.throwaway`` does for the trace child; measured: 0.03-0.08 CPU s of collections per
+    worker on the Qwen2-72B-shape compile).
+
+    SIGTERM is what ``Pool.terminate`` sends. A Python handler inherited from the command (``cli``'s,
+    which ends a worker with ``os._exit``) runs only between bytecodes: a worker that takes the signal
+    just before it blocks on the pool's task-queue lock (``sem_wait``, after the last check for
+    signals) never runs it, and the parent waits for that worker forever. Seen once, on a loaded
+    machine (load average 6): the compile hung in ``Pool.terminate``'s join, one worker asleep in
+    ``SemLock.acquire`` with no signal pending. The default action ends the process in the kernel."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     gc.disable()
 
 
