@@ -12,6 +12,13 @@ exists is frozen (``gc.freeze()``: a generation the collector never scans) befor
 again after it (the trace's garbage collected first, so nothing unreachable is pinned). Nothing
 computed changes: the collector only frees unreachable cycles, and the ones made after a freeze are
 still freed.
+
+A process forked for one task that ends with it runs with the collector off: ``trace_child.py``'s
+trace (:func:`throwaway`) and the search's workers (``search/entry/prefetch.py``, which may not import
+this module, does the same). The cycles it makes are freed when it exits, moments later. Measured on
+the Qwen2-72B-shape compile: ~300 young collections, 0.15 CPU seconds, in the trace child and
+0.03-0.08 s in each search worker, all on the critical path; the peak memory of the trace and of the
+search is the same with the collector off (436 vs 438 MiB, 253 MiB): they make almost no cycles.
 """
 
 from __future__ import annotations
@@ -52,3 +59,9 @@ def settle(*, collect: bool = True) -> None:
             gc.collect()
         gc.freeze()
         gc.enable()
+
+
+def throwaway() -> None:
+    """In a forked process that ends with its one task: the collector off for the rest of its life
+    (module docstring). Never call it in a process that lives on (the compiling process, a user's)."""
+    gc.disable()

@@ -112,12 +112,13 @@ def _child(model: str, seq: int, batch: int, w: int, out: IO[bytes], err: IO[byt
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # the parent's Ctrl-C handling is not the child's
+        from partita.gc_freeze import throwaway
+
+        throwaway()  # the collector off: this process ends with the trace (gc_freeze.py)
         from partita.frontends.trace import trace_handle
-        from partita.gc_freeze import settle
         from partita.models import resolve_model
 
         handle = resolve_model(model)
-        settle(collect=False)  # as driver.plan_handle does before its trace: the imports frozen
         graph = trace_handle(handle, batch=batch, seq=seq)
         data = pickle.dumps(graph, protocol=pickle.HIGHEST_PROTOCOL)
         with os.fdopen(w, "wb") as pipe:

@@ -74,3 +74,45 @@ def test_a_child_that_fails_returns_nothing_and_its_output_is_dropped() -> None:
     got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert got.stdout.strip().splitlines() == ["None", "[]"]
     assert got.stderr == ""
+
+
+def _in_child(code: str) -> list[str]:
+    """``code`` run by a fresh interpreter (no torch imported, so :func:`trace_in_child` forks)."""
+    env = {**os.environ, "PARTITA_TRACE_CHILD": "on", "PARTITA_WORKERS": "2"}
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    return got.stdout.strip().splitlines()
+
+
+def test_the_trace_child_runs_without_the_cyclic_collector() -> None:
+    """The child ends with its trace: the collector's passes over the objects torch.export makes are
+    wasted time on the compile's critical path (``gc_freeze.throwaway``). The compiling process keeps it."""
+    code = (
+        "import gc, partita.frontends.trace as tr, partita.models as models, partita.trace_child as tc; "
+        "models.resolve_model = lambda name: name; "
+        "tr.trace_handle = lambda handle, batch, seq: {'collector_on': gc.isenabled(), 'model': handle}; "
+        "got = tc.trace_in_child('m', 32, 2); print(got and got[0]); print(gc.isenabled())"
+    )
+    assert _in_child(code) == ["{'collector_on': False, 'model': 'm'}", "True"]
+
+
+def test_the_search_workers_run_without_the_cyclic_collector() -> None:
+    """The search's forked workers (layer ILPs, the loops beside the search) end with their pool."""
+    code = (
+        "import gc; from partita.search.entry import prefetch; "
+        "print(prefetch.in_background(gc.isenabled)()); print(gc.isenabled())"
+    )
+    assert _in_child(code) == ["False", "True"]
+
+
+def test_a_search_worker_dies_on_sigterm_without_a_python_handler() -> None:
+    """``Pool.terminate`` ends the workers with SIGTERM; a Python handler inherited from the command
+    (``cli._on_sigterm``) can miss it when it lands just before the worker blocks on the task queue's
+    lock, and the compile then waits forever (``prefetch._worker_init``). The worker takes the default
+    action; the parent keeps its handler."""
+    code = (
+        "import signal; from partita.search.entry import prefetch; "
+        "signal.signal(signal.SIGTERM, lambda s, f: None); "
+        "print(prefetch.in_background(lambda: signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)()); "
+        "print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)"
+    )
+    assert _in_child(code) == ["True", "False"]
