@@ -77,6 +77,9 @@ def test_interleaved_rank_groups_sync_their_chunks_inside_the_backward(tmp_path:
 
 @pytest.mark.multiprocess
 def test_interleaved_buckets_match_single_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # every chunk bucketed (several buckets each: BUCKET_TEST_BYTES), so the counted all-reduces per rank group
+    # (_first_principles: one per bucket) and the gradients both follow the buckets
+    assert all(len(s.grad_buckets) > 1 for s in _bucketed().stages)
     monkeypatch.setitem(srt.JOBS, 4, [(MODEL, "v2_dp_buckets", "interleaved_1f1b")])
     srt.test_schedules_match_single_device(tmp_path, 4)
 
