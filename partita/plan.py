@@ -24,7 +24,9 @@ Vocabulary (Megatron's, so hand-made configurations read the same):
   larger parameter alone (synced in place, without a copy). The
   torch program all-reduces each bucket as soon as the stage's last backward has made all of its
   gradients (``backends/torch/parallel.GradBuckets``). Empty (the default, not written to plan.json): one
-  flat all-reduce of all the stage's gradients after the schedule, as every plan before this field;
+  flat all-reduce of all the stage's gradients after the schedule, as every plan before this field. Model
+  chunks under interleaved 1F1B: each chunk (virtual stage) lists its own buckets, issued inside that
+  chunk's last backward; under ZB-V the sync stays flat (:func:`flat_sync_chunks`);
 * ``micro_batch_size`` is samples per micro-batch per data-parallel replica; a stage whose replicas
   run on different device types may split each micro-batch unevenly: ``batch_shares[i]`` samples
   for replica ``i`` (they sum to ``micro_batch_size * dp``), and gradients are averaged with those
@@ -69,6 +71,14 @@ def chunks_per_rank(schedule: str, num_virtual_stages: int) -> int:
     if schedule == "zbv":
         return 2
     return num_virtual_stages if schedule == "interleaved_1f1b" else 1
+
+
+def flat_sync_chunks(schedule: str, num_virtual_stages: int) -> bool:
+    """Does the torch program keep a chunked plan's ZeRO-0 sync flat (one all-reduce after the schedule)?
+    Only under ZB-V: its chunks' gradients are made in the deferred W actions, whose share of the backward
+    the stage prices do not hold (the overlap window of a bucket issued from a W), so no bucket is planned
+    there. Interleaved 1F1B's chunks sync in buckets from each chunk's last backward (``Stage.grad_buckets``)."""
+    return schedule == "zbv" and chunks_per_rank(schedule, num_virtual_stages) > 1
 
 
 def chunk_position(schedule: str, stage: int, num_positions: int) -> int:
@@ -431,12 +441,14 @@ def _read_stage(field: _FieldReader, s: Any, k: int) -> Stage:
 
 
 def _check_buckets(plan: Plan, s: Stage, where: str) -> None:
-    """Gradient buckets belong to a ZeRO-0 stage with dp > 1 of an unchunked plan, and name each parameter once."""
-    if s.dp * s.cp < 2 or s.zero_stage != 0 or plan.chunked:
+    """Gradient buckets belong to a ZeRO-0 stage with dp > 1 of a plan whose program buckets (not ZB-V's
+    chunks: :func:`flat_sync_chunks`), and name each parameter once."""
+    zbv = flat_sync_chunks(plan.schedule, plan.num_virtual_stages)
+    if s.dp * s.cp < 2 or s.zero_stage != 0 or zbv:
         raise PlanError(
-            f"{where} lists gradient buckets, but only a ZeRO-0 stage with dp > 1 of a plan without model chunks "
-            f"syncs its gradients in buckets (this stage: dp {s.dp}, ZeRO-{s.zero_stage}"
-            f"{', model chunks' if plan.chunked else ''}).",
+            f"{where} lists gradient buckets, but only a ZeRO-0 stage with dp > 1 of a plan without ZB-V's model "
+            f"chunks syncs its gradients in buckets (this stage: dp {s.dp}, ZeRO-{s.zero_stage}"
+            f"{', ZB-V model chunks' if zbv else ''}).",
             "recompile the plan; do not edit plan.json by hand.",
         )
     names = [n for b in s.grad_buckets for n in b]

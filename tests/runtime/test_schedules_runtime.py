@@ -54,6 +54,7 @@ from partita.cluster import parse_shorthand
 from partita.errors import PlanError
 from partita.plan import Plan, Stage, chunk_position
 from partita.search.pipeline.schedule import pipeline_actions
+from partita.search.program import records
 from tests.runtime import plans
 from tests.runtime.plans import LAYERS, layout, make_plan
 
@@ -71,6 +72,8 @@ CHUNKED = {  # layout -> rank groups as (ranks, dp, tp, ZeRO); stage i (one laye
     "v2_tp": [([0, 1], 1, 2, 0), ([2, 3], 1, 2, 0)],
     "v2_dp": [([0, 1], 2, 1, 0), ([2, 3], 2, 1, 0)],
     "v2_z1": [([0, 1], 2, 1, 1), ([2, 3], 2, 1, 1)],  # ZeRO-1: one reduce-scatter per unit after the last action
+    # issue 32: v2_dp with Stage.grad_buckets (plans.BUCKET_TEST_BYTES), each chunk's in its own last backward
+    "v2_dp_buckets": [([0, 1], 2, 1, 0), ([2, 3], 2, 1, 0)],
 }
 
 
@@ -93,6 +96,9 @@ def chunked_plan(model: str, name: str, schedule: str) -> Plan:
         num_virtual_stages=2,
         cluster={"name": cluster.name, "fingerprint": cluster.fingerprint(), "spec": cluster.to_dict()},
     )
+    if name.endswith("_buckets"):
+        bare = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, collectives=()) for s in plan.stages))
+        plan = records.with_grad_buckets(bare, plans._graph(model), cap=plans.BUCKET_TEST_BYTES)
     return Plan.from_json(plans.with_records(plan, model).to_json(), name)
 
 
@@ -163,6 +169,7 @@ P2P = {  # layout -> per stage (messages, samples they carry) per micro-batch
     ("v2_dp", "zbv"): [(4, 8), (4, 8)],
     ("v2_z1", "zbv"): [(4, 8), (4, 8)],
     ("v2_z1", "interleaved_1f1b"): [(6, 12), (6, 12)],
+    ("v2_dp_buckets", "interleaved_1f1b"): [(6, 12), (6, 12)],
     ("searched", "zbv"): [(4, 8), (4, 8)],  # the search's V layout is v2_dp's (test_searched_zbv_is_the_v_layout)
 }
 # one sample of a boundary activation, f32: seq 16 x hidden 64 (the tiny LMs), fc1's 64 outputs (mlp)
@@ -394,7 +401,7 @@ def _first_principles(model: str, plan: Plan, s: Stage) -> dict[str, int]:
         if n:
             out[kind] = out.get(kind, 0) + n
 
-    add("all_reduce", int(s.dp > 1 and s.zero_stage == 0))
+    add("all_reduce", max(1, len(s.grad_buckets)) if s.dp > 1 and s.zero_stage == 0 else 0)  # flat, or per bucket
     if s.dp > 1 and s.zero_stage == 1:  # FSDP2, one unit per block + the stage root: gathered, reduced once
         # (the root holds embed / head; a rank group of ZB-V's middle chunks holds only blocks)
         units = len([x for x in s.layers if x not in ("embed", "head")]) + int(bool({"embed", "head"} & set(s.layers)))

@@ -66,9 +66,12 @@ def test_hand_interleaved_plan_is_chunked_as_priced(gpt2_4: tuple) -> None:
     pt = schedule_cost.pipeline_time("interleaved_1f1b", plan.num_micro_batches, 2, *fbw)
     tail = max(s.predicted["tail_s"] for s in plan.stages)
     assert plan.predicted["step_time_s"] == pytest.approx(pt.step_s + tail, rel=1e-6)
-    # records: p2p only across rank groups (every boundary here is), one dp all-reduce per rank group
+    # records: p2p only across rank groups (every boundary here is), one dp gradient bucket per chunk (25 MiB
+    # holds each), issued inside that chunk's last backward (issue 32: the flat sync per rank group before)
     summ = [records.summary(s.collectives) for s in plan.stages]
-    assert [x.get("all_reduce@dp", {}).get("count", 0) for x in summ] == [1, 1, 0, 0]
+    assert [x.get("all_reduce@dp", {}).get("count", 0) for x in summ] == [1, 1, 1, 1]
+    assert all(len(s.grad_buckets) == 1 for s in plan.stages)
+    assert {c.phase for s in plan.stages for c in s.collectives if c.axis == "dp"} == {"backward"}
     m = plan.num_micro_batches
     assert [x["p2p@pp"]["count"] for x in summ] == [2 * m, 4 * m, 4 * m, 2 * m]
     # the report counts each rank group once and draws one timeline row per rank group

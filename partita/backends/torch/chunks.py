@@ -50,6 +50,10 @@ def _merge(index: int, group: tuple[Stage, ...]) -> Stage:
         tp_plan=union("tp_plan"),
         collectives=tuple(c for s in group for c in s.collectives),
         predicted=union("predicted"),
+        # every chunk's buckets in the order the rank's backward finishes them: the last chunk's first (the
+        # last micro-batch's backward runs the chunks from the model's end down), each issued from its own
+        # chunk's last backward (grad_buckets.GradBuckets counts every parameter's accumulations)
+        grad_buckets=tuple(b for s in reversed(group) for b in s.grad_buckets),
     )
 
 

@@ -382,7 +382,8 @@ def _bucket_lines(plan: Plan, s: Stage, over: str) -> list[str]:
     lines = [
         f"    # Data parallel, ZeRO-0, {s.dp} replicas with batch shares {shr}: the gradients are all-reduced (SUM) over",
         f"    # {over} in the plan's {len(s.grad_buckets)} bucket(s) (Stage.grad_buckets, below: parameter names), each issued",
-        "    # inside the stage's last backward as soon as its gradients are made (post-accumulate-grad hooks),",
+        "    # inside the stage's last backward as soon as its gradients are made (post-accumulate-grad hooks;",
+        "    # with model chunks: each chunk's buckets in its own last backward, the last chunk's first),",
         "    # waited for before the optimizer step; losses are weighted by share, so the sum is the mean.",
         "    rt.grad_buckets = tpar.GradBuckets(",
         "        [",

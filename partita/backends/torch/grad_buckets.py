@@ -25,10 +25,18 @@ exposed, and the rehearsal reports it), waits for all and copies back.
 
 The sum semantics of ``parallel.all_reduce_grads`` are kept (a sum, not a mean: each replica's loss is
 pre-weighted by its batch share). A tensor-parallel (DTensor) gradient is first given its parameter's
-placements (``parallel.align_grads``: R -> S(d) is a local slice) and its local shard is synced. Model
-chunks (interleaved 1F1B, ZB-V: one module for several chunks, whose parameters finish in different
-backward actions) keep the flat sync after the schedule (``parallel.all_reduce_grads``), and so does the
-JAX program (one flattened ``psum`` in its update, ``backends/jax/train._flat_psum``).
+placements (``parallel.align_grads``: R -> S(d) is a local slice) and its local shard is synced.
+
+Model chunks under interleaved 1F1B (one module for the rank group's chunks, ``chunks.py``): every
+parameter belongs to one chunk, whose backward actions accumulate it once per micro-batch, so the same
+count makes it final in its chunk's last backward. The rank's buckets are its chunks' buckets, the last
+chunk's first (``chunks.physical_plan``): the last micro-batch's backward runs the chunks from the model's
+end down, so each chunk's buckets are issued from its own last backward while the lower chunks' backward
+runs on (the order every rank issues them in agrees). A rank group whose chunks share a parameter (one
+accumulation per chunk and micro-batch) and ZB-V's chunks (whose gradients are made in the deferred W
+actions, a window the stage prices do not hold: ``plan.flat_sync_chunks``) keep the flat sync after the
+schedule (``parallel.all_reduce_grads``), and so does the JAX program (one flattened ``psum`` in its
+update, ``backends/jax/train._flat_psum``).
 """
 
 from __future__ import annotations

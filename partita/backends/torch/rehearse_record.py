@@ -73,14 +73,17 @@ class StepRecorder:
         return {k: int(v["count"]) for k, v in fidelity.summarize(inside, axes).items()}
 
 
-# the data-parallel gradient sync's keys: where the plan says it is issued is a plan decision (Stage.grad_buckets)
-SYNC_KEYS = ("all_reduce@dp", "all_reduce@dp_cp")
+# the data-parallel gradient sync's keys: where the plan says it is issued is a plan decision (Stage.grad_buckets,
+# the ZeRO stage and the schedule: FSDP2's reduce-scatter inside the backward, or after the schedule)
+SYNC_KEYS = ("all_reduce@dp", "all_reduce@dp_cp", "reduce_scatter@dp", "reduce_scatter@dp_cp")
 
 
 def phase_mismatches(collectives: Sequence[Any], in_backward: dict[str, int]) -> list[str]:
-    """The dp gradient all-reduces the plan records in phase ``backward`` (``Stage.grad_buckets``, issued
-    inside the last backward) against those the program issued while a backward ran, per key; the others
-    (phase ``optimizer``: the flat sync, gradient clipping) must be issued outside it. ``collectives``: the
+    """The dp gradient syncs the plan records in phase ``backward`` against those the program issued while a
+    backward ran, per key: the all-reduces of ``Stage.grad_buckets`` (inside the last backward) and FSDP2's
+    reduce-scatters (ZeRO-2/3 each micro-batch's, ZeRO-1 the last micro-batch's; after the schedule where the
+    runner reduces at the end: ``records.stage_collectives``); the others (phase ``optimizer``: the flat
+    sync, gradient clipping) must be issued outside it. ``collectives``: the
     stage's ``Stage.collectives``; ``in_backward``: :meth:`StepRecorder.issued_in_backward` of its first rank
     (``rehearse.compare_stage``)."""
     out = []

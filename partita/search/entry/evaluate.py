@@ -45,7 +45,7 @@ from partita.cluster import Cluster
 from partita.device_reserve import tensor_cap
 from partita.errors import ConfigError
 from partita.ir import Graph, Prim, dim_size
-from partita.plan import chunk_position, chunks_per_rank
+from partita.plan import chunk_position, flat_sync_chunks
 from partita.search.entry.layout_price import layout_candidate
 from partita.search.entry.planner import Search
 from partita.search.pipeline import schedule as sched
@@ -398,7 +398,7 @@ def memory_by_category(cand: Candidate, i: int) -> dict[str, float]:
     if in_flight > 1.0 or r != "none":
         act += rs
     copy, bucketed = sync_copy(
-        search.costs, float(tab.ranged("grads")[k, j]), cand.dp, z, chunks_per_rank(cand.schedule, cand.v) > 1
+        search.costs, float(tab.ranged("grads")[k, j]), cand.dp, z, flat_sync_chunks(cand.schedule, cand.v)
     )
     if copy:  # the flat copy, or the buckets in flight (stage_ranges.sync_copy)
         act = max(act, copy)

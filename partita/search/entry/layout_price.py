@@ -25,7 +25,7 @@ import numpy as np
 
 from partita.cluster import DeviceType
 from partita.errors import ConfigError
-from partita.plan import chunks_per_rank
+from partita.plan import flat_sync_chunks
 from partita.search.entry.planner import Option, Search
 from partita.search.pipeline import schedule as sched
 from partita.search.pipeline.zero_bubble import HeldCounts, in_flight_table
@@ -78,7 +78,7 @@ def layout_candidate(
             sched.p2p_multiplier(schedule, v),
             None if split else m,
             split_backward=split,
-            chunked=chunks_per_rank(schedule, v) > 1,
+            chunked=flat_sync_chunks(schedule, v),  # ZB-V keeps the flat sync (plan.flat_sync_chunks)
         )
         if got is None:
             raise ConfigError(f"the model cannot run with tp={t} on {dev.name}.", "use another tp.")

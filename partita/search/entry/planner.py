@@ -39,7 +39,7 @@ from partita.cluster import Cluster, DeviceType
 from partita.device_reserve import tensor_cap
 from partita.errors import ConfigError
 from partita.ir import Graph
-from partita.plan import Plan, chunks_per_rank, shards_on_tp
+from partita.plan import Plan, flat_sync_chunks, shards_on_tp
 from partita.search.entry import choices
 from partita.search.entry import prefetch as beside
 from partita.search.entry.infeasible import check_states_fit, infeasible
@@ -256,7 +256,7 @@ class Search:
         p2p_mult: int,
         num_micro_batches: int | None = None,  # StageParts.memory: gradients live at the activation peak or not
         split_backward: bool = False,  # a zero-bubble schedule: W's gradient copy (stage_cost.static_memory)
-        chunked: bool = False,  # model chunks per rank group (interleaved v > 1, zbv): the flat ZeRO-0 sync
+        chunked: bool = False,  # ZB-V's model chunks (plan.flat_sync_chunks): the flat ZeRO-0 sync
     ) -> tuple[list, list[tuple[int, str]], np.ndarray] | None:
         """Per combo arrays for a device class, the combos, and their times (inf where a combo does
         not fit on every device of the class) stacked ``[C, U, U+1, S+1]``."""
@@ -438,7 +438,7 @@ class Search:
                     continue
                 # a split backward (zero bubble) makes the gradients while its W still holds the activations
                 split = sched.splits_backward(schedule)
-                mult, chunked = sched.p2p_multiplier(schedule, v), chunks_per_rank(schedule, v) > 1
+                mult, chunked = sched.p2p_multiplier(schedule, v), flat_sync_chunks(schedule, v)
                 got = self.arrays(cls, dp, tp, in_flight, mult, None if split else m, split, chunked)
                 if got is None:
                     continue

@@ -351,7 +351,16 @@ def _first_rows(n: int) -> np.ndarray:
 def sync_mode(costs: Any, chunked: bool) -> tuple[bool, bool]:
     """``(flat_sync, buckets)`` for :func:`stage_parts`: the ZeRO-0 sync as the program runs it
     (``stage_cost.StageCosts.grad_sync``): the torch program's buckets inside the last backward, except
-    with model chunks (one flat all-reduce after the schedule, as the JAX program's)."""
+    where ``chunked`` (``plan.flat_sync_chunks``: ZB-V's model chunks keep one flat all-reduce after the
+    schedule, as the JAX program's).
+
+    Interleaved 1F1B's chunks each sync in buckets from their own last backward; the search prices an
+    interleaved rank group as one range (its chunks' layers), so its sync is ``max(sync / n, sync - window)``
+    with the window of the group's whole backward of one micro-batch (every chunk's last backward). That is
+    the program's exposed time while the rank's one link stays busy from the first bucket on; it hides too
+    much where the rank's lowest chunk makes many gradients in a short backward (an embedding): its
+    buckets cannot start before that chunk's last backward, so they have ``window_0`` alone.
+    """
     mode = getattr(costs, "grad_sync", "flat" if getattr(costs, "flat_sync", False) else "overlap")
     return mode == "flat" or (mode == "buckets" and chunked), mode == "buckets" and not chunked
 
@@ -360,7 +369,7 @@ def sync_copy(costs: Any, grads: float, dp: int, zero: int, chunked: bool) -> tu
     """``(bytes, bucketed)``: the gradient copy of a stage's ZeRO-0 sync at dp > 1 as :func:`stage_parts`
     prices it (``StageParts.grads`` / ``bucketed``), for the stage-level callers (``plan_build``,
     ``evaluate``, ``v_layout``) that sum one range: a flat sync copies all ``grads`` (the JAX program; the
-    torch program of a chunked plan), the torch program's buckets at most ``GRAD_BUCKETS_IN_FLIGHT`` of
+    torch program of a ZB-V plan: ``chunked``, ``plan.flat_sync_chunks``), the torch program's buckets at most ``GRAD_BUCKETS_IN_FLIGHT`` of
     ``GRAD_BUCKET_BYTES`` (``Stage.grad_buckets``), another engine's overlapped sync nothing."""
     if dp <= 1 or zero != 0:
         return 0.0, False

@@ -126,7 +126,10 @@ def lay_out(search: Any, plan: Plan) -> Plan:
     for vs, (a0, b0) in enumerate(bounds):
         head = plan.stages[chunk_position(plan.schedule, vs, p)]
         stages.append(_chunk(search, head, vs, a0, b0, v, plan.micro_batch_size))
-    chunked = records.complete(dataclasses.replace(plan, stages=tuple(stages)), g)
+    chunked = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, grad_buckets=()) for s in stages))
+    if any(s.grad_buckets for s in plan.stages):  # each chunk's own buckets (records.grad_buckets), as priced
+        chunked = records.with_grad_buckets(chunked, g)
+    chunked = records.complete(chunked, g)
     validate(chunked)
     return chunked
 

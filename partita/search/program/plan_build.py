@@ -19,7 +19,7 @@ from typing import Any
 from partita import device_reserve
 from partita.ir import dim_size
 from partita.passes.annotate import HEAVY_PRIMS, layer_stats
-from partita.plan import Collective, Plan, Stage, chunks_per_rank, validate
+from partita.plan import Collective, Plan, Stage, flat_sync_chunks, validate
 from partita.search.pipeline import schedule as sched
 from partita.search.pipeline import schedule_cost
 from partita.search.pipeline.stage_cost import (
@@ -188,7 +188,7 @@ def _stage_records(
         # micro-batch's backward beside the first's gradients (one micro-batch's saved activations fewer,
         # a ZeRO-1/2/3 unit's gradients in flight added), or the gradients (and the flat copy) after the last
         # backward (stage_ranges.StageParts, num_micro_batches); the receive buffers are beside all three
-        copy, bucketed = sync_copy(search.costs, grads, best.dp, z, chunks_per_rank(best.schedule, best.v) > 1)
+        copy, bucketed = sync_copy(search.costs, grads, best.dp, z, flat_sync_chunks(best.schedule, best.v))
         with_copy = grads + copy if bucketed else grads * (2.0 if copy else 1.0)  # stage_ranges.StageParts.memory
         tab = search.table(dev0, tp, mb).for_stage(best.dp, z)
         unit = float(tab.ranged("max_layer_params")[p.k, p.j])

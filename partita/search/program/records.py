@@ -47,7 +47,15 @@ from typing import Any
 
 from partita.ir import DTYPE_BYTES, Graph, Role, dim_size
 from partita.passes import boundaries
-from partita.plan import GRAD_BUCKET_BYTES, Collective, Plan, Stage, chunk_position, chunks_per_rank, shares
+from partita.plan import (
+    GRAD_BUCKET_BYTES,
+    Collective,
+    Plan,
+    Stage,
+    chunk_position,
+    flat_sync_chunks,
+    shares,
+)
 from partita.search.layer.saved import FLOAT_DTYPES
 from partita.search.pipeline.schedule import pipeline_actions
 
@@ -204,10 +212,13 @@ def stage_collectives(facts: GraphFacts, plan: Plan, i: int, batch_scale: float 
     elif s.dp > 1 and s.zero_stage > 0:
         ag, rs = {1: (1, 1), 2: (1, m), 3: (2 * m, m)}[s.zero_stage]
         held_here = _group_stage(plan, i)  # placements of every chunk on these ranks (the root unit's)
+        # ZeRO-1 in a pipeline reduces once after the position's last action (torch_schedule: P2PPipeline's
+        # reduce_at_end, pipelining's REDUCE_GRAD), outside any backward; alone, in its last backward
+        rs_phase = "optimizer" if s.zero_stage == 1 and plan.num_positions > 1 else "backward"
         for k, unit in enumerate(_chunk_units(facts, plan, i)):
             n = sum(_numel(facts.graph, t) // _tp_factor(held_here, facts.names(t)) for t in unit)
             _add(out, "all_gather", "dp", item * n, ag, "forward", f"FSDP unit {k}: parameters")
-            _add(out, "reduce_scatter", "dp", F32 * n, rs, "backward", f"FSDP unit {k}: gradients (f32)")
+            _add(out, "reduce_scatter", "dp", F32 * n, rs, rs_phase, f"FSDP unit {k}: gradients (f32)")
         if s.zero_stage == 3 and _prefetches_again(facts, plan, i):
             last = _chunk_units(facts, plan, i)[-1]
             n = sum(_numel(facts.graph, t) // _tp_factor(held_here, facts.names(t)) for t in last)
@@ -244,15 +255,16 @@ def grad_buckets(graph: Graph, plan: Plan, i: int, cap: float = GRAD_BUCKET_BYTE
     their gradients, cut into buckets of at most ``cap`` f32 bytes, a parameter larger than ``cap`` in a
     bucket of its own (all-reduced in place, no copy: ``GradBuckets``), so the copies in flight stay within
     ``GRAD_BUCKETS_IN_FLIGHT * cap`` as priced (``stage_ranges.sync_copy``); ``()`` where the program syncs
-    flat (dp = 1, ZeRO > 0, model chunks)."""
+    flat (dp = 1, ZeRO > 0, ZB-V's model chunks: ``plan.flat_sync_chunks``). Under interleaved 1F1B each chunk
+    (virtual stage) has its own buckets, issued from its own last backward; the program's one module per rank
+    group lists them chunk after chunk, the last chunk's first (``backends/torch/chunks.physical_plan``)."""
     s = plan.stages[i]
-    if (
-        s.dp * s.cp < 2
-        or s.zero_stage != 0
-        or plan.chunked
-        or chunks_per_rank(plan.schedule, plan.num_virtual_stages) > 1
-    ):
-        return ()  # model chunks (laid out or priced): the flat sync after the schedule (stage_ranges.sync_copy)
+    if s.dp * s.cp < 2 or s.zero_stage != 0 or flat_sync_chunks(plan.schedule, plan.num_virtual_stages):
+        return ()  # the flat sync after the schedule (stage_ranges.sync_copy)
+    if plan.chunked and _shares_with_chunk(GraphFacts(graph), plan, i):
+        # a parameter two chunks of one rank read accumulates once per chunk and micro-batch: GradBuckets counts
+        # to num_micro_batches per parameter, so such a group keeps the flat sync
+        return ()
     out: list[tuple[str, ...]] = []
     bucket: list[str] = []
     nbytes = 0
@@ -265,6 +277,17 @@ def grad_buckets(graph: Graph, plan: Plan, i: int, cap: float = GRAD_BUCKET_BYTE
     if bucket:
         out.append(tuple(bucket))
     return tuple(out)
+
+
+def _shares_with_chunk(facts: GraphFacts, plan: Plan, i: int) -> bool:
+    """Does a parameter of chunk ``i`` belong to another chunk of its rank group too?"""
+    group = _chunks(plan, i)
+
+    def held(s: Stage) -> set[str]:
+        return {t for layer in s.layers for t in facts.params.get(layer, [])}
+
+    mine = held(plan.stages[i])
+    return any(mine & held(c) for c in group if c is not plan.stages[i])
 
 
 def with_grad_buckets(plan: Plan, graph: Graph, cap: float = GRAD_BUCKET_BYTES) -> Plan:
