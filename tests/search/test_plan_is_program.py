@@ -262,3 +262,60 @@ def test_plan_records_are_what_the_program_issues(tmp_path: Path, name: str, mod
             want = s["planned_collectives"][key]
             assert got["count"] == want["count"] and got["bytes"] == pytest.approx(want["bytes"], rel=0.02), key
         assert not [m for m in s["mismatches"] if "@" in m], s["mismatches"]
+
+
+def test_a_pipelined_zero1_stage_pays_its_reduce_scatter_after_the_schedule() -> None:
+    """ZeRO-1 reduce-scatters once per step. A lone stage does it in its last backward (overlapped, as
+    priced for every ZeRO-1 range once); a pipeline stage does it after the schedule (the p2p runner's
+    ``reduce_at_end``; the rehearsal's phase check: ``optimizer``), so every range but the whole model's
+    pays all of it in its tail."""
+    g = _graph("gpt2-tiny", 16)
+    cl = parse_shorthand("4xA100-80G")
+    opts = SearchOptions(zero_stages=(1,), recompute=("none",))
+    s = Search(g, cl, TrainingConfig(global_batch=8, seq_len=16), opts)
+    dev = cl.device_types()[0]
+    arrays = s.arrays(((dev, 2, 2),), 2, 1, np.array([0.0, 1.0]), 1)
+    assert arrays is not None
+    (arr,) = arrays[0]
+    tab = s.table(dev, 1, 2).for_stage(2, 1)
+    u = len(s.units)
+    r0, r1 = affine(s.costs.cost_model(dev), "reduce_scatter", dp_link(dev, 2, 1, 8, cl.network))
+    g0, g1 = affine(s.costs.cost_model(dev), "all_gather", dp_link(dev, 2, 1, 8, cl.network))
+    assert float(tab.comm_overlap) > 0 and float(tab.ranged("bwd")[0, u]) > 0  # the lone stage hides some
+    for j in range(1, u):  # a pipeline stage [0, j)
+        rs = r0 + r1 * float(tab.ranged("grads")[0, j])
+        ag = g0 + g1 * float(tab.ranged("params")[0, j]) * tab.gather_ratio
+        assert arr.tail[0, j] >= (rs + ag) * (1 - 1e-12), j
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_a_lone_micro_batch_starts_its_backward_beside_a_units_gradients(
+    monkeypatch: pytest.MonkeyPatch, m: int
+) -> None:
+    """A ZeRO-3 stage without recompute holds, at its backward's start, every activation of its micro-batch
+    and the first unit's gradients in flight to the reduce-scatter (``reduce_scatter_in_flight``). It was
+    priced as peaking in its forward (no unit gradients) where one micro-batch is in flight; with the lean
+    program's small per-layer activations llama-70b (ZeRO-3, dp 128, one micro-batch) rehearsed +9.4%
+    over such a plan (``bench/results/rehearse.md``)."""
+    from partita.search.pipeline import stage_ranges
+
+    g = _graph("gpt2-tiny", 16)
+    cl = parse_shorthand("4xA100-80G")
+    train = TrainingConfig(global_batch=8, seq_len=16)
+    opts = SearchOptions(zero_stages=(3,), recompute=("none",))
+    dev = cl.device_types()[0]
+    u = len(Search(g, cl, train, opts).units)
+
+    def memory() -> float:
+        s = Search(g, cl, train, opts)
+        arrays = s.arrays(((dev, 2, 2),), 2, 1, np.array([0.0, 1.0]), 1, num_micro_batches=m)
+        assert arrays is not None
+        return float(arrays[0][0].memory[0, u, 1])
+
+    with_units = memory()
+    held = float(stage_ranges.reduce_scatter_in_flight(1.0, 2, 3, 0.5, True))  # per f32 byte of the unit
+    monkeypatch.setattr(stage_ranges, "reduce_scatter_in_flight", lambda *a, **k: 0.0 * a[0])
+    without = memory()
+    s = Search(g, cl, train, opts)
+    unit = float(s.table(dev, 1, 2).for_stage(2, 3).ranged("max_layer_params")[0, u])
+    assert held == 1.5 and with_units - without == pytest.approx(held * unit, rel=1e-9)

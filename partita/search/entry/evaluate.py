@@ -395,8 +395,7 @@ def memory_by_category(cand: Candidate, i: int) -> dict[str, float]:
         transient = max(transient, float(grad_transient(tab, sched.splits_backward(cand.schedule))[k, j]))
     act += transient
     rs = float(reduce_scatter_in_flight(max_params, cand.dp, z, tab.gather_ratio, tab.fsdp_copies, deferred))
-    if in_flight > 1.0 or r != "none":
-        act += rs
+    act += rs  # from the backward's start on (stage_ranges.StageParts.memory)
     copy, bucketed = sync_copy(
         search.costs, float(tab.ranged("grads")[k, j]), cand.dp, z, flat_sync_chunks(cand.schedule, cand.v)
     )
@@ -406,8 +405,8 @@ def memory_by_category(cand: Candidate, i: int) -> dict[str, float]:
     if r == "none" and not sched.splits_backward(cand.schedule) and in_flight >= cand.m:
         # no forward after the first backward (stage_ranges.StageParts.memory): the largest of the last forward
         # (no gradients), a later micro-batch's backward beside the first's gradients, the gradients alone
-        held = float(tab.act[sl].sum()) * in_flight + transient
-        later = held - float(tab.act[sl].sum()) + grads + rs if cand.m >= 2 else -1.0
+        held = float(tab.act[sl].sum()) * in_flight + transient + rs  # the last forward, the first backward
+        later = held - float(tab.act[sl].sum()) + grads if cand.m >= 2 else -1.0
         with_grads = max(later, grads + copy if bucketed else grads * (2.0 if copy else 1.0))
         act, grads = (held, 0.0) if held > with_grads else (with_grads - grads, grads)
     act += receive_buffers.stage_bytes(cand, i)  # torch pipelining's per micro-batch buffers (Candidate.memory)

@@ -73,7 +73,8 @@ class StageParts:
         ``num_micro_batches`` (``m``): where a stage runs no forward after its first backward (``m`` no
         more than its in-flight count: one micro-batch, GPipe), its gradients (freed by ``zero_grad``
         between steps) are not yet there at the activation peak: memory is then the largest of three
-        moments, activations without gradients (the last forward), the backward of every micro-batch
+        moments, activations without gradients (the last forward; the first backward's start, with a
+        ZeRO-1/2/3 unit's gradients in flight to its reduce-scatter), the backward of every micro-batch
         after the first (``m >= 2``: the gradients the first backward made, one micro-batch's saved
         activations fewer, the transient and a ZeRO-1/2/3 unit's gradients in flight to its
         reduce-scatter), and gradients (and the flat copy) without activations (after the last
@@ -95,10 +96,11 @@ class StageParts:
         acts += np.asarray(self.transient)[..., None]
         held = acts.copy() if last is not None else acts  # the activations without the gradients (read if last)
         # a ZeRO-1/2/3 unit's gradients (in flight to the reduce-scatter) (reduce_scatter_in_flight), held with
-        # the activations where the backward runs beside them: other micro-batches' (more than one in
-        # flight) or the recomputed block's; a lone micro-batch without recompute peaks in its forward
+        # the activations the backward starts beside: its own micro-batch's too (the lean program's per-layer
+        # activations are below a unit's gradients: llama-70b ZeRO-3, one micro-batch without recompute,
+        # rehearsed +9.4% over its plan when that case was priced as peaking in its forward)
         if self.rs_held is not None:  # (all zero, as for ZeRO 0, adds nothing: skipped)
-            acts += np.where((flight > 1.0) | (self.recompute != "none"), self.rs_held[..., None], 0.0)
+            acts += self.rs_held[..., None]
         if self.flat_copy:  # the flat gradient copy, made after the activations are freed
             np.maximum(acts, self.grads[:, :, None], out=acts)
         memory = np.add(acts, self.base[:, :, None], out=acts)
@@ -107,7 +109,8 @@ class StageParts:
             after = self.gradients * (2.0 if self.flat_copy else 1.0)
             if self.flat_copy and self.bucketed:  # the buckets in flight beside the gradients, not a second copy
                 after = self.gradients + self.grads
-            peak = np.maximum(held, after[:, :, None])
+            first = held + self.rs_held[..., None] if self.rs_held is not None else held  # the first backward
+            peak = np.maximum(first, after[:, :, None])
             if num_micro_batches is not None and num_micro_batches >= 2:  # a later micro-batch's backward
                 later = held - self.saved[:, :, None]
                 later += self.gradients[:, :, None]
@@ -308,6 +311,13 @@ def _zero_terms(
     exposed = np.where(sync > 0, np.maximum(sync / np.maximum(nlay, 1), sync - window), 0.0)
     if flat_sync and zero == 0:
         exposed = sync  # one all-reduce after the schedule: nothing hides it
+    if zero == 1 and dp > 1:
+        # a pipelined ZeRO-1 stage reduce-scatters after the schedule (the p2p runner's reduce_at_end,
+        # torch.distributed.pipelining's REDUCE_GRAD; rehearsed: none issued inside the backward), a lone
+        # stage in its last backward: every range but the whole model's is a pipeline stage
+        alone = np.zeros(sync.shape, dtype=bool)
+        alone[0, -1] = True
+        exposed = np.where(alone, exposed, sync)
     if zero in (1, 2) and dp > 1:
         exposed = exposed + ag
     exposed = exposed + r("tp_sync")

@@ -25,7 +25,6 @@ from partita.search.pipeline import schedule_cost
 from partita.search.pipeline.stage_cost import (
     copies_deferred_gradients,
     held_weight,
-    reduce_scatter_in_flight,
     static_memory_of,
 )
 from partita.search.pipeline.stage_ranges import sync_copy
@@ -191,9 +190,9 @@ def _stage_records(
         copy, bucketed = sync_copy(search.costs, grads, best.dp, z, flat_sync_chunks(best.schedule, best.v))
         with_copy = grads + copy if bucketed else grads * (2.0 if copy else 1.0)  # stage_ranges.StageParts.memory
         tab = search.table(dev0, tp, mb).for_stage(best.dp, z)
-        unit = float(tab.ranged("max_layer_params")[p.k, p.j])
-        held_rs = float(reduce_scatter_in_flight(unit, best.dp, z, tab.gather_ratio, tab.fsdp_copies))
-        later = best.m >= 2 and grads + held_rs >= float(tab.ranged("act")[p.k, p.j])
+        # the first backward and a later one both hold a unit's gradients in flight (reduce_scatter_in_flight):
+        # the later one is the larger where the first's gradients outweigh one micro-batch's activations
+        later = best.m >= 2 and grads >= float(tab.ranged("act")[p.k, p.j])
         after = total - params - opt - receive_buffers.stage_bytes(best, i) <= with_copy * (1 + 1e-9)
         grads = grads if later or after else 0.0
     env = {"B": 1 if search.costs.linear_batch else mb, "S": search.training.seq_len}
