@@ -162,3 +162,30 @@ def test_a_plan_claiming_backward_for_a_pipelined_zero1_fails(tmp_path: Path) ->
         ),
     )
     assert any(m.startswith("reduce_scatter@dp: 0 issued") for m in rehearse.compare_stage(claims, [got])["mismatches"])
+
+
+def test_a_p2p_1f1b_zero1_stage_reduces_inside_its_last_backward_as_recorded(tmp_path: Path) -> None:
+    """``P2PPipeline`` running 1F1B on one chunk per rank (stages of different shapes: here the first stage's
+    replicas take 3 and 1 samples) syncs ZeRO-1 in its last backward, unlike ``torch.distributed.pipelining``
+    and the split / chunked runners (``records.zero1_reduces_after_schedule``). Recorded ``optimizer`` for every
+    pipelined ZeRO-1 stage, the rehearsal of gpt3-13b-search (4 stages of different shapes) disagreed."""
+    from partita.search.program import records
+    from tests.runtime.plans import make_plan
+
+    a, b = srt._halves("llama-tiny")
+    stages = [
+        dict(layers=a, ranks=[0, 1], dp=2, tp=1, zero_stage=1, batch_shares=(3, 1)),
+        dict(layers=b, ranks=[2, 3], dp=2, tp=1, zero_stage=1),
+    ]
+    plan = make_plan("llama-tiny", stages, schedule="1f1b", micro_batch_size=2, num_micro_batches=4, global_batch=16)
+    plan = Plan.from_json(plan.to_json(), "llama-tiny")
+    assert records.runner_kind(plan) == "p2p" and not records.zero1_reduces_after_schedule(plan)
+    program = _program(tmp_path, plan, "llama-tiny")
+    for s in plan.stages:
+        rs = [c for c in s.collectives if c.kind == "reduce_scatter"]
+        assert rs and all(c.phase == "backward" for c in rs)
+        got = rehearse.rehearse_rank(program, s.ranks[0])
+        assert got.in_backward.get("reduce_scatter@dp") == sum(c.count for c in rs)
+        assert [m for m in rehearse.compare_stage(s, [got])["mismatches"] if "@dp" in m] == []
+    equal = srt.schedule_plan("llama-tiny", "pp_zero1", "1f1b")  # torch.distributed.pipelining: after the schedule
+    assert records.runner_kind(equal) == "torch_pipeline" and records.zero1_reduces_after_schedule(equal)

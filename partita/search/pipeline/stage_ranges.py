@@ -312,9 +312,11 @@ def _zero_terms(
     if flat_sync and zero == 0:
         exposed = sync  # one all-reduce after the schedule: nothing hides it
     if zero == 1 and dp > 1:
-        # a pipelined ZeRO-1 stage reduce-scatters after the schedule (the p2p runner's reduce_at_end,
-        # torch.distributed.pipelining's REDUCE_GRAD; rehearsed: none issued inside the backward), a lone
-        # stage in its last backward: every range but the whole model's is a pipeline stage
+        # a pipelined ZeRO-1 stage reduce-scatters after the schedule on torch.distributed.pipelining (its
+        # REDUCE_GRAD) and under a split backward or model chunks (P2PPipeline's reduce_at_end), a lone stage in
+        # its last backward (records.zero1_reduces_after_schedule): every range but the whole model's is a
+        # pipeline stage, priced after the schedule (P2PPipeline's 1F1B / GPipe on one chunk per rank syncs in
+        # the last backward, which a range cannot tell apart: priced up to its hidden part slower)
         alone = np.zeros(sync.shape, dtype=bool)
         alone[0, -1] = True
         exposed = np.where(alone, exposed, sync)

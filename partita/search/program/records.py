@@ -57,7 +57,7 @@ from partita.plan import (
     shares,
 )
 from partita.search.layer.saved import FLOAT_DTYPES
-from partita.search.pipeline.schedule import pipeline_actions
+from partita.search.pipeline.schedule import pipeline_actions, splits_backward
 
 F32 = 4
 NOT_BLOCKS = ("embed", "head")
@@ -78,6 +78,21 @@ def runner_kind(plan: Plan) -> str:
     first = plan.stages[0]
     key = lambda s: (s.dp, s.tp, shares(s, plan.micro_batch_size))  # noqa: E731
     return "torch_pipeline" if all(key(s) == key(first) for s in plan.stages) else "p2p"
+
+
+def zero1_reduces_after_schedule(plan: Plan) -> bool:
+    """Does a ZeRO-1 stage of ``plan`` reduce-scatter after the schedule, outside any backward? On
+    ``torch.distributed.pipelining`` (its REDUCE_GRAD after the last micro-batch) and on ``P2PPipeline``
+    under a split backward or with model chunks (its ``reduce_at_end``: the last W, the rank's last chunk);
+    not alone (``LocalSchedule``) nor on ``P2PPipeline`` running 1F1B / GPipe on one chunk per rank, which
+    syncs in the last backward (rehearsed: gpt3-13b-search's stages of different shapes, every reduce-scatter
+    inside the backward). The search prices every pipelined ZeRO-1 stage's reduce-scatter as after the
+    schedule (``stage_ranges._zero_terms``: a layer range does not know its plan's runner), so the last case
+    is priced up to its hidden part slower than it runs."""
+    kind = runner_kind(plan)
+    if kind == "local":
+        return False
+    return kind == "torch_pipeline" or plan.chunked or splits_backward(plan.schedule)
 
 
 def world_axis(plan: Plan) -> str:
@@ -212,9 +227,7 @@ def stage_collectives(facts: GraphFacts, plan: Plan, i: int, batch_scale: float 
     elif s.dp > 1 and s.zero_stage > 0:
         ag, rs = {1: (1, 1), 2: (1, m), 3: (2 * m, m)}[s.zero_stage]
         held_here = _group_stage(plan, i)  # placements of every chunk on these ranks (the root unit's)
-        # ZeRO-1 in a pipeline reduces once after the position's last action (torch_schedule: P2PPipeline's
-        # reduce_at_end, pipelining's REDUCE_GRAD), outside any backward; alone, in its last backward
-        rs_phase = "optimizer" if s.zero_stage == 1 and plan.num_positions > 1 else "backward"
+        rs_phase = "optimizer" if s.zero_stage == 1 and zero1_reduces_after_schedule(plan) else "backward"
         for k, unit in enumerate(_chunk_units(facts, plan, i)):
             n = sum(_numel(facts.graph, t) // _tp_factor(held_here, facts.names(t)) for t in unit)
             _add(out, "all_gather", "dp", item * n, ag, "forward", f"FSDP unit {k}: parameters")
