@@ -90,7 +90,9 @@ class RankResult:
     seconds: float = 0.0
     p2p: list[list[Any]] = dataclasses.field(default_factory=list)  # [op, peer rank, bytes, tag, label] in order
     host_peak_bytes: int = 0  # the role's host peak: its set-up's streamed fill (HostMeter) and its step (VmHWM)
-    in_backward: dict[str, int] = dataclasses.field(default_factory=dict)  # "kind@axis" -> issued inside a backward
+    # "kind@axis" -> issued inside a backward; None where the rehearsal cannot see phases (the JAX one: XLA
+    # schedules the step as one program), which skips the phase check
+    in_backward: dict[str, int] | None = None
 
 
 # ---- recording (rehearse_record: one dispatch mode records collectives, p2p, FLOPs and memory) ----------
@@ -346,7 +348,8 @@ def compare_stage(stage: Stage, results: Sequence[RankResult]) -> dict[str, Any]
             problems.append(
                 f"{key}: {_fmt(g['bytes'])} rehearsed, {_fmt(p['bytes'])} planned ({_pct(g['bytes'], p['bytes'])})"
             )
-    problems += rehearse_record.phase_mismatches(stage.collectives, first.in_backward)
+    if first.in_backward is not None:
+        problems += rehearse_record.phase_mismatches(stage.collectives, first.in_backward)
     peak = max(r.peak_memory_bytes for r in results)
     mem_rank = max(results, key=lambda r: r.peak_memory_bytes)
     planned_mem = stage.predicted.get("memory_bytes")
